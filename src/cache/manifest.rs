@@ -1,0 +1,251 @@
+//! The seal's manifest: every file's path, size and sha256, every directory
+//! and symlink, plus where the bytes came from and when they were sealed.
+//!
+//! Built once when a source is sealed; checked at NodeStage (sizes by
+//! default, hashes on request). Holds no credentials.
+
+use std::fs::{self, File};
+use std::io::{self, Read};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, IoContext, Result};
+
+pub const FORMAT: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Seal {
+    pub format: u32,
+    pub source: String,
+    /// Where the bytes came from: a volume, or a model URI without credentials.
+    pub origin: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    pub sealed_unix: u64,
+    pub total_bytes: u64,
+    pub files: Vec<FileEntry>,
+    pub dirs: Vec<String>,
+    pub symlinks: Vec<LinkEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub path: String,
+    pub size: u64,
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkEntry {
+    pub path: String,
+    pub target: String,
+}
+
+/// The tree's contents, before origin and time are attached.
+#[derive(Default)]
+pub struct Tree {
+    pub files: Vec<FileEntry>,
+    pub dirs: Vec<String>,
+    pub symlinks: Vec<LinkEntry>,
+}
+
+impl Tree {
+    pub fn total_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.size).sum()
+    }
+}
+
+impl Seal {
+    pub fn has_dir(&self, rel: &str) -> bool {
+        self.dirs.iter().any(|d| d == rel)
+    }
+}
+
+/// Walks `root` and hashes every regular file. Refuses what a read-only model
+/// must not contain: device files, fifos, sockets, setuid/setgid files, and
+/// names that are not UTF-8.
+pub fn scan(root: &Path) -> Result<Tree> {
+    let mut tree = Tree::default();
+    let mut stack: Vec<PathBuf> = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = root.join(&rel);
+        let mut entries: Vec<_> = fs::read_dir(&dir)
+            .ctx("read directory", &dir)?
+            .collect::<io::Result<_>>()
+            .ctx("read directory", &dir)?;
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
+            let name = entry.file_name();
+            let Some(name_str) = name.to_str() else {
+                return Err(Error::FailedPrecondition(format!(
+                    "source contains a file name that is not UTF-8 in {}",
+                    dir.display()
+                )));
+            };
+            let rel_path = rel.join(name_str);
+            let rel_str = rel_path.to_string_lossy().into_owned();
+            let path = entry.path();
+            let meta = fs::symlink_metadata(&path).ctx("stat", &path)?;
+            let ft = meta.file_type();
+            if ft.is_dir() {
+                tree.dirs.push(rel_str);
+                stack.push(rel_path);
+            } else if ft.is_symlink() {
+                let target = fs::read_link(&path).ctx("read link", &path)?;
+                tree.symlinks.push(LinkEntry {
+                    path: rel_str,
+                    target: target.to_string_lossy().into_owned(),
+                });
+            } else if ft.is_file() {
+                if meta.permissions().mode() & 0o6000 != 0 {
+                    return Err(Error::FailedPrecondition(format!(
+                        "source file {rel_str} has a setuid or setgid bit; models must not carry them"
+                    )));
+                }
+                let (size, sha256) = hash_file(&path)?;
+                tree.files.push(FileEntry {
+                    path: rel_str,
+                    size,
+                    sha256,
+                });
+            } else {
+                let kind = if ft.is_block_device() || ft.is_char_device() {
+                    "a device file"
+                } else if ft.is_fifo() {
+                    "a fifo"
+                } else {
+                    "a socket"
+                };
+                return Err(Error::FailedPrecondition(format!(
+                    "source entry {rel_str} is {kind}; models may hold only files, directories and symlinks"
+                )));
+            }
+        }
+    }
+    tree.dirs.sort();
+    tree.files.sort_by(|a, b| a.path.cmp(&b.path));
+    tree.symlinks.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(tree)
+}
+
+/// Streams a file through sha256 with a fixed buffer: memory stays flat
+/// whatever the file's size.
+pub fn hash_file(path: &Path) -> Result<(u64, String)> {
+    let mut f = File::open(path).ctx("open", path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = f.read(&mut buf).ctx("read", path)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        size += n as u64;
+    }
+    Ok((size, hex::encode(h.finalize())))
+}
+
+/// Checks a sealed tree still matches its seal. `full` also recomputes
+/// every hash. Errors name the first file that differs.
+pub fn verify(root: &Path, seal: &Seal, full: bool) -> Result<()> {
+    let damaged = |what: String| {
+        Error::FailedPrecondition(format!(
+            "source {} is damaged: {what}; it must be re-created",
+            seal.source
+        ))
+    };
+    for d in &seal.dirs {
+        if !root.join(d).is_dir() {
+            return Err(damaged(format!("directory {d} is missing")));
+        }
+    }
+    for f in &seal.files {
+        let path = root.join(&f.path);
+        let meta = match fs::symlink_metadata(&path) {
+            Ok(m) if m.is_file() => m,
+            Ok(_) => return Err(damaged(format!("{} is no longer a regular file", f.path))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(damaged(format!("file {} is missing", f.path)));
+            }
+            Err(e) => return Err(Error::io("stat", &path, e)),
+        };
+        if meta.len() != f.size {
+            return Err(damaged(format!(
+                "file {} has {} bytes, the seal recorded {}",
+                f.path,
+                meta.len(),
+                f.size
+            )));
+        }
+        if full {
+            let (_, sha) = hash_file(&path)?;
+            if sha != f.sha256 {
+                return Err(damaged(format!(
+                    "file {} has sha256 {sha}, the seal recorded {}",
+                    f.path, f.sha256
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seal_of(tree: Tree) -> Seal {
+        Seal {
+            format: FORMAT,
+            source: "s".into(),
+            origin: "test".into(),
+            revision: None,
+            sealed_unix: 0,
+            total_bytes: tree.total_bytes(),
+            files: tree.files,
+            dirs: tree.dirs,
+            symlinks: tree.symlinks,
+        }
+    }
+
+    #[test]
+    fn scan_and_verify_detect_changes() {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir_all(d.path().join("m/1_Pooling")).unwrap();
+        fs::write(d.path().join("m/config.json"), b"{}").unwrap();
+        fs::write(d.path().join("m/1_Pooling/config.json"), b"{\"a\":1}").unwrap();
+        std::os::unix::fs::symlink("config.json", d.path().join("m/alias")).unwrap();
+        let tree = scan(d.path()).unwrap();
+        assert_eq!(tree.dirs, vec!["m", "m/1_Pooling"]);
+        assert_eq!(tree.files.len(), 2);
+        assert_eq!(tree.total_bytes(), 9);
+        assert_eq!(
+            tree.files[1].sha256,
+            "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+        );
+        let seal = seal_of(tree);
+        verify(d.path(), &seal, true).unwrap();
+
+        // Same size, other bytes: only a full check sees it.
+        fs::write(d.path().join("m/config.json"), b"[]").unwrap();
+        verify(d.path(), &seal, false).unwrap();
+        let err = verify(d.path(), &seal, true).unwrap_err().to_string();
+        assert!(err.contains("m/config.json has sha256"), "{err}");
+
+        fs::write(d.path().join("m/config.json"), b"{}!").unwrap();
+        let err = verify(d.path(), &seal, false).unwrap_err().to_string();
+        assert!(err.contains("has 3 bytes, the seal recorded 2"), "{err}");
+    }
+
+    #[test]
+    fn scan_refuses_special_files() {
+        let d = tempfile::tempdir().unwrap();
+        nix::unistd::mkfifo(&d.path().join("pipe"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let err = scan(d.path()).unwrap_err().to_string();
+        assert!(err.contains("pipe is a fifo"), "{err}");
+    }
+}

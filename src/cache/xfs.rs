@@ -1,0 +1,101 @@
+//! XFS image sources: one filesystem per source in a sparse image file.
+//!
+//! Writers mount the image read-write through their own loop device; once
+//! sealed, readers share one read-only loop device per node and mount it
+//! `ro,norecovery,nouuid`, which lets several read-only mounts of one
+//! filesystem coexist. Sealing mounts the image read-write once, so that a
+//! log left dirty by a crashed writer is replayed before anyone reads it
+//! with `norecovery`.
+
+use std::fs::{self, OpenOptions};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::error::{Error, IoContext, Result};
+use crate::mount;
+
+use super::manifest::{self, Tree};
+
+/// mkfs.xfs refuses filesystems smaller than this.
+pub const MIN_IMAGE_BYTES: u64 = 300 << 20;
+
+/// The options every reader mounts with.
+pub const READER_OPTIONS: &str = "norecovery,nouuid";
+
+pub fn mkfs_path() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/sbin".into(), "/usr/sbin".into()])
+        .map(|d| d.join("mkfs.xfs"))
+        .find(|p| p.is_file())
+}
+
+/// Makes a sparse image holding a fresh XFS filesystem, built under a
+/// temporary name and renamed into place.
+pub fn create_image(image: &Path, size: u64) -> Result<()> {
+    let mkfs = mkfs_path().ok_or_else(|| {
+        Error::FailedPrecondition(
+            "backend xfs needs mkfs.xfs on the controller; install xfsprogs".into(),
+        )
+    })?;
+    let dir = image.parent().unwrap_or(Path::new("/"));
+    fs::create_dir_all(dir).ctx("create", dir)?;
+    let tmp = dir.join(format!(".image-{}", uuid::Uuid::new_v4().simple()));
+    let result = (|| {
+        let f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .ctx("create image", &tmp)?;
+        f.set_len(size.max(MIN_IMAGE_BYTES))
+            .ctx("size image", &tmp)?;
+        f.sync_all().ctx("sync image", &tmp)?;
+        let out = Command::new(&mkfs)
+            .arg("-q")
+            .arg(&tmp)
+            .output()
+            .ctx("run mkfs.xfs on", &tmp)?;
+        if !out.status.success() {
+            return Err(Error::Internal(format!(
+                "mkfs.xfs {} failed: {}",
+                tmp.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        fs::rename(&tmp, image).ctx("rename into place", image)?;
+        crate::state::sync_dir(dir).ctx("sync", dir)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Mounts the image read-write in a private directory (replaying its log if
+/// a writer crashed), hashes its tree, and unmounts it.
+pub fn scan_image(image: &Path, tmp_root: &Path) -> Result<Tree> {
+    let mnt = tmp_root.join(format!("seal-{}", uuid::Uuid::new_v4().simple()));
+    fs::create_dir_all(&mnt).ctx("create", &mnt)?;
+    let result = (|| {
+        let lo = mount::loopdev::attach(image, false).ctx("attach loop device for", image)?;
+        mount::mount_device(lo.path(), &mnt, "xfs", false, "").ctx("mount", image)?;
+        // The mount holds the loop device from here on; autoclear releases it
+        // when we unmount.
+        drop(lo);
+        let tree = manifest::scan(&mnt);
+        mount::unmount(&mnt).ctx("unmount", &mnt)?;
+        tree
+    })();
+    if mount::is_mount_point(&mnt).unwrap_or(false) {
+        let _ = mount::unmount(&mnt);
+    }
+    let _ = fs::remove_dir(&mnt);
+    result
+}
+
+/// A sealed image is never opened for writing again by us; the mode makes a
+/// mistake elsewhere visible too.
+pub fn make_readonly(image: &Path) -> Result<()> {
+    fs::set_permissions(image, fs::Permissions::from_mode(0o444)).ctx("chmod", image)
+}

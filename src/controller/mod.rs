@@ -1,0 +1,353 @@
+//! CSI Controller service: validate the request, lock, call the provisioner.
+//!
+//! Handlers stay thin; decisions live in `volumes`. CreateVolume locks the
+//! volume *name* (a retry may race its original), everything else the id.
+
+pub mod params;
+pub mod volumes;
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use tracing::{Instrument, info_span};
+
+use crate::cache::VolumeId;
+use crate::capability;
+use crate::csi::controller_server::Controller;
+use crate::csi::controller_service_capability::{Rpc, rpc::Type as RpcType};
+use crate::csi::volume_content_source::{Type as ContentType, VolumeSource};
+use crate::csi::*;
+use crate::error::{Error, Result};
+use crate::lock::OpLocks;
+use crate::rpc::{require, respond};
+
+pub use volumes::Provisioner;
+
+pub struct ControllerService {
+    provisioner: Arc<Provisioner>,
+    locks: OpLocks,
+}
+
+impl ControllerService {
+    pub fn new(provisioner: Arc<Provisioner>) -> Self {
+        ControllerService {
+            provisioner,
+            locks: OpLocks::default(),
+        }
+    }
+
+    fn to_volume(&self, rec: &crate::cache::VolumeRecord, topology: Vec<Topology>) -> Volume {
+        let root_dir = VolumeId::parse(&rec.id)
+            .and_then(|id| {
+                self.provisioner
+                    .roots
+                    .by_key(id.backend, &id.root_key)
+                    .map(|r| r.dir.clone())
+            })
+            .unwrap_or_default();
+        Volume {
+            capacity_bytes: rec.capacity_bytes,
+            volume_id: rec.id.clone(),
+            volume_context: self.provisioner.volume_context(rec, &root_dir),
+            content_source: rec.content_source.as_ref().map(|id| VolumeContentSource {
+                r#type: Some(ContentType::Volume(VolumeSource {
+                    volume_id: id.clone(),
+                })),
+            }),
+            accessible_topology: topology,
+        }
+    }
+
+    async fn create(&self, req: CreateVolumeRequest) -> Result<CreateVolumeResponse> {
+        require(&req.name, "name")?;
+        if req.volume_capabilities.is_empty() {
+            return Err(Error::invalid(
+                "volume_capabilities",
+                "at least one capability is required",
+            ));
+        }
+        let content_volume = match req.volume_content_source.and_then(|c| c.r#type) {
+            None => None,
+            Some(ContentType::Snapshot(_)) => {
+                return Err(Error::invalid(
+                    "volume_content_source.snapshot",
+                    "snapshots are not supported: create cache volumes from a sealed source PVC \
+                     (dataSource kind PersistentVolumeClaim) or from a model URI (parameter source)",
+                ));
+            }
+            Some(ContentType::Volume(v)) => {
+                Some(require(&v.volume_id, "volume_content_source.volume.volume_id")?.to_string())
+            }
+        };
+        let _guard = self.locks.try_lock(&format!("name/{}", req.name))?;
+        let (rec, topology) = self
+            .provisioner
+            .create(volumes::CreateRequest {
+                name: req.name,
+                params: req.parameters,
+                mutable: req.mutable_parameters,
+                capabilities: req.volume_capabilities,
+                capacity: req.capacity_range,
+                content_volume,
+                topology: req.accessibility_requirements,
+            })
+            .await?;
+        tracing::info!(volume.id = %rec.id, role = rec.role.as_str(), "volume ready");
+        Ok(CreateVolumeResponse {
+            volume: Some(self.to_volume(&rec, topology)),
+        })
+    }
+
+    async fn delete(&self, req: DeleteVolumeRequest) -> Result<DeleteVolumeResponse> {
+        require(&req.volume_id, "volume_id")?;
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        self.provisioner.delete(&req.volume_id).await?;
+        Ok(DeleteVolumeResponse {})
+    }
+
+    async fn validate(
+        &self,
+        req: ValidateVolumeCapabilitiesRequest,
+    ) -> Result<ValidateVolumeCapabilitiesResponse> {
+        require(&req.volume_id, "volume_id")?;
+        if req.volume_capabilities.is_empty() {
+            return Err(Error::invalid(
+                "volume_capabilities",
+                "at least one capability is required",
+            ));
+        }
+        let (root, rec) = self.provisioner.lookup(&req.volume_id)?;
+        Ok(
+            match capability::check(&req.volume_capabilities, &root, rec.role) {
+                Ok(_) => ValidateVolumeCapabilitiesResponse {
+                    confirmed: Some(validate_volume_capabilities_response::Confirmed {
+                        volume_context: req.volume_context,
+                        volume_capabilities: req.volume_capabilities,
+                        parameters: req.parameters,
+                        mutable_parameters: req.mutable_parameters,
+                    }),
+                    message: String::new(),
+                },
+                Err(e) => ValidateVolumeCapabilitiesResponse {
+                    confirmed: None,
+                    message: e.to_string(),
+                },
+            },
+        )
+    }
+
+    fn list(&self, req: ListVolumesRequest) -> Result<ListVolumesResponse> {
+        if req.max_entries < 0 {
+            return Err(Error::invalid("max_entries", "must not be negative"));
+        }
+        if !req.starting_token.is_empty() && VolumeId::parse(&req.starting_token).is_none() {
+            return Err(Error::Aborted(format!(
+                "starting_token {:?} was not issued by this driver; list again from the start",
+                req.starting_token
+            )));
+        }
+        let all = self.provisioner.list()?;
+        let rest: Vec<_> = all
+            .into_iter()
+            .filter(|(r, _)| {
+                req.starting_token.is_empty() || r.id.as_str() > req.starting_token.as_str()
+            })
+            .collect();
+        let take = if req.max_entries == 0 {
+            rest.len()
+        } else {
+            req.max_entries as usize
+        };
+        let next_token = if rest.len() > take {
+            rest[take - 1].0.id.clone()
+        } else {
+            String::new()
+        };
+        let entries = rest
+            .into_iter()
+            .take(take)
+            .map(|(rec, topo)| list_volumes_response::Entry {
+                volume: Some(self.to_volume(&rec, topo)),
+                status: None,
+            })
+            .collect();
+        Ok(ListVolumesResponse {
+            entries,
+            next_token,
+        })
+    }
+
+    async fn modify(
+        &self,
+        req: ControllerModifyVolumeRequest,
+    ) -> Result<ControllerModifyVolumeResponse> {
+        require(&req.volume_id, "volume_id")?;
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        self.provisioner
+            .modify(&req.volume_id, &req.mutable_parameters)
+            .await?;
+        Ok(ControllerModifyVolumeResponse {})
+    }
+}
+
+fn unimplemented<T>(what: &str) -> std::result::Result<Response<T>, Status> {
+    Err(Status::unimplemented(format!(
+        "{what} is not offered by modelcache-csi"
+    )))
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        request: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = info_span!("CreateVolume", volume.name = %req.name);
+        async { respond(self.create(req).await) }
+            .instrument(span)
+            .await
+    }
+
+    async fn delete_volume(
+        &self,
+        request: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = info_span!("DeleteVolume", volume.id = %req.volume_id);
+        async { respond(self.delete(req).await) }
+            .instrument(span)
+            .await
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        _: Request<ControllerPublishVolumeRequest>,
+    ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
+        unimplemented("ControllerPublishVolume")
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        _: Request<ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
+        unimplemented("ControllerUnpublishVolume")
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        request: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = request.into_inner();
+        let span = info_span!("ValidateVolumeCapabilities", volume.id = %req.volume_id);
+        async { respond(self.validate(req).await) }
+            .instrument(span)
+            .await
+    }
+
+    async fn list_volumes(
+        &self,
+        request: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        let req = request.into_inner();
+        let _e = info_span!("ListVolumes").entered();
+        respond(self.list(req))
+    }
+
+    async fn get_capacity(
+        &self,
+        request: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
+        let req = request.into_inner();
+        let _e = info_span!("GetCapacity").entered();
+        respond((|| {
+            if let Some(cap) = req.volume_capabilities.first() {
+                capability::parse(cap, "volume_capabilities[0]")?;
+            }
+            let available = self
+                .provisioner
+                .capacity(&req.parameters, req.accessible_topology.as_ref())?;
+            Ok(GetCapacityResponse {
+                available_capacity: available,
+                maximum_volume_size: None,
+                minimum_volume_size: None,
+            })
+        })())
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        let capabilities = [
+            RpcType::CreateDeleteVolume,
+            RpcType::ListVolumes,
+            RpcType::GetCapacity,
+            RpcType::CloneVolume,
+            RpcType::ModifyVolume,
+        ]
+        .into_iter()
+        .map(|t| ControllerServiceCapability {
+            r#type: Some(controller_service_capability::Type::Rpc(Rpc {
+                r#type: t as i32,
+            })),
+        })
+        .collect();
+        Ok(Response::new(ControllerGetCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        _: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        unimplemented("CreateSnapshot")
+    }
+
+    async fn delete_snapshot(
+        &self,
+        _: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        unimplemented("DeleteSnapshot")
+    }
+
+    async fn list_snapshots(
+        &self,
+        _: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
+        unimplemented("ListSnapshots")
+    }
+
+    async fn get_snapshot(
+        &self,
+        _: Request<GetSnapshotRequest>,
+    ) -> Result<Response<GetSnapshotResponse>, Status> {
+        unimplemented("GetSnapshot")
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        _: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        unimplemented("ControllerExpandVolume")
+    }
+
+    async fn controller_get_volume(
+        &self,
+        _: Request<ControllerGetVolumeRequest>,
+    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
+        unimplemented("ControllerGetVolume")
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        request: Request<ControllerModifyVolumeRequest>,
+    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = info_span!("ControllerModifyVolume", volume.id = %req.volume_id);
+        async { respond(self.modify(req).await) }
+            .instrument(span)
+            .await
+    }
+}

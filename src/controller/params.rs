@@ -1,0 +1,251 @@
+//! StorageClass parameters and mutable (VolumeAttributesClass) parameters:
+//! every key is known, every value checked, and an error names the key and
+//! what it accepts.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use crate::cache::{Backend, Role, Verify};
+use crate::error::{Error, Result};
+
+pub const BACKEND: &str = "backend";
+pub const ROLE: &str = "role";
+pub const SHARED_PATH: &str = "sharedPath";
+pub const IMAGE_LOCATION: &str = "imageLocation";
+pub const SUB_PATH: &str = "subPath";
+pub const VERIFY: &str = "verify";
+pub const SOURCE: &str = "source";
+
+const KNOWN: [&str; 7] = [
+    BACKEND,
+    ROLE,
+    SHARED_PATH,
+    IMAGE_LOCATION,
+    SUB_PATH,
+    VERIFY,
+    SOURCE,
+];
+
+/// external-provisioner adds these (PVC name, namespace, PV name) with
+/// --extra-create-metadata; they are information, not settings.
+const PROVISIONER_PREFIX: &str = "csi.storage.k8s.io/";
+
+pub const SEALED: &str = "sealed";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageLocation {
+    Node,
+    Shared,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Params {
+    pub backend: Option<Backend>,
+    pub role: Option<Role>,
+    pub shared_path: Option<PathBuf>,
+    pub image_location: Option<ImageLocation>,
+    pub sub_path: Option<String>,
+    pub verify: Option<Verify>,
+    pub source: Option<String>,
+}
+
+fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
+    options
+        .iter()
+        .find(|(name, _)| *name == value)
+        .map(|(_, v)| *v)
+        .ok_or_else(|| {
+            let names: Vec<_> = options.iter().map(|(n, _)| *n).collect();
+            Error::invalid(
+                format!("parameters.{key}"),
+                format!(
+                    "{value:?} is not accepted; use one of: {}",
+                    names.join(", ")
+                ),
+            )
+        })
+}
+
+impl Params {
+    pub fn parse(map: &HashMap<String, String>) -> Result<Params> {
+        let mut p = Params::default();
+        let mut keys: Vec<_> = map.keys().collect();
+        keys.sort();
+        for key in keys {
+            let value = map[key].as_str();
+            match key.as_str() {
+                BACKEND => {
+                    p.backend = Some(one_of(
+                        key,
+                        value,
+                        &[
+                            ("local", Backend::Local),
+                            ("shared", Backend::Shared),
+                            ("xfs", Backend::Xfs),
+                        ],
+                    )?)
+                }
+                ROLE => {
+                    p.role = Some(one_of(
+                        key,
+                        value,
+                        &[("source", Role::Source), ("cache", Role::Cache)],
+                    )?)
+                }
+                SHARED_PATH => {
+                    let path = PathBuf::from(value);
+                    if !path.is_absolute() {
+                        return Err(Error::invalid(
+                            format!("parameters.{key}"),
+                            format!(
+                                "{value:?} must be an absolute path given to the driver with --shared-path"
+                            ),
+                        ));
+                    }
+                    p.shared_path = Some(path);
+                }
+                IMAGE_LOCATION => {
+                    p.image_location = Some(one_of(
+                        key,
+                        value,
+                        &[
+                            ("node", ImageLocation::Node),
+                            ("shared", ImageLocation::Shared),
+                        ],
+                    )?)
+                }
+                SUB_PATH => {
+                    crate::mount::subpath::validate_syntax(value)
+                        .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
+                    p.sub_path = Some(value.trim_end_matches('/').to_string());
+                }
+                VERIFY => {
+                    p.verify = Some(one_of(
+                        key,
+                        value,
+                        &[("size", Verify::Size), ("full", Verify::Full)],
+                    )?)
+                }
+                SOURCE => {
+                    crate::puller::validate_uri(value)
+                        .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
+                    p.source = Some(value.to_string());
+                }
+                k if k.starts_with(PROVISIONER_PREFIX) => {}
+                other => {
+                    return Err(Error::invalid(
+                        format!("parameters.{other}"),
+                        format!("unknown parameter; accepted: {}", KNOWN.join(", ")),
+                    ));
+                }
+            }
+        }
+        if p.image_location.is_some() && p.backend != Some(Backend::Xfs) {
+            return Err(Error::invalid(
+                format!("parameters.{IMAGE_LOCATION}"),
+                "only applies to backend: xfs",
+            ));
+        }
+        if p.role == Some(Role::Source) {
+            for (set, key) in [
+                (p.sub_path.is_some(), SUB_PATH),
+                (p.verify.is_some(), VERIFY),
+                (p.source.is_some(), SOURCE),
+            ] {
+                if set {
+                    return Err(Error::invalid(
+                        format!("parameters.{key}"),
+                        "only applies to cache volumes, not to role: source",
+                    ));
+                }
+            }
+        }
+        Ok(p)
+    }
+}
+
+/// Parses mutable parameters. Only `sealed` exists; `Some(true)` asks for a seal.
+pub fn parse_mutable(map: &HashMap<String, String>) -> Result<Option<bool>> {
+    let mut sealed = None;
+    for (key, value) in map {
+        if key != SEALED {
+            return Err(Error::invalid(
+                format!("mutable_parameters.{key}"),
+                format!("unknown mutable parameter; accepted: {SEALED}"),
+            ));
+        }
+        sealed = Some(match value.as_str() {
+            "true" => true,
+            "false" => false,
+            other => {
+                return Err(Error::invalid(
+                    format!("mutable_parameters.{SEALED}"),
+                    format!("{other:?} is not accepted; use \"true\" or \"false\""),
+                ));
+            }
+        });
+    }
+    Ok(sealed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn errors_name_the_parameter_and_the_choices() {
+        let e = Params::parse(&map(&[("backend", "nfs")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("parameters.backend") && e.contains("local, shared, xfs"),
+            "{e}"
+        );
+        let e = Params::parse(&map(&[("colour", "red")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("parameters.colour") && e.contains("accepted"),
+            "{e}"
+        );
+        let e = Params::parse(&map(&[("subPath", "../etc")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("parameters.subPath"), "{e}");
+        let e = Params::parse(&map(&[("imageLocation", "node")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("backend: xfs"), "{e}");
+        let e = Params::parse(&map(&[("role", "source"), ("subPath", "a")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cache volumes"), "{e}");
+    }
+
+    #[test]
+    fn provisioner_metadata_is_accepted() {
+        let p = Params::parse(&map(&[
+            ("csi.storage.k8s.io/pvc/name", "x"),
+            ("backend", "shared"),
+        ]))
+        .unwrap();
+        assert_eq!(p.backend, Some(Backend::Shared));
+    }
+
+    #[test]
+    fn mutable_parameters() {
+        assert_eq!(
+            parse_mutable(&map(&[("sealed", "true")])).unwrap(),
+            Some(true)
+        );
+        assert_eq!(parse_mutable(&map(&[])).unwrap(), None);
+        assert!(parse_mutable(&map(&[("XXX_FakeKey", "1")])).is_err());
+        assert!(parse_mutable(&map(&[("sealed", "yes")])).is_err());
+    }
+}

@@ -1,0 +1,543 @@
+//! The controller's domain: provisioning, sealing and deleting volumes in
+//! their roots. Handlers in `mod.rs` validate and lock; this decides.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::cache::{self, Backend, Role, Root, Roots, Seal, Verify, VolumeId, VolumeRecord};
+use crate::capability;
+use crate::config::Config;
+use crate::csi::{CapacityRange, Topology, TopologyRequirement, VolumeCapability};
+use crate::error::{Error, Result};
+use crate::lock::KeyedMutex;
+
+use super::params::{ImageLocation, Params};
+
+/// Nominal size of a directory-backed source when the request names none.
+pub const DEFAULT_CAPACITY: i64 = 1 << 30;
+
+pub struct CreateRequest {
+    pub name: String,
+    pub params: HashMap<String, String>,
+    pub mutable: HashMap<String, String>,
+    pub capabilities: Vec<VolumeCapability>,
+    pub capacity: Option<CapacityRange>,
+    pub content_volume: Option<String>,
+    pub topology: Option<TopologyRequirement>,
+}
+
+pub struct Provisioner {
+    pub cfg: Arc<Config>,
+    pub roots: Roots,
+    /// Serialises clone, seal and delete on one source within this process.
+    pub sources: KeyedMutex,
+}
+
+/// Runs blocking filesystem work off the async runtime.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
+}
+
+impl Provisioner {
+    pub fn new(cfg: Arc<Config>) -> Provisioner {
+        let roots = Roots::from_config(&cfg);
+        for r in &roots.roots {
+            cache::sweep(r);
+        }
+        Provisioner {
+            cfg,
+            roots,
+            sources: KeyedMutex::default(),
+        }
+    }
+
+    pub fn lookup(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
+        cache::lookup(&self.roots, volume_id)
+    }
+
+    /// The root a new volume without a content source goes to.
+    pub fn select_root(&self, p: &Params) -> Result<Root> {
+        let backend = p.backend.unwrap_or(Backend::Local);
+        if !self.cfg.backend_enabled(backend) {
+            return Err(Error::invalid(
+                "parameters.backend",
+                format!(
+                    "backend {backend} is not enabled on this driver (enabled: {}); \
+                     start it with --backends including {backend}",
+                    self.cfg
+                        .backends
+                        .iter()
+                        .map(|b| b.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+        let node_local = backend == Backend::Local
+            || (backend == Backend::Xfs && p.image_location != Some(ImageLocation::Shared));
+        if node_local {
+            if p.shared_path.is_some() {
+                return Err(Error::invalid(
+                    "parameters.sharedPath",
+                    format!(
+                        "does not apply to node-local backend {backend}; for xfs set imageLocation: shared"
+                    ),
+                ));
+            }
+            return self.roots.node_local(backend).cloned().ok_or_else(|| {
+                Error::FailedPrecondition(format!(
+                    "backend {backend} keeps volumes on the node, so the controller must run on \
+                     the node with --node-id (distributed provisioning)"
+                ))
+            });
+        }
+        let path = match &p.shared_path {
+            Some(path) => path.clone(),
+            None => self.cfg.shared_paths.first().cloned().ok_or_else(|| {
+                Error::invalid(
+                    "parameters.sharedPath",
+                    format!("backend {backend} needs a shared filesystem: start the driver with --shared-path"),
+                )
+            })?,
+        };
+        self.roots.shared(backend, &path).cloned().ok_or_else(|| {
+            Error::invalid(
+                "parameters.sharedPath",
+                format!(
+                    "{} is not one of the driver's --shared-path values ({})",
+                    path.display(),
+                    self.cfg
+                        .shared_paths
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )
+        })
+    }
+
+    fn topology_of(&self, root: &Root) -> Vec<Topology> {
+        root.node
+            .as_ref()
+            .map(|n| {
+                vec![Topology {
+                    segments: HashMap::from([(self.cfg.topology_key(), n.clone())]),
+                }]
+            })
+            .unwrap_or_default()
+    }
+
+    /// A node-local root can serve the request only if its node is allowed.
+    fn check_topology(&self, root: &Root, req: Option<&TopologyRequirement>) -> Result<()> {
+        let (Some(node), Some(req)) = (&root.node, req) else {
+            return Ok(());
+        };
+        if req.requisite.is_empty() {
+            return Ok(());
+        }
+        let key = self.cfg.topology_key();
+        if req
+            .requisite
+            .iter()
+            .any(|t| t.segments.get(&key) == Some(node))
+        {
+            return Ok(());
+        }
+        Err(Error::ResourceExhausted(format!(
+            "this controller provisions {} volumes only on node {node}, which the requisite \
+             topology does not include",
+            root.backend
+        )))
+    }
+
+    pub async fn create(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
+        let params = Params::parse(&req.params)?;
+        let seal_now = super::params::parse_mutable(&req.mutable)?;
+
+        // The content source decides the root: a cache volume reads its
+        // source in place, so it cannot live anywhere else.
+        let content = match &req.content_volume {
+            Some(id) => {
+                let (root, rec) = self.lookup(id).map_err(|_| {
+                    Error::NotFound(format!(
+                        "volume_content_source.volume.volume_id {id} does not exist"
+                    ))
+                })?;
+                Some((root, rec))
+            }
+            None => None,
+        };
+        let role = match (params.role, &content, &params.source) {
+            (Some(r), _, _) => r,
+            (None, None, None) => Role::Source,
+            (None, _, _) => Role::Cache,
+        };
+        if role == Role::Cache && content.is_none() && params.source.is_none() {
+            return Err(Error::invalid(
+                "parameters.role",
+                "a cache volume needs a source: set parameter source to a model URI, or \
+                 create the PVC with a dataSource naming a sealed source PVC",
+            ));
+        }
+        if content.is_some() && params.source.is_some() {
+            return Err(Error::invalid(
+                "parameters.source",
+                "give either a model URI or a volume content source (PVC dataSource), not both",
+            ));
+        }
+        let root = match &content {
+            Some((root, _)) => {
+                if let Some(b) = params.backend
+                    && b != root.backend
+                {
+                    return Err(Error::invalid(
+                        "parameters.backend",
+                        format!(
+                            "{b} differs from the source volume's backend {}: a volume created \
+                             from a source must use the source's backend and storage",
+                            root.backend
+                        ),
+                    ));
+                }
+                if params.shared_path.is_some() && self.select_root(&params)?.key != root.key {
+                    return Err(Error::invalid(
+                        "parameters.sharedPath",
+                        format!("the source volume lives in {}", root.describe()),
+                    ));
+                }
+                root.clone()
+            }
+            None => self.select_root(&params)?,
+        };
+        capability::check(&req.capabilities, &root, role)?;
+        self.check_topology(&root, req.topology.as_ref())?;
+
+        let uuid = cache::uuid_for_name(&self.cfg.driver_name, &req.name);
+        let id = root.volume_id(&uuid);
+        let fingerprint = fingerprint(&req);
+        for r in &self.roots.roots {
+            if let Some(existing) = cache::read_volume(r, &uuid)? {
+                if existing.request == fingerprint && existing.id == id {
+                    return Ok((existing, self.topology_of(r)));
+                }
+                return Err(Error::AlreadyExists(format!(
+                    "volume name {} is already used by volume {} with different arguments",
+                    req.name, existing.id
+                )));
+            }
+        }
+
+        let (required, limit) = req
+            .capacity
+            .as_ref()
+            .map(|c| (c.required_bytes, c.limit_bytes))
+            .unwrap_or((0, 0));
+        if required < 0 || limit < 0 {
+            return Err(Error::invalid(
+                "capacity_range",
+                "required_bytes and limit_bytes must not be negative",
+            ));
+        }
+        if limit > 0 && required > limit {
+            return Err(Error::invalid(
+                "capacity_range",
+                format!("required_bytes {required} exceeds limit_bytes {limit}"),
+            ));
+        }
+
+        let mut rec = VolumeRecord {
+            id: id.clone(),
+            name: req.name.clone(),
+            backend: root.backend,
+            role,
+            source: uuid.clone(),
+            sub_path: params.sub_path.clone(),
+            verify: params.verify.unwrap_or(Verify::Size),
+            capacity_bytes: 0,
+            node: root.node.clone(),
+            content_source: req.content_volume.clone(),
+            request: fingerprint,
+            created_unix: cache::now_unix(),
+        };
+
+        match (role, content) {
+            (Role::Source, None) => {
+                let min = if root.backend == Backend::Xfs {
+                    cache::xfs::MIN_IMAGE_BYTES as i64
+                } else {
+                    1
+                };
+                if limit > 0 && limit < min {
+                    return Err(Error::OutOfRange(format!(
+                        "capacity_range.limit_bytes {limit} is below the {min} bytes an XFS image needs"
+                    )));
+                }
+                let capacity = if required > 0 {
+                    required.max(min)
+                } else {
+                    DEFAULT_CAPACITY.max(min)
+                };
+                let capacity = if limit > 0 {
+                    capacity.min(limit)
+                } else {
+                    capacity
+                };
+                self.check_free(&root, capacity as u64)?;
+                rec.capacity_bytes = capacity;
+                let (r, sid) = (root.clone(), uuid.clone());
+                blocking(move || cache::create_source(&r, &sid, capacity as u64)).await?;
+            }
+            (Role::Source, Some((_, from))) => {
+                let _g = self.sources.lock(&from.source).await;
+                let writers = cache::writers(&root, &from.source)?;
+                if !writers.is_empty() && cache::read_seal(&root, &from.source)?.is_none() {
+                    return Err(Error::FailedPrecondition(format!(
+                        "source volume {} is being written on node(s) {}; a copy now would be torn",
+                        from.id,
+                        writers.join(", ")
+                    )));
+                }
+                rec.capacity_bytes = required.max(from.capacity_bytes);
+                let (r, f, t) = (root.clone(), from.source.clone(), uuid.clone());
+                blocking(move || cache::copy_source(&r, &f, &t)).await?;
+            }
+            (Role::Cache, from) => {
+                let sid = match from {
+                    Some((_, from)) => from.source,
+                    None => {
+                        let uri = params.source.clone().unwrap_or_default();
+                        let _g = self.sources.lock(&format!("pull:{uri}")).await;
+                        let r = root.clone();
+                        blocking(move || crate::puller::ensure(&r, &uri)).await?.0
+                    }
+                };
+                let _g = self.sources.lock(&sid).await;
+                let seal = self.sealed(&root, &sid, req.content_volume.as_deref())?;
+                if let Some(sub) = &params.sub_path
+                    && !seal.has_dir(sub)
+                {
+                    return Err(Error::invalid(
+                        "parameters.subPath",
+                        format!(
+                            "{sub:?} is not a directory of the source (directories: {})",
+                            preview(&seal.dirs)
+                        ),
+                    ));
+                }
+                let total = seal.total_bytes as i64;
+                if limit > 0 && limit < total {
+                    return Err(Error::OutOfRange(format!(
+                        "capacity_range.limit_bytes {limit} is smaller than the {total} bytes the source holds"
+                    )));
+                }
+                rec.source = sid.clone();
+                rec.capacity_bytes = required.max(total);
+                cache::add_ref(&root, &sid, &uuid)?;
+            }
+        }
+        cache::write_volume(&root, &rec)?;
+        if seal_now == Some(true) && role == Role::Source {
+            self.seal(&rec.id).await?;
+        }
+        Ok((rec, self.topology_of(&root)))
+    }
+
+    /// The seal of a source a cache volume is about to read.
+    fn sealed(&self, root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
+        cache::read_seal(root, sid)?.ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "source volume {} is not sealed: finish writing it, stop the pods that write it, \
+                 then seal it (mutable parameter sealed=true through a VolumeAttributesClass, \
+                 or `modelcache-csi seal`)",
+                from.unwrap_or(sid)
+            ))
+        })
+    }
+
+    fn check_free(&self, root: &Root, bytes: u64) -> Result<()> {
+        let free = cache::free_bytes(&root.dir).map_err(|e| Error::io("statfs", &root.dir, e))?;
+        // Directories are not reserved; only an image is carved out at once,
+        // and it is sparse. Refuse what could never fit.
+        if root.backend == Backend::Xfs && bytes > free {
+            return Err(Error::ResourceExhausted(format!(
+                "{} has {free} bytes free; {bytes} were requested",
+                root.describe()
+            )));
+        }
+        Ok(())
+    }
+
+    pub async fn delete(&self, volume_id: &str) -> Result<()> {
+        let Some(id) = VolumeId::parse(volume_id) else {
+            return Ok(());
+        };
+        let root = self.roots.for_id(&id)?.clone();
+        let Some(rec) = cache::read_volume(&root, &id.uuid)? else {
+            return Ok(());
+        };
+        let _g = self.sources.lock(&rec.source).await;
+        match rec.role {
+            Role::Cache => {
+                // The record goes first: while it exists, so does its reference.
+                cache::remove_volume(&root, &id.uuid)?;
+                cache::remove_ref(&root, &rec.source, &id.uuid)?;
+            }
+            Role::Source => {
+                let mut users = Vec::new();
+                for r in cache::refs(&root, &rec.source)? {
+                    match cache::read_volume(&root, &r)? {
+                        Some(v) => users.push(format!("{} ({})", v.name, v.id)),
+                        // A reference without a record: a create that died.
+                        None => cache::remove_ref(&root, &rec.source, &r)?,
+                    }
+                }
+                if !users.is_empty() {
+                    return Err(Error::FailedPrecondition(format!(
+                        "source volume {} is read by cache volumes {}; delete them first",
+                        rec.id,
+                        users.join(", ")
+                    )));
+                }
+                let writers = cache::writers(&root, &rec.source)?;
+                if !writers.is_empty() {
+                    return Err(Error::FailedPrecondition(format!(
+                        "source volume {} is still staged on node(s) {}",
+                        rec.id,
+                        writers.join(", ")
+                    )));
+                }
+                let (r, sid) = (root.clone(), rec.source.clone());
+                blocking(move || cache::delete_source(&r, &sid)).await?;
+                cache::remove_volume(&root, &id.uuid)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Seals a source volume; a cache volume is sealed by construction.
+    pub async fn seal(&self, volume_id: &str) -> Result<Seal> {
+        let (root, rec) = self.lookup(volume_id)?;
+        let _g = self.sources.lock(&rec.source).await;
+        let origin = format!("volume {} ({})", rec.name, rec.id);
+        let sid = rec.source.clone();
+        blocking(move || cache::seal_source(&root, &sid, &origin)).await
+    }
+
+    pub async fn modify(&self, volume_id: &str, mutable: &HashMap<String, String>) -> Result<()> {
+        let sealed = super::params::parse_mutable(mutable)?;
+        let (root, rec) = self.lookup(volume_id)?;
+        match (sealed, rec.role) {
+            (Some(true), Role::Source) => self.seal(volume_id).await.map(|_| ()),
+            (Some(false), _) if cache::read_seal(&root, &rec.source)?.is_some() => {
+                Err(Error::invalid(
+                    "mutable_parameters.sealed",
+                    format!("volume {volume_id} is sealed, and sealing cannot be undone"),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Every volume this controller serves, ordered by id.
+    pub fn list(&self) -> Result<Vec<(VolumeRecord, Vec<Topology>)>> {
+        let mut all = Vec::new();
+        for r in &self.roots.roots {
+            for rec in cache::list_volumes(r)? {
+                all.push((rec, self.topology_of(r)));
+            }
+        }
+        all.sort_by(|a, b| a.0.id.cmp(&b.0.id));
+        Ok(all)
+    }
+
+    /// Free bytes where a volume with these parameters would go, or 0 for a
+    /// topology segment this controller cannot provision in.
+    pub fn capacity(
+        &self,
+        params: &HashMap<String, String>,
+        topology: Option<&Topology>,
+    ) -> Result<i64> {
+        let p = Params::parse(params)?;
+        let root = match self.select_root(&p) {
+            Ok(r) => r,
+            Err(Error::FailedPrecondition(_)) => return Ok(0),
+            Err(e) => return Err(e),
+        };
+        if let (Some(node), Some(t)) = (&root.node, topology)
+            && t.segments.get(&self.cfg.topology_key()) != Some(node)
+        {
+            return Ok(0);
+        }
+        let free = cache::free_bytes(&root.dir).map_err(|e| Error::io("statfs", &root.dir, e))?;
+        Ok(free.min(i64::MAX as u64) as i64)
+    }
+
+    pub fn volume_context(
+        &self,
+        rec: &VolumeRecord,
+        root_dir: &std::path::Path,
+    ) -> HashMap<String, String> {
+        let mut ctx = HashMap::from([
+            ("backend".to_string(), rec.backend.to_string()),
+            ("role".to_string(), rec.role.as_str().to_string()),
+            ("source".to_string(), rec.source.clone()),
+            ("verify".to_string(), rec.verify.as_str().to_string()),
+            ("root".to_string(), root_dir.display().to_string()),
+        ]);
+        if let Some(s) = &rec.sub_path {
+            ctx.insert("subPath".into(), s.clone());
+        }
+        ctx
+    }
+}
+
+fn preview(items: &[String]) -> String {
+    if items.is_empty() {
+        return "none".into();
+    }
+    let mut s: Vec<_> = items.iter().take(8).cloned().collect();
+    if items.len() > 8 {
+        s.push(format!("… {} more", items.len() - 8));
+    }
+    s.join(", ")
+}
+
+/// Canonical JSON of the arguments that define a volume, so a retry with
+/// the same arguments matches and anything else does not.
+fn fingerprint(req: &CreateRequest) -> String {
+    #[derive(Serialize)]
+    struct F<'a> {
+        params: BTreeMap<&'a str, &'a str>,
+        mutable: BTreeMap<&'a str, &'a str>,
+        required: i64,
+        limit: i64,
+        content: Option<&'a str>,
+        caps: Vec<String>,
+    }
+    let mut caps: Vec<String> = req.capabilities.iter().map(|c| format!("{c:?}")).collect();
+    caps.sort();
+    let f = F {
+        params: req
+            .params
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect(),
+        mutable: req
+            .mutable
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect(),
+        required: req.capacity.as_ref().map_or(0, |c| c.required_bytes),
+        limit: req.capacity.as_ref().map_or(0, |c| c.limit_bytes),
+        content: req.content_volume.as_deref(),
+        caps,
+    };
+    serde_json::to_string(&f).unwrap_or_default()
+}

@@ -1,0 +1,99 @@
+//! The driver's one domain error and its one mapping to gRPC status codes.
+//!
+//! Domain code returns `Error`; only `From<Error> for tonic::Status` below
+//! decides which code a caller sees. Messages name what was wrong and how to
+//! fix it, and never carry credentials.
+
+use std::io;
+use std::path::Path;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A request field is missing or malformed.
+    #[error("{field}: {message}")]
+    InvalidArgument { field: String, message: String },
+    #[error("{0}")]
+    NotFound(String),
+    /// Same name, incompatible arguments; or a path already used differently.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// Another operation on the same volume is in progress.
+    #[error("{0}")]
+    Aborted(String),
+    /// The caller skipped a step, or the object is not in a state that allows the call.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("{0}")]
+    OutOfRange(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Unimplemented(String),
+    /// An unexpected OS error, with what we were doing and on which path.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    /// Wraps an OS error with the operation and the path it concerned.
+    pub fn io(what: &str, path: &Path, source: io::Error) -> Self {
+        Error::Io {
+            context: format!("{what} {}", path.display()),
+            source,
+        }
+    }
+}
+
+/// Attaches "what, on which path" to io results.
+pub trait IoContext<T> {
+    fn ctx(self, what: &str, path: &Path) -> Result<T>;
+}
+
+impl<T> IoContext<T> for io::Result<T> {
+    fn ctx(self, what: &str, path: &Path) -> Result<T> {
+        self.map_err(|e| Error::io(what, path, e))
+    }
+}
+
+impl From<Error> for tonic::Status {
+    fn from(err: Error) -> Self {
+        use tonic::Code;
+        let code = match &err {
+            Error::InvalidArgument { .. } => Code::InvalidArgument,
+            Error::NotFound(_) => Code::NotFound,
+            Error::AlreadyExists(_) => Code::AlreadyExists,
+            Error::Aborted(_) => Code::Aborted,
+            Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::ResourceExhausted(_) => Code::ResourceExhausted,
+            Error::OutOfRange(_) => Code::OutOfRange,
+            Error::Unavailable(_) => Code::Unavailable,
+            Error::Unimplemented(_) => Code::Unimplemented,
+            // A full disk is a capacity problem the CO can act on, not a bug.
+            Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
+                Code::ResourceExhausted
+            }
+            Error::Io { source, .. } if source.raw_os_error() == Some(libc::EROFS) => {
+                Code::FailedPrecondition
+            }
+            Error::Io { .. } | Error::Internal(_) => Code::Internal,
+        };
+        tonic::Status::new(code, err.to_string())
+    }
+}

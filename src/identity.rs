@@ -1,0 +1,92 @@
+//! CSI Identity service: who we are, what we offer, and whether every
+//! enabled backend can work on this host right now.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use crate::cache::{Backend, Roots};
+use crate::config::Config;
+use crate::csi::identity_server::Identity;
+use crate::csi::plugin_capability::{Service, service::Type as ServiceType};
+use crate::csi::*;
+
+pub struct IdentityService {
+    cfg: Arc<Config>,
+    controller: bool,
+}
+
+impl IdentityService {
+    pub fn new(cfg: Arc<Config>, controller: bool) -> Self {
+        IdentityService { cfg, controller }
+    }
+}
+
+/// Reasons the enabled backends cannot work; empty when all can.
+pub fn problems(cfg: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    for root in Roots::from_config(cfg).roots {
+        if let Err(e) = std::fs::create_dir_all(&root.dir).and_then(|_| {
+            let probe = root.dir.join(".probe");
+            std::fs::write(&probe, b"")?;
+            std::fs::remove_file(&probe)
+        }) {
+            out.push(format!("{} is not writable: {e}", root.describe()));
+        }
+    }
+    if cfg.backend_enabled(Backend::Xfs) && crate::cache::xfs::mkfs_path().is_none() {
+        out.push("backend xfs needs mkfs.xfs: install xfsprogs".into());
+    }
+    if cfg.backend_enabled(Backend::Shared) && cfg.shared_paths.is_empty() {
+        out.push("backend shared needs --shared-path".into());
+    }
+    out
+}
+
+#[tonic::async_trait]
+impl Identity for IdentityService {
+    async fn get_plugin_info(
+        &self,
+        _: Request<GetPluginInfoRequest>,
+    ) -> Result<Response<GetPluginInfoResponse>, Status> {
+        Ok(Response::new(GetPluginInfoResponse {
+            name: self.cfg.driver_name.clone(),
+            vendor_version: env!("CARGO_PKG_VERSION").to_string(),
+            manifest: Default::default(),
+        }))
+    }
+
+    async fn get_plugin_capabilities(
+        &self,
+        _: Request<GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<GetPluginCapabilitiesResponse>, Status> {
+        let mut types = vec![ServiceType::VolumeAccessibilityConstraints];
+        if self.controller {
+            types.push(ServiceType::ControllerService);
+        }
+        let capabilities = types
+            .into_iter()
+            .map(|t| PluginCapability {
+                r#type: Some(plugin_capability::Type::Service(Service {
+                    r#type: t as i32,
+                })),
+            })
+            .collect();
+        Ok(Response::new(GetPluginCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn probe(&self, _: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
+        let cfg = self.cfg.clone();
+        let problems = tokio::task::spawn_blocking(move || problems(&cfg))
+            .await
+            .map_err(|e| Status::internal(format!("probe failed: {e}")))?;
+        for p in &problems {
+            tracing::warn!(problem = %p, "not ready");
+        }
+        Ok(Response::new(ProbeResponse {
+            ready: Some(problems.is_empty()),
+        }))
+    }
+}

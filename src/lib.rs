@@ -1,0 +1,19 @@
+//! modelcache-csi: a CSI driver that puts sealed, verified machine-learning
+//! models into pods as shared read-only volumes.
+
+pub mod cache; // sealed sources, seals and volume records on disk
+pub mod capability; // what a VolumeCapability asks for, and whether we can give it
+pub mod client; // CSI client over a Unix socket
+pub mod config; // process settings from flags
+pub mod controller; // CSI Controller service and provisioning
+pub mod csi; // generated CSI v1 types and services
+pub mod demo; // the `demo` command
+pub mod error; // the domain error and its one mapping to gRPC codes
+pub mod identity; // CSI Identity service and readiness
+pub mod lock; // per-volume operation guards
+pub mod mount; // mounts, the mount table, loop devices, safe subpaths
+pub mod node; // CSI Node service: stage, publish, stats
+pub mod puller; // model URIs fetched and sealed by the driver
+pub mod rpc; // the edge of every handler: required fields, logging, status
+pub mod server; // binding the endpoint and serving
+pub mod state; // atomic, durable JSON records

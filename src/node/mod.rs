@@ -1,0 +1,225 @@
+//! CSI Node service: validate the request, lock the volume, call `ops`.
+
+pub mod ops;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use tracing::{Instrument, info_span};
+
+use crate::capability;
+use crate::csi::node_server::Node;
+use crate::csi::node_service_capability::{Rpc, rpc::Type as RpcType};
+use crate::csi::*;
+use crate::error::{Error, Result};
+use crate::lock::OpLocks;
+use crate::rpc::{require, respond};
+
+pub use ops::NodeOps;
+
+pub struct NodeService {
+    ops: Arc<NodeOps>,
+    locks: OpLocks,
+}
+
+fn path(value: &str, field: &str) -> Result<PathBuf> {
+    let p = PathBuf::from(require(value, field)?);
+    if !p.is_absolute() {
+        return Err(Error::invalid(
+            field,
+            format!("{value:?} must be an absolute path"),
+        ));
+    }
+    Ok(p)
+}
+
+fn capability_of(cap: Option<&VolumeCapability>) -> Result<capability::MountRequest> {
+    let cap = cap.ok_or_else(|| Error::invalid("volume_capability", "is required"))?;
+    capability::parse(cap, "volume_capability")
+}
+
+impl NodeService {
+    pub fn new(ops: Arc<NodeOps>) -> Self {
+        NodeService {
+            ops,
+            locks: OpLocks::default(),
+        }
+    }
+
+    async fn stage(&self, req: NodeStageVolumeRequest) -> Result<NodeStageVolumeResponse> {
+        require(&req.volume_id, "volume_id")?;
+        let staging = path(&req.staging_target_path, "staging_target_path")?;
+        capability_of(req.volume_capability.as_ref())?;
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        self.ops.stage(&req.volume_id, staging).await?;
+        tracing::info!("staged");
+        Ok(NodeStageVolumeResponse {})
+    }
+
+    async fn unstage(&self, req: NodeUnstageVolumeRequest) -> Result<NodeUnstageVolumeResponse> {
+        require(&req.volume_id, "volume_id")?;
+        let staging = path(&req.staging_target_path, "staging_target_path")?;
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        self.ops.unstage(&req.volume_id, staging).await?;
+        tracing::info!("unstaged");
+        Ok(NodeUnstageVolumeResponse {})
+    }
+
+    async fn publish(&self, req: NodePublishVolumeRequest) -> Result<NodePublishVolumeResponse> {
+        require(&req.volume_id, "volume_id")?;
+        let target = path(&req.target_path, "target_path")?;
+        let cap = capability_of(req.volume_capability.as_ref())?;
+        let staging = path(&req.staging_target_path, "staging_target_path")?;
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        self.ops
+            .publish(&req.volume_id, staging, target, cap, req.readonly)
+            .await?;
+        tracing::info!("published");
+        Ok(NodePublishVolumeResponse {})
+    }
+
+    async fn unpublish(
+        &self,
+        req: NodeUnpublishVolumeRequest,
+    ) -> Result<NodeUnpublishVolumeResponse> {
+        require(&req.volume_id, "volume_id")?;
+        let target = path(&req.target_path, "target_path")?;
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        self.ops.unpublish(target).await?;
+        tracing::info!("unpublished");
+        Ok(NodeUnpublishVolumeResponse {})
+    }
+
+    async fn stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
+        require(&req.volume_id, "volume_id")?;
+        let vpath = PathBuf::from(require(&req.volume_path, "volume_path")?);
+        let (st, condition) = self.ops.stats(&req.volume_id, vpath).await?;
+        let frsize = st.fragment_size() as i64;
+        let total = st.blocks() as i64 * frsize;
+        let available = st.blocks_available() as i64 * frsize;
+        let used = total - st.blocks_free() as i64 * frsize;
+        let inodes = st.files() as i64;
+        let inodes_free = st.files_available() as i64;
+        Ok(NodeGetVolumeStatsResponse {
+            usage: vec![
+                VolumeUsage {
+                    available,
+                    total,
+                    used,
+                    unit: volume_usage::Unit::Bytes as i32,
+                },
+                VolumeUsage {
+                    available: inodes_free,
+                    total: inodes,
+                    used: inodes - st.files_free() as i64,
+                    unit: volume_usage::Unit::Inodes as i32,
+                },
+            ],
+            volume_condition: Some(VolumeCondition {
+                abnormal: condition.abnormal,
+                message: condition.message,
+            }),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Node for NodeService {
+    async fn node_stage_volume(
+        &self,
+        request: Request<NodeStageVolumeRequest>,
+    ) -> Result<Response<NodeStageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = info_span!("NodeStageVolume", volume.id = %req.volume_id, staging = %req.staging_target_path);
+        async { respond(self.stage(req).await) }
+            .instrument(span)
+            .await
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<NodeUnstageVolumeRequest>,
+    ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = info_span!("NodeUnstageVolume", volume.id = %req.volume_id, staging = %req.staging_target_path);
+        async { respond(self.unstage(req).await) }
+            .instrument(span)
+            .await
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<NodePublishVolumeRequest>,
+    ) -> Result<Response<NodePublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span =
+            info_span!("NodePublishVolume", volume.id = %req.volume_id, target = %req.target_path);
+        async { respond(self.publish(req).await) }
+            .instrument(span)
+            .await
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = info_span!("NodeUnpublishVolume", volume.id = %req.volume_id, target = %req.target_path);
+        async { respond(self.unpublish(req).await) }
+            .instrument(span)
+            .await
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
+        let req = request.into_inner();
+        let span = info_span!("NodeGetVolumeStats", volume.id = %req.volume_id);
+        async { respond(self.stats(req).await) }
+            .instrument(span)
+            .await
+    }
+
+    async fn node_expand_volume(
+        &self,
+        _: Request<NodeExpandVolumeRequest>,
+    ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "NodeExpandVolume is not offered by modelcache-csi",
+        ))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _: Request<NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
+        let capabilities = [
+            RpcType::StageUnstageVolume,
+            RpcType::GetVolumeStats,
+            RpcType::VolumeCondition,
+        ]
+        .into_iter()
+        .map(|t| NodeServiceCapability {
+            r#type: Some(node_service_capability::Type::Rpc(Rpc { r#type: t as i32 })),
+        })
+        .collect();
+        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _: Request<NodeGetInfoRequest>,
+    ) -> Result<Response<NodeGetInfoResponse>, Status> {
+        let node_id = self.ops.cfg.node_id.clone().unwrap_or_default();
+        Ok(Response::new(NodeGetInfoResponse {
+            accessible_topology: Some(Topology {
+                segments: HashMap::from([(self.ops.cfg.topology_key(), node_id.clone())]),
+            }),
+            node_id,
+            max_volumes_per_node: 0,
+        }))
+    }
+}

@@ -1,0 +1,324 @@
+//! The node's domain: stage a source once per volume, publish it (or a
+//! subPath of it) read-only into pods, and tear both down again.
+//!
+//! Nothing about mounts is remembered here: the kernel's mount table is the
+//! truth, so a plugin killed with live mounts picks up where it was.
+//! Writer leases are the one thing written, next to the source, because the
+//! controller on another node must see them before it seals.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::cache::{self, Backend, Role, Root, Roots, Seal, Verify, VolumeRecord};
+use crate::capability::MountRequest;
+use crate::config::Config;
+use crate::error::{Error, IoContext, Result};
+use crate::lock::KeyedMutex;
+use crate::mount::{self, MountFlags, mountinfo};
+
+pub struct NodeOps {
+    pub cfg: Arc<Config>,
+    pub roots: Roots,
+    /// Serialises loop-device reuse for one source within this process.
+    sources: KeyedMutex,
+}
+
+/// What a staged volume's condition says.
+pub struct Condition {
+    pub abnormal: bool,
+    pub message: String,
+}
+
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
+}
+
+fn node_id(cfg: &Config) -> Result<String> {
+    cfg.node_id.clone().ok_or_else(|| {
+        Error::FailedPrecondition("this process serves no node: start it with --node-id".into())
+    })
+}
+
+/// (device, inode) of what a path shows: two mounts of the same tree agree.
+fn identity(path: &Path) -> Result<(u64, u64)> {
+    let m = std::fs::metadata(path).ctx("stat", path)?;
+    Ok((m.dev(), m.ino()))
+}
+
+fn mount_entry(path: &Path) -> Result<Option<mountinfo::MountEntry>> {
+    let table = mountinfo::read_table().ctx("read mount table for", path)?;
+    let canonical = match std::fs::canonicalize(path) {
+        Ok(p) => p,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("resolve", path, e)),
+    };
+    Ok(mountinfo::mount_at(&table, &canonical).cloned())
+}
+
+/// Unmounts everything stacked on `path`.
+fn unmount_all(path: &Path) -> Result<()> {
+    while mount_entry(path)?.is_some() {
+        mount::unmount(path).ctx("unmount", path)?;
+    }
+    Ok(())
+}
+
+impl NodeOps {
+    pub fn new(cfg: Arc<Config>) -> NodeOps {
+        let roots = Roots::from_config(&cfg);
+        NodeOps {
+            cfg,
+            roots,
+            sources: KeyedMutex::default(),
+        }
+    }
+
+    pub async fn stage(&self, volume_id: &str, staging: PathBuf) -> Result<()> {
+        let (root, rec) = cache::lookup(&self.roots, volume_id)?;
+        let seal = cache::read_seal(&root, &rec.source)?;
+        // Sealed means read-only, for a source volume as for its caches.
+        let writable = rec.role == Role::Source && seal.is_none();
+        if !writable && seal.is_none() {
+            return Err(Error::FailedPrecondition(format!(
+                "source {} of volume {volume_id} is not sealed",
+                rec.source
+            )));
+        }
+        let node = node_id(&self.cfg)?;
+        let _g = self.sources.lock(&rec.source).await;
+        let new_lease = writable && cache::acquire_writer(&root, &rec.source, &node)?;
+        let (r, sid) = (root.clone(), rec.source.clone());
+        let result = blocking(move || stage_blocking(&r, &rec, &staging, writable, seal)).await;
+        if result.is_err() && new_lease {
+            // Only a lease this call took goes; an earlier staging keeps its own.
+            let _ = cache::release_writer(&root, &sid, &node);
+        }
+        result
+    }
+
+    pub async fn unstage(&self, volume_id: &str, staging: PathBuf) -> Result<()> {
+        blocking(move || unmount_all(&staging)).await?;
+        // The volume may be gone already, or live in a root this node does
+        // not serve; either way there is no lease of ours to drop.
+        if let Ok((root, rec)) = cache::lookup(&self.roots, volume_id)
+            && rec.role == Role::Source
+        {
+            cache::release_writer(&root, &rec.source, &node_id(&self.cfg)?)?;
+        }
+        Ok(())
+    }
+
+    pub async fn publish(
+        &self,
+        volume_id: &str,
+        staging: PathBuf,
+        target: PathBuf,
+        req: MountRequest,
+        readonly: bool,
+    ) -> Result<()> {
+        let (root, rec) = cache::lookup(&self.roots, volume_id)?;
+        let sealed = cache::read_seal(&root, &rec.source)?.is_some();
+        let immutable = rec.role == Role::Cache || sealed;
+        if immutable && req.ro_flag == Some(false) {
+            return Err(Error::invalid(
+                "volume_capability.mount.mount_flags",
+                "\"rw\" cannot be honoured: this volume is sealed and always read-only",
+            ));
+        }
+        let ro = immutable || readonly || req.ro_flag == Some(true) || !req.is_writer();
+        blocking(move || publish_blocking(&rec, &staging, &target, req.flags, ro)).await
+    }
+
+    pub async fn unpublish(&self, target: PathBuf) -> Result<()> {
+        blocking(move || {
+            unmount_all(&target)?;
+            match std::fs::remove_dir(&target) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(Error::io("remove target", &target, e)),
+            }
+        })
+        .await
+    }
+
+    /// Usage of a mounted volume path, and whether it is healthy.
+    pub async fn stats(
+        &self,
+        volume_id: &str,
+        path: PathBuf,
+    ) -> Result<(nix::sys::statvfs::Statvfs, Condition)> {
+        let lookup = cache::lookup(&self.roots, volume_id);
+        let vid = volume_id.to_string();
+        blocking(move || {
+            let Some(entry) = mount_entry(&path)? else {
+                return Err(Error::NotFound(format!(
+                    "volume {vid} is not mounted at {}",
+                    path.display()
+                )));
+            };
+            let st = nix::sys::statvfs::statvfs(&path)
+                .map_err(|e| Error::io("statfs", &path, e.into()))?;
+            let condition = match lookup {
+                Err(e) => Condition {
+                    abnormal: true,
+                    message: format!("volume record unavailable: {e}"),
+                },
+                Ok((root, rec)) => check_condition(&root, &rec, &entry),
+            };
+            Ok((st, condition))
+        })
+        .await
+    }
+}
+
+fn stage_blocking(
+    root: &Root,
+    rec: &VolumeRecord,
+    staging: &Path,
+    writable: bool,
+    seal: Option<Seal>,
+) -> Result<()> {
+    let sp = root.source(&rec.source);
+    std::fs::create_dir_all(staging).ctx("create staging path", staging)?;
+    if let Some(existing) = mount_entry(staging)? {
+        let same = match root.backend {
+            Backend::Xfs => mount::loopdev::backing_file(Path::new(&existing.source))
+                .ok()
+                .flatten()
+                .is_some_and(|b| std::fs::canonicalize(sp.image()).is_ok_and(|i| i == b)),
+            Backend::Local | Backend::Shared => identity(staging)? == identity(&sp.data())?,
+        };
+        if same && existing.is_readonly() == !writable {
+            return Ok(());
+        }
+        return Err(Error::AlreadyExists(format!(
+            "staging path {} already holds a different mount ({} from {}); unstage it first",
+            staging.display(),
+            existing.fs_type,
+            existing.source
+        )));
+    }
+    let base = MountFlags {
+        nosuid: !writable,
+        nodev: true,
+        ..MountFlags::default()
+    };
+    match (root.backend, writable) {
+        (Backend::Xfs, _) => {
+            let image = sp.image();
+            let lo =
+                mount::loopdev::attach(&image, !writable).ctx("attach loop device for", &image)?;
+            let data = if writable {
+                ""
+            } else {
+                cache::xfs::READER_OPTIONS
+            };
+            mount::mount_device(lo.path(), staging, "xfs", !writable, data).ctx("mount", &image)?;
+        }
+        (_, true) => {
+            mount::bind_writable(&sp.data(), staging, base).ctx("bind-mount", &sp.data())?
+        }
+        (_, false) => {
+            mount::bind_readonly(&sp.data(), staging, base).ctx("bind-mount", &sp.data())?
+        }
+    }
+    if let Some(seal) = seal {
+        // Checked through the mount itself: what pods will read is what is verified.
+        if let Err(e) = cache::manifest::verify(staging, &seal, rec.verify == Verify::Full) {
+            let _ = unmount_all(staging);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+fn publish_blocking(
+    rec: &VolumeRecord,
+    staging: &Path,
+    target: &Path,
+    flags: MountFlags,
+    ro: bool,
+) -> Result<()> {
+    if mount_entry(staging)?.is_none() {
+        return Err(Error::FailedPrecondition(format!(
+            "volume {} is not staged at {}: call NodeStageVolume first",
+            rec.id,
+            staging.display()
+        )));
+    }
+    // The subPath is opened beneath the staged root and mounted through its
+    // descriptor, so a symlink swapped in afterwards cannot redirect it.
+    let sub_fd = match &rec.sub_path {
+        Some(sub) => Some(mount::subpath::open_beneath(staging, sub).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                Error::NotFound(format!(
+                    "subPath {sub:?} does not exist in volume {}",
+                    rec.id
+                ))
+            } else {
+                Error::invalid("subPath", format!("{sub:?} cannot be used: {e}"))
+            }
+        })?),
+        None => None,
+    };
+    let src: PathBuf = match &sub_fd {
+        Some(fd) => mount::subpath::proc_path(fd),
+        None => staging.to_path_buf(),
+    };
+    if let Some(existing) = mount_entry(target)? {
+        if identity(target)? == identity(&src)? && existing.is_readonly() == ro {
+            return Ok(());
+        }
+        return Err(Error::AlreadyExists(format!(
+            "target {} already holds a different mount of {} (read-only: {}); unpublish it first",
+            target.display(),
+            existing.source,
+            existing.is_readonly()
+        )));
+    }
+    std::fs::create_dir_all(target).ctx("create target", target)?;
+    if ro {
+        let flags = MountFlags {
+            nosuid: true,
+            nodev: true,
+            ..flags
+        };
+        mount::bind_readonly(&src, target, flags).ctx("bind-mount read-only onto", target)
+    } else {
+        mount::bind_writable(&src, target, flags).ctx("bind-mount onto", target)
+    }
+}
+
+fn check_condition(root: &Root, rec: &VolumeRecord, entry: &mountinfo::MountEntry) -> Condition {
+    let sp = root.source(&rec.source);
+    let abnormal = |m: String| Condition {
+        abnormal: true,
+        message: m,
+    };
+    if root.backend == Backend::Xfs {
+        match mount::loopdev::backing_file(Path::new(&entry.source)) {
+            Ok(Some(b)) if b.to_string_lossy().ends_with("(deleted)") => {
+                return abnormal(format!("the image behind {} was deleted", entry.source));
+            }
+            Ok(Some(_)) => {}
+            _ => return abnormal(format!("{} is not an attached loop device", entry.source)),
+        }
+    } else if !sp.data().is_dir() {
+        return abnormal(format!(
+            "source directory {} is missing",
+            sp.data().display()
+        ));
+    }
+    if rec.role == Role::Cache && !sp.seal().exists() {
+        return abnormal(format!("the seal of source {} is missing", rec.source));
+    }
+    Condition {
+        abnormal: false,
+        message: "volume is mounted and its source is present".into(),
+    }
+}

@@ -1,0 +1,91 @@
+//! Binds the CSI endpoint and serves the chosen services on it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::config::Config;
+use crate::controller::{ControllerService, Provisioner};
+use crate::csi::controller_server::ControllerServer;
+use crate::csi::identity_server::IdentityServer;
+use crate::csi::node_server::NodeServer;
+use crate::identity::IdentityService;
+use crate::node::{NodeOps, NodeService};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    Controller,
+    Node,
+    All,
+}
+
+/// `unix:///path`, `unix:/path` or a bare absolute path.
+pub fn socket_path(endpoint: &str) -> anyhow::Result<PathBuf> {
+    let p = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .unwrap_or(endpoint);
+    anyhow::ensure!(
+        p.starts_with('/'),
+        "--endpoint {endpoint:?} must be unix:///absolute/path.sock"
+    );
+    Ok(PathBuf::from(p))
+}
+
+fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    // A socket left by a killed predecessor would make bind fail.
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(UnixListener::bind(path)?)
+}
+
+pub async fn serve(
+    cfg: Arc<Config>,
+    mode: Mode,
+    endpoint: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let path = socket_path(endpoint)?;
+    let listener = bind(&path)?;
+    serve_on(cfg, mode, listener, shutdown).await
+}
+
+pub async fn serve_on(
+    cfg: Arc<Config>,
+    mode: Mode,
+    listener: UnixListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let controller = matches!(mode, Mode::Controller | Mode::All);
+    let node = matches!(mode, Mode::Node | Mode::All);
+    anyhow::ensure!(
+        !node || cfg.node_id.is_some(),
+        "--node-id is required to serve the node service"
+    );
+    let router = tonic::transport::Server::builder()
+        .add_service(IdentityServer::new(IdentityService::new(
+            cfg.clone(),
+            controller,
+        )))
+        .add_optional_service(controller.then(|| {
+            ControllerServer::new(ControllerService::new(Arc::new(Provisioner::new(
+                cfg.clone(),
+            ))))
+        }))
+        .add_optional_service(
+            node.then(|| NodeServer::new(NodeService::new(Arc::new(NodeOps::new(cfg.clone()))))),
+        );
+    tracing::info!(driver = %cfg.driver_name, ?mode, node = ?cfg.node_id, "serving CSI");
+    router
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}

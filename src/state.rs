@@ -1,0 +1,131 @@
+//! What the OS cannot tell us, persisted atomically: JSON records written to a
+//! temporary file, fsynced, renamed into place, and the directory fsynced.
+//!
+//! A reader sees either the old record or the new one, never a torn write,
+//! even after `kill -9` or a power cut. Nothing here holds locks; callers do.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::Path;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// Writes `bytes` to `path` atomically and durably.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no parent"))?;
+    fs::create_dir_all(dir)?;
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
+    // Unique per writer so that two processes racing on one record never
+    // share a temporary file; the last rename wins, whole.
+    let tmp = dir.join(format!(".{name}.tmp-{}", uuid::Uuid::new_v4().simple()));
+    let result = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        sync_dir(dir)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> io::Result<()> {
+    let mut bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
+    bytes.push(b'\n');
+    write_atomic(path, &bytes)
+}
+
+/// Reads a JSON record; `Ok(None)` when it does not exist.
+pub fn read_json<T: DeserializeOwned>(path: &Path) -> io::Result<Option<T>> {
+    match fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{e}"))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates an empty marker file durably; `Ok(false)` if it already existed.
+pub fn create_marker(path: &Path, content: &[u8]) -> io::Result<bool> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no parent"))?;
+    fs::create_dir_all(dir)?;
+    match OpenOptions::new().write(true).create_new(true).open(path) {
+        Ok(mut f) => {
+            f.write_all(content)?;
+            f.sync_all()?;
+            sync_dir(dir)?;
+            Ok(true)
+        }
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes a file durably; a missing file is fine.
+pub fn remove_file(path: &Path) -> io::Result<()> {
+    match fs::remove_file(path) {
+        Ok(()) => path.parent().map_or(Ok(()), sync_dir),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Names of the entries of `dir`, sorted, skipping our temporary files;
+/// a missing directory is empty.
+pub fn list_names(dir: &Path) -> io::Result<Vec<String>> {
+    let mut names = Vec::new();
+    match fs::read_dir(dir) {
+        Ok(entries) => {
+            for entry in entries {
+                let name = entry?.file_name().to_string_lossy().into_owned();
+                if !name.starts_with('.') {
+                    names.push(name);
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    names.sort();
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_round_trip_and_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a/b.json");
+        assert_eq!(read_json::<Vec<u32>>(&p).unwrap(), None);
+        write_json(&p, &vec![1u32, 2]).unwrap();
+        write_json(&p, &vec![3u32]).unwrap();
+        assert_eq!(read_json::<Vec<u32>>(&p).unwrap(), Some(vec![3]));
+        // No temporary files are left behind.
+        assert_eq!(list_names(&dir.path().join("a")).unwrap(), vec!["b.json"]);
+        assert_eq!(fs::read_dir(dir.path().join("a")).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn marker_is_created_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m");
+        assert!(create_marker(&p, b"x").unwrap());
+        assert!(!create_marker(&p, b"y").unwrap());
+        remove_file(&p).unwrap();
+        remove_file(&p).unwrap();
+    }
+}
