@@ -45,7 +45,7 @@ pub struct LinkEntry {
 }
 
 /// The tree's contents, before origin and time are attached.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Tree {
     pub files: Vec<FileEntry>,
     pub dirs: Vec<String>,

@@ -186,11 +186,11 @@ impl Provisioner {
                  create the PVC with a dataSource naming a sealed source PVC",
             ));
         }
-        if content.is_some() && params.source.is_some() {
-            return Err(Error::invalid(
-                "parameters.source",
-                "give either a model URI or a volume content source (PVC dataSource), not both",
-            ));
+        // The StorageClass's source is a default; a PVC's own dataSource is
+        // more specific and wins.
+        let mut params = params;
+        if content.is_some() {
+            params.source = None;
         }
         let root = match &content {
             Some((root, _)) => {

@@ -1,0 +1,36 @@
+# Shared helpers for the project's scripts. Source it; do not run it.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="${MODELCACHE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/modelcache-csi/tools}"
+CSI_SANITY_VERSION="v5.5.0"
+CSI_SANITY="$TOOLS/csi-sanity-$CSI_SANITY_VERSION/csi-sanity"
+
+log() { printf '==> %s\n' "$*" >&2; }
+
+need_root() {
+  if [ "$(id -u)" != 0 ]; then
+    echo "$0 needs root: it mounts filesystems and attaches loop devices" >&2
+    exit 1
+  fi
+}
+
+apt_install() {
+  local missing=()
+  for pkg in "$@"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "apt-get install ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+# go install into a directory named by version, so a warm cache skips it.
+go_install() {
+  local module="$1" dest="$2"
+  [ -x "$dest" ] && return 0
+  log "go install $module"
+  mkdir -p "$(dirname "$dest")"
+  GOBIN="$(dirname "$dest")" GOFLAGS=-mod=mod go install "$module"
+}
