@@ -193,7 +193,7 @@ fn stage_blocking(
                 .is_some_and(|b| std::fs::canonicalize(sp.image()).is_ok_and(|i| i == b)),
             Backend::Local | Backend::Shared => identity(staging)? == identity(&sp.data())?,
         };
-        if same && existing.is_readonly() == !writable {
+        if same && existing.is_readonly() != writable {
             return Ok(());
         }
         return Err(Error::AlreadyExists(format!(
