@@ -201,11 +201,23 @@ pub fn delete_source(root: &Root, sid: &str) -> Result<()> {
     fs::remove_dir_all(&trash).ctx("remove", &trash)
 }
 
-/// Removes what a crash may have left: trash and temporary directories.
+/// Removes what a crash may have left: trash, and the private mounts of a
+/// seal that was cut short.
 pub fn sweep(root: &Root) {
     for name in list_hidden(&root.sources_dir()) {
         if name.starts_with(".trash-") {
             let _ = fs::remove_dir_all(root.sources_dir().join(name));
+        }
+    }
+    if let Ok(entries) = fs::read_dir(root.tmp_dir()) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            while crate::mount::is_mount_point(&path).unwrap_or(false) {
+                if crate::mount::unmount(&path).is_err() {
+                    break;
+                }
+            }
+            let _ = fs::remove_dir(&path);
         }
     }
 }

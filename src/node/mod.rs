@@ -95,7 +95,9 @@ impl NodeService {
     async fn stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
         require(&req.volume_id, "volume_id")?;
         let vpath = PathBuf::from(require(&req.volume_path, "volume_path")?);
-        let (st, condition) = self.ops.stats(&req.volume_id, vpath).await?;
+        let staging =
+            (!req.staging_target_path.is_empty()).then(|| PathBuf::from(&req.staging_target_path));
+        let (st, condition) = self.ops.stats(&req.volume_id, vpath, staging).await?;
         let frsize = st.fragment_size() as i64;
         let total = st.blocks() as i64 * frsize;
         let available = st.blocks_available() as i64 * frsize;

@@ -147,10 +147,13 @@ impl NodeOps {
     }
 
     /// Usage of a mounted volume path, and whether it is healthy.
+    /// `staging`, when the CO passes it, is checked too: a publish can
+    /// outlive a staging mount that was torn away underneath it.
     pub async fn stats(
         &self,
         volume_id: &str,
         path: PathBuf,
+        staging: Option<PathBuf>,
     ) -> Result<(nix::sys::statvfs::Statvfs, Condition)> {
         let lookup = cache::lookup(&self.roots, volume_id);
         let vid = volume_id.to_string();
@@ -168,7 +171,7 @@ impl NodeOps {
                     abnormal: true,
                     message: format!("volume record unavailable: {e}"),
                 },
-                Ok((root, rec)) => check_condition(&root, &rec, &entry),
+                Ok((root, rec)) => check_condition(&root, &rec, &entry, staging.as_deref()),
             };
             Ok((st, condition))
         })
@@ -294,7 +297,12 @@ fn publish_blocking(
     }
 }
 
-fn check_condition(root: &Root, rec: &VolumeRecord, entry: &mountinfo::MountEntry) -> Condition {
+fn check_condition(
+    root: &Root,
+    rec: &VolumeRecord,
+    entry: &mountinfo::MountEntry,
+    staging: Option<&Path>,
+) -> Condition {
     let sp = root.source(&rec.source);
     let abnormal = |m: String| Condition {
         abnormal: true,
@@ -314,8 +322,25 @@ fn check_condition(root: &Root, rec: &VolumeRecord, entry: &mountinfo::MountEntr
             sp.data().display()
         ));
     }
-    if rec.role == Role::Cache && !sp.seal().exists() {
+    let seal = cache::read_seal(root, &rec.source).ok().flatten();
+    if rec.role == Role::Cache && seal.is_none() {
         return abnormal(format!("the seal of source {} is missing", rec.source));
+    }
+    if let Some(staging) = staging {
+        match mount_entry(staging) {
+            Ok(Some(_)) => {}
+            _ => {
+                return abnormal(format!(
+                    "the staging mount at {} is missing",
+                    staging.display()
+                ));
+            }
+        }
+        if let Some(seal) = &seal
+            && let Err(e) = cache::manifest::verify(staging, seal, false)
+        {
+            return abnormal(e.to_string());
+        }
     }
     Condition {
         abnormal: false,
