@@ -31,6 +31,12 @@ pub enum Error {
     OutOfRange(String),
     #[error("{0}")]
     Unavailable(String),
+    /// Unavailable, and the server said when to come back (Retry-After).
+    #[error("{message} (retry after {after:?})")]
+    RetryAfter {
+        message: String,
+        after: std::time::Duration,
+    },
     #[error("{0}")]
     Unimplemented(String),
     /// An unexpected OS error, with what we were doing and on which path.
@@ -83,7 +89,7 @@ impl From<Error> for tonic::Status {
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::OutOfRange(_) => Code::OutOfRange,
-            Error::Unavailable(_) => Code::Unavailable,
+            Error::Unavailable(_) | Error::RetryAfter { .. } => Code::Unavailable,
             Error::Unimplemented(_) => Code::Unimplemented,
             // A full disk is a capacity problem the CO can act on, not a bug.
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {

@@ -1,18 +1,39 @@
 //! Model sources fetched by the driver itself, sealed into the store under a
 //! content-addressed key so every volume of the same model shares one copy.
 //!
-//! This build implements `file://` (a local tree, for tests and air-gapped
-//! nodes). A model is staged in a unique temporary directory beside its
-//! final place, hashed as it is copied, fsynced, given its seal, and renamed
-//! into place: a half-written model is never visible, and losing a race to
-//! another puller is a success.
+//! `source.rs` is the contract every scheme implements; `engine.rs` does the
+//! downloading (parallel ranges, streaming sha256, resume after a crash,
+//! retries, stall watchdog) and the sealing; each scheme module only
+//! resolves a URI and serves byte ranges. Nothing here logs or stores a
+//! credential.
 
 pub mod file;
+pub mod source;
+
+use std::collections::BTreeMap;
 
 use crate::cache::{Root, Seal};
 use crate::error::Result;
 
 pub const ACCEPTED_FORMS: &str = "file:///absolute/path";
+
+/// Parameters and secrets that configure sources. Parameters come from the
+/// StorageClass (validated by the controller); secrets from the CSI
+/// request's secrets, never logged.
+#[derive(Clone, Default)]
+pub struct SourceOptions {
+    pub params: BTreeMap<String, String>,
+    pub secrets: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for SourceOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceOptions")
+            .field("params", &self.params)
+            .field("secrets", &self.secrets.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
 
 /// Checks a model URI's form without touching the network or disk.
 pub fn validate_uri(uri: &str) -> Result<(), String> {
