@@ -2,8 +2,12 @@
 
 use std::path::PathBuf;
 
-use crate::cache::Backend;
+use std::time::Duration;
 
+use crate::cache::Backend;
+use crate::puller::engine::EngineConfig;
+
+/// `Default` is for embedding (demo, tests): no node, local backend only.
 #[derive(Clone, Debug)]
 pub struct Config {
     pub driver_name: String,
@@ -13,6 +17,10 @@ pub struct Config {
     /// Filesystems mounted at the same path on every node; the first is the default.
     pub shared_paths: Vec<PathBuf>,
     pub backends: Vec<Backend>,
+    /// Download engine settings, including each backend's cache capacity.
+    pub pull: EngineConfig,
+    /// Unreferenced pulled models idle this long are evicted.
+    pub evict_idle: Option<Duration>,
 }
 
 impl Config {
@@ -23,5 +31,19 @@ impl Config {
 
     pub fn backend_enabled(&self, b: Backend) -> bool {
         self.backends.contains(&b)
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            driver_name: "modelcache.csi.io".into(),
+            node_id: None,
+            state_dir: "/var/lib/modelcache-csi".into(),
+            shared_paths: Vec::new(),
+            backends: vec![Backend::Local],
+            pull: EngineConfig::default(),
+            evict_idle: None,
+        }
     }
 }

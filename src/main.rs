@@ -6,6 +6,7 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand};
 use modelcache_csi::cache::Backend;
 use modelcache_csi::config::Config;
+use modelcache_csi::puller::engine::EngineConfig;
 use modelcache_csi::server::{self, Mode};
 
 #[derive(Parser)]
@@ -60,6 +61,24 @@ struct ServeArgs {
     /// Backends to enable (comma-separated). Default: local and xfs, plus shared when --shared-path is set.
     #[arg(long, value_delimiter = ',')]
     backends: Vec<String>,
+    /// Cap on the bytes of pulled models per backend, e.g. local=50G (repeatable).
+    #[arg(long)]
+    cache_capacity: Vec<String>,
+    /// Evict unreferenced, unpinned pulled models idle this many minutes.
+    #[arg(long)]
+    evict_idle_minutes: Option<u64>,
+    /// Parallel ranged requests per file.
+    #[arg(long, default_value_t = 4)]
+    pull_connections: usize,
+    /// Models pulled at once.
+    #[arg(long, default_value_t = 2)]
+    pull_parallel_models: usize,
+    /// Size of one ranged request, MiB.
+    #[arg(long, default_value_t = 32)]
+    pull_chunk_mib: u64,
+    /// A download making no progress this long is restarted.
+    #[arg(long, default_value_t = 30)]
+    pull_stall_seconds: u64,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -90,18 +109,49 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         );
     }
     anyhow::ensure!(!a.driver_name.is_empty(), "--driver-name must not be empty");
+    let mut pull = EngineConfig {
+        connections: a.pull_connections.max(1),
+        models: a.pull_parallel_models.max(1),
+        chunk_bytes: a.pull_chunk_mib.max(1) << 20,
+        stall: std::time::Duration::from_secs(a.pull_stall_seconds.max(1)),
+        ..EngineConfig::default()
+    };
+    for c in &a.cache_capacity {
+        let (b, size) = c
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("--cache-capacity {c:?} must look like local=50G"))?;
+        let backend = Backend::parse(b).ok_or_else(|| anyhow::anyhow!("--cache-capacity: {b:?} is not one of local, shared, xfs"))?;
+        pull.capacity.insert(backend, parse_size(size)?);
+    }
     Ok(Config {
         driver_name: a.driver_name.clone(),
         node_id: a.node_id.clone().filter(|n| !n.is_empty()),
         state_dir: a.state_dir.clone(),
         shared_paths: a.shared_path.clone(),
         backends,
+        pull,
+        evict_idle: a.evict_idle_minutes.map(|m| std::time::Duration::from_secs(m * 60)),
     })
 }
 
-fn init_logging(format: &str) {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+/// `default_level` applies unless RUST_LOG is set.
+/// Bytes with an optional K/M/G/T (powers of 1024) suffix, e.g. 50G or 512Mi.
+fn parse_size(s: &str) -> anyhow::Result<u64> {
+    let t = s.trim().trim_end_matches('i').trim_end_matches('B');
+    let (num, mult) = match t.chars().last() {
+        Some('K') | Some('k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        Some('T') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    let n: u64 = num.parse().map_err(|_| anyhow::anyhow!("{s:?} is not a size like 512Mi or 50G"))?;
+    Ok(n * mult)
+}
+
+fn init_logging(format: &str, default_level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| default_level.into());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -127,7 +177,8 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Demo(args)) => {
-            init_logging("text");
+            // The demo narrates on stdout; the driver's per-call logs would drown it.
+            init_logging("text", "warn");
             modelcache_csi::demo::run(args).await
         }
         Some(Command::Seal {
@@ -153,7 +204,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
-    init_logging(&a.log_format);
+    init_logging(&a.log_format, "info");
     let cfg = Arc::new(config(&a)?);
     for p in modelcache_csi::identity::problems(&cfg) {
         tracing::warn!(problem = %p, "a backend is not usable; Probe will report not ready");

@@ -13,6 +13,7 @@
 //! `sealing` and then looks for writers. Whichever comes second sees the
 //! other and backs off.
 
+pub mod evict;
 pub mod layout;
 pub mod manifest;
 pub mod record;
@@ -170,6 +171,10 @@ pub fn copy_source(root: &Root, from: &str, to: &str) -> Result<()> {
         // The copy must be writable even if the original was sealed (0444).
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(&tmp, fs::Permissions::from_mode(0o644)).ctx("chmod", &tmp)?;
+        if let Err(e) = xfs::new_uuid(&tmp) {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
     }
     fs::rename(&tmp, &to_path).ctx("rename into place", &to_path)?;
     state::sync_dir(&dst.dir).ctx("sync", &dst.dir)?;

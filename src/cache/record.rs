@@ -58,6 +58,12 @@ pub struct VolumeRecord {
     /// The only node that can reach the volume, for node-local roots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// The model URI a cache volume was pulled from (no credentials).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The immutable revision that URI resolved to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
     /// The volume id this one was created from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<String>,

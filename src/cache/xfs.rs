@@ -24,10 +24,14 @@ pub const MIN_IMAGE_BYTES: u64 = 300 << 20;
 pub const READER_OPTIONS: &str = "norecovery,nouuid";
 
 pub fn mkfs_path() -> Option<PathBuf> {
+    tool_path("mkfs.xfs")
+}
+
+fn tool_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(["/sbin".into(), "/usr/sbin".into()])
-        .map(|d| d.join("mkfs.xfs"))
+        .map(|d| d.join(name))
         .find(|p| p.is_file())
 }
 
@@ -70,6 +74,30 @@ pub fn create_image(image: &Path, size: u64) -> Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// Gives a copied image a filesystem UUID of its own: XFS refuses to mount a
+/// UUID that is already mounted (only readers pass nouuid), so copies that
+/// kept their original's UUID could not be written or sealed side by side.
+pub fn new_uuid(image: &Path) -> Result<()> {
+    let admin = tool_path("xfs_admin").ok_or_else(|| {
+        Error::FailedPrecondition(
+            "backend xfs needs xfs_admin on the controller; install xfsprogs".into(),
+        )
+    })?;
+    let out = Command::new(&admin)
+        .args(["-U", "generate"])
+        .arg(image)
+        .output()
+        .ctx("run xfs_admin on", image)?;
+    if !out.status.success() {
+        return Err(Error::Internal(format!(
+            "xfs_admin -U generate {} failed: {}",
+            image.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
 }
 
 /// Mounts the image read-write in a private directory (replaying its log if

@@ -90,6 +90,7 @@ impl ControllerService {
                 capacity: req.capacity_range,
                 content_volume,
                 topology: req.accessibility_requirements,
+                secrets: req.secrets,
             })
             .await?;
         tracing::info!(volume.id = %rec.id, role = rec.role.as_str(), "volume ready");

@@ -2,7 +2,7 @@
 //! every key is known, every value checked, and an error names the key and
 //! what it accepts.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use crate::cache::{Backend, Role, Verify};
@@ -16,7 +16,17 @@ pub const SUB_PATH: &str = "subPath";
 pub const VERIFY: &str = "verify";
 pub const SOURCE: &str = "source";
 
-const KNOWN: [&str; 7] = [
+/// Options handed to the model source; see `puller`.
+pub const SOURCE_OPTIONS: [&str; 6] = [
+    "s3Endpoint",
+    "s3Region",
+    "s3PathStyle",
+    "ociPlainHTTP",
+    "hfEndpoint",
+    "modelRegistryURL",
+];
+
+const KNOWN: [&str; 13] = [
     BACKEND,
     ROLE,
     SHARED_PATH,
@@ -24,6 +34,12 @@ const KNOWN: [&str; 7] = [
     SUB_PATH,
     VERIFY,
     SOURCE,
+    SOURCE_OPTIONS[0],
+    SOURCE_OPTIONS[1],
+    SOURCE_OPTIONS[2],
+    SOURCE_OPTIONS[3],
+    SOURCE_OPTIONS[4],
+    SOURCE_OPTIONS[5],
 ];
 
 /// external-provisioner adds these (PVC name, namespace, PV name) with
@@ -31,6 +47,7 @@ const KNOWN: [&str; 7] = [
 const PROVISIONER_PREFIX: &str = "csi.storage.k8s.io/";
 
 pub const SEALED: &str = "sealed";
+pub const PINNED: &str = "pinned";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ImageLocation {
@@ -47,6 +64,7 @@ pub struct Params {
     pub sub_path: Option<String>,
     pub verify: Option<Verify>,
     pub source: Option<String>,
+    pub source_options: BTreeMap<String, String>,
 }
 
 fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
@@ -131,6 +149,24 @@ impl Params {
                         .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
                     p.source = Some(value.to_string());
                 }
+                k if SOURCE_OPTIONS.contains(&k) => {
+                    if k.ends_with("Endpoint") || k.ends_with("URL") {
+                        let ok = url::Url::parse(value)
+                            .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
+                        if !ok {
+                            return Err(Error::invalid(
+                                format!("parameters.{k}"),
+                                format!("{value:?} is not an http(s) URL like https://host:port"),
+                            ));
+                        }
+                    } else if !matches!(value, "true" | "false") {
+                        return Err(Error::invalid(
+                            format!("parameters.{k}"),
+                            format!("{value:?} is not accepted; use \"true\" or \"false\""),
+                        ));
+                    }
+                    p.source_options.insert(k.to_string(), value.to_string());
+                }
                 k if k.starts_with(PROVISIONER_PREFIX) => {}
                 other => {
                     return Err(Error::invalid(
@@ -151,6 +187,7 @@ impl Params {
                 (p.sub_path.is_some(), SUB_PATH),
                 (p.verify.is_some(), VERIFY),
                 (p.source.is_some(), SOURCE),
+                (!p.source_options.is_empty(), "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, modelRegistryURL"),
             ] {
                 if set {
                     return Err(Error::invalid(
@@ -164,28 +201,40 @@ impl Params {
     }
 }
 
-/// Parses mutable parameters. Only `sealed` exists; `Some(true)` asks for a seal.
-pub fn parse_mutable(map: &HashMap<String, String>) -> Result<Option<bool>> {
-    let mut sealed = None;
+/// Mutable (VolumeAttributesClass) parameters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mutable {
+    /// Some(true) asks for a seal; sealing cannot be undone.
+    pub sealed: Option<bool>,
+    /// Keeps a pulled model from eviction while set.
+    pub pinned: Option<bool>,
+}
+
+pub fn parse_mutable(map: &HashMap<String, String>) -> Result<Mutable> {
+    let mut m = Mutable::default();
     for (key, value) in map {
-        if key != SEALED {
-            return Err(Error::invalid(
-                format!("mutable_parameters.{key}"),
-                format!("unknown mutable parameter; accepted: {SEALED}"),
-            ));
-        }
-        sealed = Some(match value.as_str() {
+        let slot = match key.as_str() {
+            SEALED => &mut m.sealed,
+            PINNED => &mut m.pinned,
+            _ => {
+                return Err(Error::invalid(
+                    format!("mutable_parameters.{key}"),
+                    format!("unknown mutable parameter; accepted: {SEALED}, {PINNED}"),
+                ));
+            }
+        };
+        *slot = Some(match value.as_str() {
             "true" => true,
             "false" => false,
             other => {
                 return Err(Error::invalid(
-                    format!("mutable_parameters.{SEALED}"),
+                    format!("mutable_parameters.{key}"),
                     format!("{other:?} is not accepted; use \"true\" or \"false\""),
                 ));
             }
         });
     }
-    Ok(sealed)
+    Ok(m)
 }
 
 #[cfg(test)]
@@ -240,11 +289,9 @@ mod tests {
 
     #[test]
     fn mutable_parameters() {
-        assert_eq!(
-            parse_mutable(&map(&[("sealed", "true")])).unwrap(),
-            Some(true)
-        );
-        assert_eq!(parse_mutable(&map(&[])).unwrap(), None);
+        assert_eq!(parse_mutable(&map(&[("sealed", "true")])).unwrap().sealed, Some(true));
+        assert_eq!(parse_mutable(&map(&[("pinned", "false")])).unwrap().pinned, Some(false));
+        assert_eq!(parse_mutable(&map(&[])).unwrap(), Mutable::default());
         assert!(parse_mutable(&map(&[("XXX_FakeKey", "1")])).is_err());
         assert!(parse_mutable(&map(&[("sealed", "yes")])).is_err());
     }

@@ -12,6 +12,8 @@ use crate::config::Config;
 use crate::csi::{CapacityRange, Topology, TopologyRequirement, VolumeCapability};
 use crate::error::{Error, Result};
 use crate::lock::KeyedMutex;
+use crate::puller::engine::{Engine, NoProgress};
+use crate::puller::{self, SourceOptions};
 
 use super::params::{ImageLocation, Params};
 
@@ -26,6 +28,7 @@ pub struct CreateRequest {
     pub capacity: Option<CapacityRange>,
     pub content_volume: Option<String>,
     pub topology: Option<TopologyRequirement>,
+    pub secrets: HashMap<String, String>,
 }
 
 pub struct Provisioner {
@@ -33,6 +36,7 @@ pub struct Provisioner {
     pub roots: Roots,
     /// Serialises clone, seal and delete on one source within this process.
     pub sources: KeyedMutex,
+    pub engine: Engine,
 }
 
 /// Runs blocking filesystem work off the async runtime.
@@ -50,10 +54,12 @@ impl Provisioner {
         for r in &roots.roots {
             cache::sweep(r);
         }
+        let engine = Engine::new(cfg.pull.clone(), crate::puller::extract_layer);
         Provisioner {
             cfg,
             roots,
             sources: KeyedMutex::default(),
+            engine,
         }
     }
 
@@ -159,7 +165,7 @@ impl Provisioner {
 
     pub async fn create(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
         let params = Params::parse(&req.params)?;
-        let seal_now = super::params::parse_mutable(&req.mutable)?;
+        let mutable = super::params::parse_mutable(&req.mutable)?;
 
         // The content source decides the root: a cache volume reads its
         // source in place, so it cannot live anywhere else.
@@ -259,6 +265,8 @@ impl Provisioner {
             role,
             source: uuid.clone(),
             sub_path: params.sub_path.clone(),
+            model: None,
+            revision: None,
             verify: params.verify.unwrap_or(Verify::Size),
             capacity_bytes: 0,
             node: root.node.clone(),
@@ -313,9 +321,15 @@ impl Provisioner {
                     Some((_, from)) => from.source,
                     None => {
                         let uri = params.source.clone().unwrap_or_default();
-                        let _g = self.sources.lock(&format!("pull:{uri}")).await;
-                        let r = root.clone();
-                        blocking(move || crate::puller::ensure(&r, &uri)).await?.0
+                        let opts = SourceOptions {
+                            params: params.source_options.clone(),
+                            secrets: req.secrets.clone().into_iter().collect(),
+                        };
+                        let source = puller::open(&uri, &opts)?;
+                        let pulled = self.engine.pull(&root, source, &NoProgress).await?;
+                        rec.model = pulled.seal.origin.clone().into();
+                        rec.revision = pulled.seal.revision.clone();
+                        pulled.sid
                     }
                 };
                 let _g = self.sources.lock(&sid).await;
@@ -340,10 +354,24 @@ impl Provisioner {
                 rec.source = sid.clone();
                 rec.capacity_bytes = required.max(total);
                 cache::add_ref(&root, &sid, &uuid)?;
+                // Eviction renames a model away before it looks for
+                // references; if that won, ours must not dangle.
+                if cache::read_seal(&root, &sid)?.is_none() {
+                    cache::remove_ref(&root, &sid, &uuid)?;
+                    return Err(Error::Unavailable(format!(
+                        "source {sid} was evicted while this volume was being created; retry"
+                    )));
+                }
+                if cache::evict::is_model(&sid) {
+                    cache::evict::touch(&root, &sid)?;
+                }
             }
         }
         cache::write_volume(&root, &rec)?;
-        if seal_now == Some(true) && role == Role::Source {
+        if mutable.pinned.is_some() && role == Role::Cache && rec.model.is_some() {
+            cache::evict::set_pinned(&root, &rec.source, mutable.pinned == Some(true))?;
+        }
+        if mutable.sealed == Some(true) && role == Role::Source {
             self.seal(&rec.id).await?;
         }
         Ok((rec, self.topology_of(&root)))
@@ -431,9 +459,18 @@ impl Provisioner {
     }
 
     pub async fn modify(&self, volume_id: &str, mutable: &HashMap<String, String>) -> Result<()> {
-        let sealed = super::params::parse_mutable(mutable)?;
+        let m = super::params::parse_mutable(mutable)?;
         let (root, rec) = self.lookup(volume_id)?;
-        match (sealed, rec.role) {
+        if let Some(pin) = m.pinned {
+            if !cache::evict::is_model(&rec.source) {
+                return Err(Error::invalid(
+                    "mutable_parameters.pinned",
+                    "only volumes of pulled models (parameter source) can pin them; source volumes are never evicted",
+                ));
+            }
+            cache::evict::set_pinned(&root, &rec.source, pin)?;
+        }
+        match (m.sealed, rec.role) {
             (Some(true), Role::Source) => self.seal(volume_id).await.map(|_| ()),
             (Some(false), _) if cache::read_seal(&root, &rec.source)?.is_some() => {
                 Err(Error::invalid(
@@ -493,6 +530,12 @@ impl Provisioner {
         ]);
         if let Some(s) = &rec.sub_path {
             ctx.insert("subPath".into(), s.clone());
+        }
+        if let Some(m) = &rec.model {
+            ctx.insert("model".into(), m.clone());
+        }
+        if let Some(r) = &rec.revision {
+            ctx.insert("revision".into(), r.clone());
         }
         ctx
     }

@@ -7,13 +7,19 @@
 //! resolves a URI and serves byte ranges. Nothing here logs or stores a
 //! credential.
 
+pub mod engine;
 pub mod file;
+pub mod s3;
 pub mod source;
+pub mod unpack;
 
 use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
 
-use crate::cache::{Root, Seal};
-use crate::error::Result;
+use crate::cache::manifest::FileEntry;
+use crate::error::{Error, Result};
+use source::{Compression, Source};
 
 pub const ACCEPTED_FORMS: &str = "file:///absolute/path";
 
@@ -48,8 +54,21 @@ pub fn validate_uri(uri: &str) -> Result<(), String> {
     }
 }
 
-/// Makes sure the model named by `uri` is sealed in `root`; returns its
-/// source id and seal.
-pub fn ensure(root: &Root, uri: &str) -> Result<(String, Seal)> {
-    file::ensure(root, uri)
+/// The source for a model URI. Validation errors name the parameter.
+pub fn open(uri: &str, _opts: &SourceOptions) -> Result<Arc<dyn Source>> {
+    validate_uri(uri).map_err(|m| Error::invalid("parameters.source", m))?;
+    match uri.split_once("://").map(|(s, _)| s) {
+        Some("file") => Ok(Arc::new(file::FileSource::new(uri)?)),
+        _ => Err(Error::invalid(
+            "parameters.source",
+            format!("accepted forms: {ACCEPTED_FORMS}"),
+        )),
+    }
+}
+
+/// Unpacks a verified layer blob into the model.
+pub fn extract_layer(_blob: &Path, _c: Compression, _dest: &Path) -> Result<Vec<FileEntry>> {
+    Err(Error::Unimplemented(
+        "layer unpacking is not available in this build".into(),
+    ))
 }

@@ -1,0 +1,186 @@
+//! Keeping pulled models within a root's capacity.
+//!
+//! Only models the puller fetched (source ids starting with `m`) are ever
+//! evicted; a source volume is the user's data and goes only with its own
+//! DeleteVolume. A model is evictable when no cache volume references it and
+//! it is not pinned. Under pressure the least recently used go first; in the
+//! background, those idle longer than the configured time.
+//!
+//! Eviction and a new reference race without a lock shared across
+//! processes: eviction renames the model away, then looks for references,
+//! and puts it back if one appeared; a new reference is added, then the
+//! seal is looked for at its place (see `reference_model`).
+
+use std::fs;
+use std::time::Duration;
+
+use super::{Root, now_unix, read_seal, read_volume, refs, remove_ref};
+use crate::error::{Error, IoContext, Result};
+use crate::state;
+
+pub fn is_model(sid: &str) -> bool {
+    sid.starts_with('m')
+}
+
+/// Records that a model was just used.
+pub fn touch(root: &Root, sid: &str) -> Result<()> {
+    let p = root.source(sid).dir.join("last-used");
+    state::write_atomic(&p, now_unix().to_string().as_bytes()).ctx("write", &p)
+}
+
+pub fn last_used(root: &Root, sid: &str) -> u64 {
+    let p = root.source(sid).dir.join("last-used");
+    fs::read_to_string(&p)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .or_else(|| read_seal(root, sid).ok().flatten().map(|s| s.sealed_unix))
+        .unwrap_or(0)
+}
+
+pub fn set_pinned(root: &Root, sid: &str, pinned: bool) -> Result<()> {
+    let p = root.source(sid).dir.join("pinned");
+    if pinned {
+        state::create_marker(&p, b"").ctx("pin", &p)?;
+        Ok(())
+    } else {
+        state::remove_file(&p).ctx("unpin", &p)
+    }
+}
+
+pub fn is_pinned(root: &Root, sid: &str) -> bool {
+    root.source(sid).dir.join("pinned").exists()
+}
+
+/// Live references: those whose volume record exists. References left by
+/// a create that died are dropped on the way.
+fn live_refs(root: &Root, sid: &str) -> Result<Vec<String>> {
+    let mut live = Vec::new();
+    for r in refs(root, sid)? {
+        if read_volume(root, &r)?.is_some() {
+            live.push(r);
+        } else {
+            remove_ref(root, sid, &r)?;
+        }
+    }
+    Ok(live)
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub sid: String,
+    pub last_used: u64,
+    pub bytes: u64,
+}
+
+/// Sealed, unreferenced, unpinned models, least recently used first.
+pub fn candidates(root: &Root) -> Result<Vec<Candidate>> {
+    let mut out = Vec::new();
+    for sid in state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())? {
+        if !is_model(&sid) || is_pinned(root, &sid) {
+            continue;
+        }
+        let Some(seal) = read_seal(root, &sid)? else {
+            continue;
+        };
+        if !live_refs(root, &sid)?.is_empty() {
+            continue;
+        }
+        out.push(Candidate {
+            last_used: last_used(root, &sid),
+            bytes: seal.total_bytes,
+            sid,
+        });
+    }
+    out.sort_by_key(|c| (c.last_used, c.sid.clone()));
+    Ok(out)
+}
+
+/// Bytes held by sealed models in the root.
+pub fn usage(root: &Root) -> Result<u64> {
+    let mut total = 0;
+    for sid in state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())? {
+        if is_model(&sid)
+            && let Some(seal) = read_seal(root, &sid)?
+        {
+            total += seal.total_bytes;
+        }
+    }
+    Ok(total)
+}
+
+/// Bytes a new model may still use: the filesystem's free space, bounded by
+/// the configured capacity.
+pub fn available(root: &Root, capacity: Option<u64>) -> Result<u64> {
+    let free = super::free_bytes(&root.dir).ctx("statfs", &root.dir)?;
+    Ok(match capacity {
+        Some(c) => free.min(c.saturating_sub(usage(root)?)),
+        None => free,
+    })
+}
+
+/// Evicts one model unless a reference appeared meanwhile. Returns whether
+/// it was removed.
+pub fn evict(root: &Root, sid: &str) -> Result<bool> {
+    let dir = root.source(sid).dir;
+    let trash = root
+        .sources_dir()
+        .join(format!(".trash-{sid}-{}", uuid::Uuid::new_v4().simple()));
+    match fs::rename(&dir, &trash) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(Error::io("move to trash", &dir, e)),
+    }
+    let late_refs = state::list_names(&trash.join("refs")).ctx("list", &trash)?;
+    if !late_refs.is_empty() {
+        fs::rename(&trash, &dir).ctx("restore", &dir)?;
+        return Ok(false);
+    }
+    if crate::mount::loopdev::devices_backed_by(&trash.join("image.xfs"))
+        .map(|d| !d.is_empty())
+        .unwrap_or(false)
+    {
+        fs::rename(&trash, &dir).ctx("restore", &dir)?;
+        return Ok(false);
+    }
+    fs::remove_dir_all(&trash).ctx("remove", &trash)?;
+    tracing::info!(source = sid, "evicted model");
+    Ok(true)
+}
+
+/// Frees room for `need` bytes by evicting least recently used models;
+/// ResourceExhausted, before anything is written, when even that is not
+/// enough.
+pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -> Result<()> {
+    let mut avail = available(root, capacity)?;
+    if need <= avail {
+        return Ok(());
+    }
+    for c in candidates(root)? {
+        if c.sid == for_sid {
+            continue;
+        }
+        if evict(root, &c.sid)? {
+            avail = available(root, capacity)?;
+            if need <= avail {
+                return Ok(());
+            }
+        }
+    }
+    Err(Error::ResourceExhausted(format!(
+        "the model needs {need} bytes but {} has only {avail} available{} even after evicting every unused model",
+        root.describe(),
+        capacity.map(|c| format!(" (capacity {c} bytes)")).unwrap_or_default()
+    )))
+}
+
+/// Evicts every candidate idle for at least `idle`; returns their ids.
+pub fn evict_idle(root: &Root, idle: Duration) -> Result<Vec<String>> {
+    let cutoff = now_unix().saturating_sub(idle.as_secs());
+    let mut gone = Vec::new();
+    for c in candidates(root)? {
+        if c.last_used <= cutoff && evict(root, &c.sid)? {
+            gone.push(c.sid);
+        }
+    }
+    Ok(gone)
+}

@@ -1,0 +1,909 @@
+//! The download engine: one resolved model into one sealed source.
+//!
+//! - **Content-addressed.** The source id is a digest of the normalized URI
+//!   and its immutable revision, so every volume of one model revision
+//!   shares one copy, and a moved tag becomes a new model, not a changed one.
+//! - **Crash-safe.** Work happens in `sources/.pull-<sid>/`, beside the
+//!   final place, under an flock. Progress is recorded per file in
+//!   `state/`, after the bytes it describes are fsynced. A retry after
+//!   `kill -9` resumes from there. The seal is written last and the
+//!   directory renamed into place, so a half-written model is never visible.
+//!   Losing the rename to another puller is a success.
+//! - **Fast and bounded.** Large files are fetched as parallel ranges and
+//!   written with positioned writes. sha256 is computed by a hasher that
+//!   follows the contiguous prefix of finished ranges, reading them back
+//!   while they are still in the page cache. Memory is a few buffers per
+//!   connection, whatever the model's size.
+//! - **Patient.** Retryable failures back off exponentially with jitter and
+//!   honour Retry-After. A stream that yields nothing for `stall` is
+//!   dropped and its range resumed from the last byte written.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
+use tracing::{Instrument, info, info_span, warn};
+
+use super::source::{Compression, RemoteFile, Resolved, Source, Unpack};
+use crate::cache::manifest::{self, FileEntry, LinkEntry, Tree};
+use crate::cache::{self, Backend, Root, Seal};
+use crate::error::{Error, IoContext, Result};
+use crate::lock::KeyedMutex;
+use crate::{mount, state};
+
+/// Unpacks a verified layer blob into a directory, returning its files.
+pub type Extract = fn(&Path, Compression, &Path) -> Result<Vec<FileEntry>>;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Size of one ranged request.
+    pub chunk_bytes: u64,
+    /// Concurrent ranges per file.
+    pub connections: usize,
+    /// Concurrent files per model.
+    pub files: usize,
+    /// Concurrent models.
+    pub models: usize,
+    /// A stream that yields nothing this long is restarted.
+    pub stall: Duration,
+    /// Attempts per request before giving up.
+    pub attempts: u32,
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+    pub progress_every: Duration,
+    /// Bytes of pulled models a root may hold; None: the filesystem's size.
+    pub capacity: BTreeMap<Backend, u64>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            chunk_bytes: 32 << 20,
+            connections: 4,
+            files: 4,
+            models: 2,
+            stall: Duration::from_secs(30),
+            attempts: 8,
+            backoff: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+            progress_every: Duration::from_secs(10),
+            capacity: BTreeMap::new(),
+        }
+    }
+}
+
+/// Where pull progress goes besides the log (Kubernetes events, metrics).
+pub trait ProgressSink: Send + Sync {
+    fn started(&self, _uri: &str, _total: Option<u64>) {}
+    fn progress(&self, _p: &Progress) {}
+    fn sealed(&self, _uri: &str, _revision: &str, _bytes: u64, _took: Duration) {}
+    fn failed(&self, _uri: &str, _error: &str) {}
+}
+
+#[derive(Clone, Debug)]
+pub struct Progress {
+    pub uri: String,
+    pub bytes: u64,
+    pub total: Option<u64>,
+    pub rate_bytes_per_sec: f64,
+    pub eta: Option<Duration>,
+}
+
+pub struct NoProgress;
+impl ProgressSink for NoProgress {}
+
+pub struct Pulled {
+    pub sid: String,
+    pub seal: Seal,
+    /// True when the model was already sealed and nothing was fetched.
+    pub hit: bool,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    extract: Extract,
+    inflight: KeyedMutex,
+    models: Arc<Semaphore>,
+}
+
+/// The source id of a model revision.
+pub fn model_id(uri: &str, revision: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(uri.as_bytes());
+    h.update([0]);
+    h.update(revision.as_bytes());
+    format!("m{}", &hex::encode(h.finalize())[..31])
+}
+
+/// Per-file progress, persisted after the bytes it describes are durable.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct FileState {
+    path: String,
+    /// Finished chunk indexes.
+    done: BTreeSet<u64>,
+    /// Set once the whole file is verified and in place.
+    sha256: Option<String>,
+    size: Option<u64>,
+    /// For layers: the files they unpacked to.
+    extracted: Option<Vec<FileEntry>>,
+}
+
+struct Work {
+    dir: PathBuf,
+    /// Where model files go: `data/`, or the mounted image for xfs.
+    data: PathBuf,
+    state: PathBuf,
+    blobs: PathBuf,
+    mounted: Option<PathBuf>,
+    _lock: File,
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        if let Some(mnt) = &self.mounted
+            && mount::is_mount_point(mnt).unwrap_or(false)
+        {
+            let _ = mount::unmount(mnt);
+        }
+    }
+}
+
+/// Shared by the tasks of one pull.
+struct Ctx {
+    source: Arc<dyn Source>,
+    cfg: EngineConfig,
+    bytes: AtomicU64,
+    state_lock: Mutex<()>,
+}
+
+fn state_path(work: &Work, path: &str) -> PathBuf {
+    let mut h = Sha256::new();
+    h.update(path.as_bytes());
+    work.state.join(format!("{}.json", &hex::encode(h.finalize())[..32]))
+}
+
+fn is_retryable(e: &Error) -> bool {
+    matches!(e, Error::Unavailable(_) | Error::RetryAfter { .. })
+}
+
+/// Refuses model paths that could land outside the model.
+fn check_path(p: &str) -> Result<()> {
+    let bad = p.contains('\0') || p.split('/').any(|c| matches!(c, "" | "." | ".."));
+    if bad {
+        return Err(Error::FailedPrecondition(format!(
+            "the source lists a file at {p:?}, which would land outside the model; refused"
+        )));
+    }
+    Ok(())
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig, extract: Extract) -> Engine {
+        let models = Arc::new(Semaphore::new(cfg.models.max(1)));
+        Engine {
+            cfg,
+            extract,
+            inflight: KeyedMutex::default(),
+            models,
+        }
+    }
+
+    /// Resolves, then returns the sealed model, pulling it if needed.
+    /// Concurrent calls for one model join the same pull.
+    pub async fn pull(
+        &self,
+        root: &Root,
+        source: Arc<dyn Source>,
+        sink: &dyn ProgressSink,
+    ) -> Result<Pulled> {
+        let resolved = self.retry("resolve", || source.resolve()).await?;
+        for f in &resolved.files {
+            if !(f.path.is_empty() && f.unpack != Unpack::None) {
+                check_path(&f.path)?;
+            }
+        }
+        if resolved.files.is_empty() {
+            return Err(Error::NotFound(format!("{} has no files", resolved.uri)));
+        }
+        let sid = model_id(&resolved.uri, &resolved.revision);
+        let span = info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
+        async {
+            if let Some(seal) = cache::read_seal(root, &sid)? {
+                return Ok(Pulled { sid, seal, hit: true });
+            }
+            let _joined = self.inflight.lock(&sid).await;
+            if let Some(seal) = cache::read_seal(root, &sid)? {
+                return Ok(Pulled { sid, seal, hit: true });
+            }
+            let _permit = self
+                .models
+                .acquire()
+                .await
+                .map_err(|_| Error::Internal("puller is shutting down".into()))?;
+            let started = Instant::now();
+            sink.started(&resolved.uri, resolved.total_bytes());
+            match self.fetch(root, &sid, &resolved, source, sink).await {
+                Ok(seal) => {
+                    let took = started.elapsed();
+                    info!(bytes = seal.total_bytes, secs = took.as_secs_f64(), "sealed");
+                    sink.sealed(&resolved.uri, &resolved.revision, seal.total_bytes, took);
+                    Ok(Pulled { sid, seal, hit: false })
+                }
+                Err(e) => {
+                    warn!(error = %e, "pull failed");
+                    sink.failed(&resolved.uri, &e.to_string());
+                    Err(e)
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn retry<T, F, Fut>(&self, what: &str, mut op: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut attempt = 0;
+        loop {
+            match op().await {
+                Ok(v) => return Ok(v),
+                Err(e) if is_retryable(&e) && attempt + 1 < self.cfg.attempts => {
+                    let wait = backoff(&self.cfg, attempt, &e);
+                    warn!(error = %e, attempt, wait_ms = wait.as_millis() as u64, "{what} failed; retrying");
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn fetch(
+        &self,
+        root: &Root,
+        sid: &str,
+        resolved: &Resolved,
+        source: Arc<dyn Source>,
+        sink: &dyn ProgressSink,
+    ) -> Result<Seal> {
+        let need = resolved.total_bytes();
+        if let Some(need) = need {
+            let (r, s, cap) = (root.clone(), sid.to_string(), self.cfg.capacity.get(&root.backend).copied());
+            blocking(move || cache::evict::make_room(&r, need, cap, &s)).await?;
+        }
+        let (r, s) = (root.clone(), sid.to_string());
+        let work = Arc::new(blocking(move || open_work(&r, &s, need)).await?);
+        let ctx = Arc::new(Ctx {
+            source,
+            cfg: self.cfg.clone(),
+            bytes: AtomicU64::new(0),
+            state_lock: Mutex::new(()),
+        });
+
+        let files = futures::stream::iter(resolved.files.iter().cloned())
+            .map(|f| {
+                let ctx = ctx.clone();
+                let work = work.clone();
+                let extract = self.extract;
+                async move { fetch_file(ctx, work, f, extract).await }
+            })
+            .buffer_unordered(self.cfg.files.max(1));
+        let mut files = std::pin::pin!(files);
+        let mut results = Vec::new();
+        let start = Instant::now();
+        let mut tick = tokio::time::interval_at(
+            tokio::time::Instant::now() + self.cfg.progress_every,
+            self.cfg.progress_every,
+        );
+        loop {
+            tokio::select! {
+                next = files.next() => match next {
+                    Some(r) => results.push(r),
+                    None => break,
+                },
+                _ = tick.tick() => {
+                    let p = progress(&resolved.uri, ctx.bytes.load(Ordering::Relaxed), need, start.elapsed());
+                    info!(
+                        bytes = p.bytes,
+                        total = ?p.total,
+                        rate_mib_s = p.rate_bytes_per_sec / 1048576.0,
+                        eta_s = ?p.eta.map(|e| e.as_secs()),
+                        "pulling"
+                    );
+                    sink.progress(&p);
+                }
+            }
+        }
+        let mut entries = Vec::new();
+        for r in results {
+            entries.extend(r?);
+        }
+
+        let (r, s, uri, rev) = (root.clone(), sid.to_string(), resolved.uri.clone(), resolved.revision.clone());
+        let work2 = work.clone();
+        blocking(move || seal_work(&r, &s, &work2, entries, &uri, &rev)).await
+    }
+}
+
+fn progress(uri: &str, bytes: u64, total: Option<u64>, elapsed: Duration) -> Progress {
+    let rate = bytes as f64 / elapsed.as_secs_f64().max(1e-3);
+    let eta = total
+        .filter(|_| rate > 0.0)
+        .map(|t| Duration::from_secs_f64(t.saturating_sub(bytes) as f64 / rate));
+    Progress {
+        uri: uri.to_string(),
+        bytes,
+        total,
+        rate_bytes_per_sec: rate,
+        eta,
+    }
+}
+
+fn backoff(cfg: &EngineConfig, attempt: u32, e: &Error) -> Duration {
+    if let Error::RetryAfter { after, .. } = e {
+        return *after;
+    }
+    let exp = cfg.backoff.saturating_mul(1u32 << attempt.min(16));
+    let capped = exp.min(cfg.backoff_max);
+    // Full jitter: retries from many nodes do not arrive in lockstep.
+    capped.mul_f64(0.5 + fastrand::f64() * 0.5)
+}
+
+/// Opens (or resumes) the work directory of a pull and locks it.
+fn open_work(root: &Root, sid: &str, need: Option<u64>) -> Result<Work> {
+    let dir = root.sources_dir().join(format!(".pull-{sid}"));
+    fs::create_dir_all(&dir).ctx("create", &dir)?;
+    let lock_path = dir.join("lock");
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .ctx("open", &lock_path)?;
+    // Another process (a second controller replica on a shared root) may be
+    // pulling the same model; it will seal it, and the CO retries us.
+    nix::fcntl::Flock::lock(lock.try_clone().ctx("dup", &lock_path)?, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map(std::mem::forget)
+        .map_err(|_| Error::Aborted(format!("model {sid} is being pulled by another process; retry later")))?;
+    let state = dir.join("state");
+    let blobs = dir.join("blobs");
+    fs::create_dir_all(&state).ctx("create", &state)?;
+    fs::create_dir_all(&blobs).ctx("create", &blobs)?;
+    let (data, mounted) = match root.backend {
+        Backend::Local | Backend::Shared => {
+            let data = dir.join("data");
+            fs::create_dir_all(&data).ctx("create", &data)?;
+            (data, None)
+        }
+        Backend::Xfs => {
+            let image = dir.join("image.xfs");
+            if !image.exists() {
+                let need = need.unwrap_or(1 << 30);
+                // Room for XFS metadata and layer unpacking on top of the model.
+                let size = (need + need / 8 + (64 << 20)).max(cache::xfs::MIN_IMAGE_BYTES);
+                cache::xfs::create_image(&image, size)?;
+            }
+            let mnt = dir.join("mnt");
+            fs::create_dir_all(&mnt).ctx("create", &mnt)?;
+            if !mount::is_mount_point(&mnt).ctx("inspect", &mnt)? {
+                let lo = mount::loopdev::attach(&image, false).ctx("attach loop device for", &image)?;
+                mount::mount_device(lo.path(), &mnt, "xfs", false, "").ctx("mount", &image)?;
+            }
+            (mnt.clone(), Some(mnt))
+        }
+    };
+    Ok(Work {
+        dir,
+        data,
+        state,
+        blobs,
+        mounted,
+        _lock: lock,
+    })
+}
+
+fn load_state(work: &Work, path: &str) -> Result<FileState> {
+    let p = state_path(work, path);
+    Ok(state::read_json(&p).ctx("read pull state", &p)?.unwrap_or_else(|| FileState {
+        path: path.to_string(),
+        ..FileState::default()
+    }))
+}
+
+fn save_state(work: &Work, st: &FileState) -> Result<()> {
+    let p = state_path(work, &st.path);
+    state::write_json(&p, st).ctx("write pull state", &p)
+}
+
+/// Fetches one remote file (or layer) and returns the model files it produced.
+async fn fetch_file(ctx: Arc<Ctx>, work: Arc<Work>, file: RemoteFile, extract: Extract) -> Result<Vec<FileEntry>> {
+    let key = if file.path.is_empty() { file.locator.clone() } else { file.path.clone() };
+    let w = work.clone();
+    let k = key.clone();
+    let mut st = blocking(move || load_state(&w, &k)).await?;
+    if let Unpack::Tar(_) = file.unpack
+        && let Some(done) = &st.extracted
+    {
+        return Ok(done.clone());
+    }
+    let dest = match file.unpack {
+        Unpack::None => work.data.join(&file.path),
+        Unpack::Tar(_) => work.blobs.join(format!("{}.blob", &state_path(&work, &key).file_stem().unwrap_or_default().to_string_lossy())),
+    };
+    if let (Some(sha), true) = (&st.sha256, dest.exists()) {
+        let size = st.size.unwrap_or(0);
+        ctx.bytes.fetch_add(size, Ordering::Relaxed);
+        if file.unpack == Unpack::None {
+            return Ok(vec![FileEntry {
+                path: file.path.clone(),
+                size,
+                sha256: sha.clone(),
+            }]);
+        }
+    } else {
+        st.path = key.clone();
+        let (size, sha) = download(&ctx, &work, &file, &dest, &mut st).await?;
+        if let Some(expected) = &file.sha256
+            && !expected.eq_ignore_ascii_case(&sha)
+        {
+            let (d, w, k) = (dest.clone(), work.clone(), key.clone());
+            let _ = blocking(move || {
+                let _ = fs::remove_file(&d);
+                state::remove_file(&state_path(&w, &k)).ctx("remove pull state", &w.state)
+            })
+            .await;
+            return Err(Error::FailedPrecondition(format!(
+                "{} failed verification: the source promised sha256 {expected}, the bytes hash to {sha}; nothing was sealed",
+                file.path_or_locator()
+            )));
+        }
+        st.sha256 = Some(sha.clone());
+        st.size = Some(size);
+        let (w, s) = (work.clone(), st.clone());
+        blocking(move || save_state(&w, &s)).await?;
+        if file.unpack == Unpack::None {
+            return Ok(vec![FileEntry {
+                path: file.path.clone(),
+                size,
+                sha256: sha,
+            }]);
+        }
+    }
+    // A verified layer: unpack it into the model, then drop the blob.
+    let Unpack::Tar(compression) = file.unpack else {
+        unreachable!("plain files returned above")
+    };
+    let target = if file.path.is_empty() { work.data.clone() } else { work.data.join(&file.path) };
+    let (w, d) = (work.clone(), dest.clone());
+    blocking(move || {
+        fs::create_dir_all(&target).ctx("create", &target)?;
+        let mut files = extract(&d, compression, &target)?;
+        if !file.path.is_empty() {
+            for f in &mut files {
+                f.path = format!("{}/{}", file.path, f.path);
+            }
+        }
+        st.extracted = Some(files.clone());
+        save_state(&w, &st)?;
+        let _ = fs::remove_file(&d);
+        Ok(files)
+    })
+    .await
+}
+
+impl RemoteFile {
+    fn path_or_locator(&self) -> &str {
+        if self.path.is_empty() { &self.locator } else { &self.path }
+    }
+}
+
+/// Downloads `file` to `dest` (via `dest.part`), returning its size and sha256.
+async fn download(ctx: &Arc<Ctx>, work: &Arc<Work>, file: &RemoteFile, dest: &Path, st: &mut FileState) -> Result<(u64, String)> {
+    let part = PathBuf::from(format!("{}.part", dest.display()));
+    if let Some(parent) = part.parent() {
+        fs::create_dir_all(parent).ctx("create", parent)?;
+    }
+    let ranged = ctx.source.ranges() && file.size.is_some();
+    let out = Arc::new(
+        OpenOptions::new()
+            .create(true)
+            .truncate(!ranged)
+            .read(true)
+            .write(true)
+            .open(&part)
+            .ctx("open", &part)?,
+    );
+    let (size, sha) = if let (true, Some(size)) = (ranged, file.size) {
+        out.set_len(size).ctx("size", &part)?;
+        ranged_download(ctx, work, file, &out, &part, size, st).await?
+    } else {
+        st.done.clear();
+        whole_download(ctx, file, &out, &part).await?
+    };
+    let (p, d) = (part.clone(), dest.to_path_buf());
+    blocking(move || {
+        fs::rename(&p, &d).ctx("rename into place", &d)?;
+        Ok(())
+    })
+    .await?;
+    Ok((size, sha))
+}
+
+fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < size {
+        let end = (start + chunk).min(size);
+        out.push((start, end));
+        start = end;
+    }
+    out
+}
+
+/// Parallel ranges, each fsynced and recorded; a hasher follows the
+/// contiguous prefix of finished chunks.
+async fn ranged_download(
+    ctx: &Arc<Ctx>,
+    work: &Arc<Work>,
+    file: &RemoteFile,
+    out: &Arc<File>,
+    part: &Path,
+    size: u64,
+    st: &mut FileState,
+) -> Result<(u64, String)> {
+    let all = chunks(size, ctx.cfg.chunk_bytes);
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<u64>();
+    for i in &st.done {
+        let _ = done_tx.send(*i);
+        ctx.bytes.fetch_add(all[*i as usize].1 - all[*i as usize].0, Ordering::Relaxed);
+    }
+    let hasher = {
+        let out = out.clone();
+        let all = all.clone();
+        let part = part.to_path_buf();
+        tokio::task::spawn_blocking(move || -> Result<String> {
+            let mut h = Sha256::new();
+            let mut finished = BTreeSet::new();
+            let mut buf = vec![0u8; 1 << 20];
+            for (i, (start, end)) in all.iter().enumerate() {
+                while !finished.contains(&(i as u64)) {
+                    match done_rx.recv() {
+                        Ok(n) => {
+                            finished.insert(n);
+                        }
+                        Err(_) => return Err(Error::Internal("download ended before every chunk finished".into())),
+                    }
+                }
+                let mut pos = *start;
+                while pos < *end {
+                    let n = ((end - pos) as usize).min(buf.len());
+                    out.read_exact_at(&mut buf[..n], pos).ctx("read back", &part)?;
+                    h.update(&buf[..n]);
+                    pos += n as u64;
+                }
+            }
+            Ok(hex::encode(h.finalize()))
+        })
+    };
+    let state = Arc::new(Mutex::new(st.clone()));
+    let missing: Vec<u64> = (0..all.len() as u64).filter(|i| !st.done.contains(i)).collect();
+    let result: Result<()> = futures::stream::iter(missing)
+        .map(|i| {
+            let (ctx, work, out, state, tx) = (ctx.clone(), work.clone(), out.clone(), state.clone(), done_tx.clone());
+            let file = file.clone();
+            let (start, end) = all[i as usize];
+            let part = part.to_path_buf();
+            async move {
+                fetch_range(&ctx, &file, &out, &part, start, end).await?;
+                let (o, p) = (out.clone(), part.clone());
+                blocking(move || o.sync_data().ctx("sync", &p)).await?;
+                let snapshot = {
+                    let _g = ctx.state_lock.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+                    s.done.insert(i);
+                    s.clone()
+                };
+                blocking(move || save_state(&work, &snapshot)).await?;
+                let _ = tx.send(i);
+                Ok(())
+            }
+        })
+        .buffer_unordered(ctx.cfg.connections.max(1))
+        .try_collect()
+        .await;
+    drop(done_tx);
+    *st = state.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    match result {
+        Ok(()) => {
+            let sha = hasher.await.map_err(|e| Error::Internal(format!("hasher failed: {e}")))??;
+            Ok((size, sha))
+        }
+        Err(e) => {
+            hasher.abort();
+            Err(e)
+        }
+    }
+}
+
+/// Fetches `[start, end)` into `out`, resuming after the last byte written
+/// when a stream fails or stalls.
+async fn fetch_range(ctx: &Ctx, file: &RemoteFile, out: &Arc<File>, part: &Path, start: u64, end: u64) -> Result<()> {
+    let mut pos = start;
+    let mut attempt = 0u32;
+    loop {
+        let r = stream_into(ctx, file, out, part, &mut pos, Some(end), None).await;
+        match r {
+            Ok(()) if pos == end => return Ok(()),
+            Ok(()) => {
+                let e = Error::Unavailable(format!(
+                    "{} ended at byte {pos}, expected {end}",
+                    file.path_or_locator()
+                ));
+                if attempt + 1 >= ctx.cfg.attempts {
+                    return Err(e);
+                }
+                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            }
+            Err(e) if is_retryable(&e) && attempt + 1 < ctx.cfg.attempts => {
+                warn!(file = file.path_or_locator(), error = %e, attempt, "range failed; resuming");
+                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            }
+            Err(e) => return Err(e),
+        }
+        attempt += 1;
+    }
+}
+
+/// A source that cannot serve ranges: fetched whole, hashed inline, and
+/// restarted from 0 after a failure.
+async fn whole_download(ctx: &Ctx, file: &RemoteFile, out: &Arc<File>, part: &Path) -> Result<(u64, String)> {
+    let mut attempt = 0u32;
+    loop {
+        out.set_len(0).ctx("truncate", part)?;
+        let mut pos = 0;
+        let hasher = Arc::new(Mutex::new(Sha256::new()));
+        match stream_into(ctx, file, out, part, &mut pos, None, Some(hasher.clone())).await {
+            Ok(()) if file.size.is_none_or(|s| s == pos) => {
+                let (o, p) = (out.clone(), part.to_path_buf());
+                blocking(move || o.sync_data().ctx("sync", &p)).await?;
+                let h = std::mem::take(&mut *hasher.lock().unwrap_or_else(|p| p.into_inner()));
+                return Ok((pos, hex::encode(h.finalize())));
+            }
+            Ok(()) => {
+                let e = Error::Unavailable(format!("{} was cut short at byte {pos}", file.path_or_locator()));
+                if attempt + 1 >= ctx.cfg.attempts {
+                    return Err(e);
+                }
+                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            }
+            Err(e) if is_retryable(&e) && attempt + 1 < ctx.cfg.attempts => {
+                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            }
+            Err(e) => return Err(e),
+        }
+        ctx.bytes.fetch_sub(pos, Ordering::Relaxed);
+        attempt += 1;
+    }
+}
+
+/// Streams one request into `out` at `*pos`, advancing it as bytes are
+/// written. Returns Ok when the stream ends (the caller checks length), and
+/// Unavailable when it stalls.
+async fn stream_into(
+    ctx: &Ctx,
+    file: &RemoteFile,
+    out: &Arc<File>,
+    part: &Path,
+    pos: &mut u64,
+    end: Option<u64>,
+    hasher: Option<Arc<Mutex<Sha256>>>,
+) -> Result<()> {
+    let len = end.map(|e| e - *pos);
+    let mut stream = match tokio::time::timeout(ctx.cfg.stall, ctx.source.read(file, *pos, len)).await {
+        Ok(s) => s?,
+        Err(_) => {
+            return Err(Error::Unavailable(format!(
+                "no answer for {} within {:?}",
+                file.path_or_locator(),
+                ctx.cfg.stall
+            )));
+        }
+    };
+    let flush_at = 4 << 20;
+    let mut buf: Vec<Bytes> = Vec::new();
+    let mut buffered = 0usize;
+    loop {
+        let next = tokio::time::timeout(ctx.cfg.stall, stream.next()).await;
+        let item = match next {
+            Err(_) => {
+                flush(out, part, pos, &mut buf, &mut buffered, &hasher, ctx).await?;
+                return Err(Error::Unavailable(format!(
+                    "{} stalled: no bytes for {:?}",
+                    file.path_or_locator(),
+                    ctx.cfg.stall
+                )));
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                flush(out, part, pos, &mut buf, &mut buffered, &hasher, ctx).await?;
+                return Err(e);
+            }
+            Ok(Some(Ok(b))) => b,
+        };
+        if let Some(end) = end
+            && *pos + (buffered + item.len()) as u64 > end
+        {
+            return Err(Error::Internal(format!(
+                "{} sent more bytes than the range asked for",
+                file.path_or_locator()
+            )));
+        }
+        buffered += item.len();
+        buf.push(item);
+        if buffered >= flush_at {
+            flush(out, part, pos, &mut buf, &mut buffered, &hasher, ctx).await?;
+        }
+    }
+    flush(out, part, pos, &mut buf, &mut buffered, &hasher, ctx).await
+}
+
+async fn flush(
+    out: &Arc<File>,
+    part: &Path,
+    pos: &mut u64,
+    buf: &mut Vec<Bytes>,
+    buffered: &mut usize,
+    hasher: &Option<Arc<Mutex<Sha256>>>,
+    ctx: &Ctx,
+) -> Result<()> {
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let chunks = std::mem::take(buf);
+    let (o, p, h, at) = (out.clone(), part.to_path_buf(), hasher.clone(), *pos);
+    let written = blocking(move || {
+        let mut off = at;
+        for c in &chunks {
+            o.write_all_at(c, off).ctx("write", &p)?;
+            if let Some(h) = &h {
+                h.lock().unwrap_or_else(|p| p.into_inner()).update(c);
+            }
+            off += c.len() as u64;
+        }
+        Ok(off - at)
+    })
+    .await?;
+    *pos += written;
+    *buffered = 0;
+    ctx.bytes.fetch_add(written, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Verifies sizes, writes the seal, and renames the work directory into
+/// place. Bookkeeping is removed only after the rename, so a crash in
+/// between never forces a re-download.
+fn seal_work(root: &Root, sid: &str, work: &Work, entries: Vec<FileEntry>, uri: &str, revision: &str) -> Result<Seal> {
+    let mut files: BTreeMap<String, FileEntry> = BTreeMap::new();
+    for e in entries {
+        files.insert(e.path.clone(), e);
+    }
+    // Layers may have overwritten or whited-out files of earlier layers:
+    // keep what is really there.
+    files.retain(|p, _| work.data.join(p).symlink_metadata().map(|m| m.is_file()).unwrap_or(false));
+    let mut tree = Tree::default();
+    walk_dirs(&work.data, Path::new(""), &mut tree)?;
+    for f in files.values() {
+        let len = fs::metadata(work.data.join(&f.path)).ctx("stat", &work.data.join(&f.path))?.len();
+        if len != f.size {
+            return Err(Error::Internal(format!("{} has {len} bytes after the pull, expected {}", f.path, f.size)));
+        }
+    }
+    tree.files = files.into_values().collect();
+    if let Some(mnt) = &work.mounted {
+        mount::unmount(mnt).ctx("unmount", mnt)?;
+        let _ = fs::remove_dir(mnt);
+        cache::xfs::make_readonly(&work.dir.join("image.xfs"))?;
+    }
+    let seal = Seal {
+        format: manifest::FORMAT,
+        source: sid.to_string(),
+        origin: uri.to_string(),
+        revision: Some(revision.to_string()),
+        sealed_unix: cache::now_unix(),
+        total_bytes: tree.total_bytes(),
+        files: tree.files,
+        dirs: tree.dirs,
+        symlinks: tree.symlinks,
+    };
+    state::write_json(&work.dir.join("seal.json"), &seal).ctx("write seal", &work.dir)?;
+    let final_dir = root.source(sid).dir;
+    match fs::rename(&work.dir, &final_dir) {
+        Ok(()) => {}
+        Err(_) if cache::read_seal(root, sid)?.is_some() => {
+            let _ = fs::remove_dir_all(&work.dir);
+            return cache::read_seal(root, sid)?.ok_or_else(|| Error::Internal("seal vanished".into()));
+        }
+        Err(e) => return Err(Error::io("rename into place", &final_dir, e)),
+    }
+    state::sync_dir(&root.sources_dir()).ctx("sync", &root.sources_dir())?;
+    for leftover in ["state", "blobs", "lock"] {
+        let p = final_dir.join(leftover);
+        let _ = fs::remove_dir_all(&p).or_else(|_| fs::remove_file(&p));
+    }
+    Ok(seal)
+}
+
+/// Directories and symlinks of the unpacked tree; files come from the
+/// hashes computed while downloading.
+fn walk_dirs(base: &Path, rel: &Path, tree: &mut Tree) -> Result<()> {
+    let dir = base.join(rel);
+    let mut entries: Vec<_> = fs::read_dir(&dir).ctx("read directory", &dir)?.filter_map(|e| e.ok()).collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let name = e.file_name();
+        let child = rel.join(&name);
+        let s = child.to_string_lossy().into_owned();
+        let m = fs::symlink_metadata(e.path()).ctx("stat", &e.path())?;
+        if m.is_dir() {
+            tree.dirs.push(s);
+            walk_dirs(base, &child, tree)?;
+        } else if m.file_type().is_symlink() {
+            let target = fs::read_link(e.path()).ctx("read link", &e.path())?;
+            tree.symlinks.push(LinkEntry {
+                path: s,
+                target: target.to_string_lossy().into_owned(),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunking_covers_the_file_exactly() {
+        assert_eq!(chunks(10, 4), vec![(0, 4), (4, 8), (8, 10)]);
+        assert_eq!(chunks(8, 4), vec![(0, 4), (4, 8)]);
+        assert!(chunks(0, 4).is_empty());
+    }
+
+    #[test]
+    fn model_paths_stay_inside() {
+        for bad in ["/etc/passwd", "../x", "a/../../x", "a/./b", ""] {
+            assert!(check_path(bad).is_err(), "{bad}");
+        }
+        check_path("1_Pooling/config.json").unwrap();
+    }
+
+    #[test]
+    fn backoff_honours_retry_after_and_grows() {
+        let cfg = EngineConfig::default();
+        let e = Error::RetryAfter {
+            message: "busy".into(),
+            after: Duration::from_secs(3),
+        };
+        assert_eq!(backoff(&cfg, 0, &e), Duration::from_secs(3));
+        let u = Error::Unavailable("x".into());
+        assert!(backoff(&cfg, 0, &u) <= cfg.backoff);
+        assert!(backoff(&cfg, 20, &u) <= cfg.backoff_max);
+    }
+}
