@@ -120,7 +120,9 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         let (b, size) = c
             .split_once('=')
             .ok_or_else(|| anyhow::anyhow!("--cache-capacity {c:?} must look like local=50G"))?;
-        let backend = Backend::parse(b).ok_or_else(|| anyhow::anyhow!("--cache-capacity: {b:?} is not one of local, shared, xfs"))?;
+        let backend = Backend::parse(b).ok_or_else(|| {
+            anyhow::anyhow!("--cache-capacity: {b:?} is not one of local, shared, xfs")
+        })?;
         pull.capacity.insert(backend, parse_size(size)?);
     }
     Ok(Config {
@@ -130,11 +132,12 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         shared_paths: a.shared_path.clone(),
         backends,
         pull,
-        evict_idle: a.evict_idle_minutes.map(|m| std::time::Duration::from_secs(m * 60)),
+        evict_idle: a
+            .evict_idle_minutes
+            .map(|m| std::time::Duration::from_secs(m * 60)),
     })
 }
 
-/// `default_level` applies unless RUST_LOG is set.
 /// Bytes with an optional K/M/G/T (powers of 1024) suffix, e.g. 50G or 512Mi.
 fn parse_size(s: &str) -> anyhow::Result<u64> {
     let t = s.trim().trim_end_matches('i').trim_end_matches('B');
@@ -145,10 +148,13 @@ fn parse_size(s: &str) -> anyhow::Result<u64> {
         Some('T') => (&t[..t.len() - 1], 1 << 40),
         _ => (t, 1),
     };
-    let n: u64 = num.parse().map_err(|_| anyhow::anyhow!("{s:?} is not a size like 512Mi or 50G"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("{s:?} is not a size like 512Mi or 50G"))?;
     Ok(n * mult)
 }
 
+/// `default_level` applies unless RUST_LOG is set.
 fn init_logging(format: &str, default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| default_level.into());

@@ -144,7 +144,8 @@ struct Work {
     state: PathBuf,
     blobs: PathBuf,
     mounted: Option<PathBuf>,
-    _lock: File,
+    /// Held for the whole pull; released on drop, or by the kernel on death.
+    _lock: nix::fcntl::Flock<File>,
 }
 
 impl Drop for Work {
@@ -168,7 +169,8 @@ struct Ctx {
 fn state_path(work: &Work, path: &str) -> PathBuf {
     let mut h = Sha256::new();
     h.update(path.as_bytes());
-    work.state.join(format!("{}.json", &hex::encode(h.finalize())[..32]))
+    work.state
+        .join(format!("{}.json", &hex::encode(h.finalize())[..32]))
 }
 
 fn is_retryable(e: &Error) -> bool {
@@ -221,14 +223,23 @@ impl Engine {
             return Err(Error::NotFound(format!("{} has no files", resolved.uri)));
         }
         let sid = model_id(&resolved.uri, &resolved.revision);
-        let span = info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
+        let span =
+            info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
         async {
             if let Some(seal) = cache::read_seal(root, &sid)? {
-                return Ok(Pulled { sid, seal, hit: true });
+                return Ok(Pulled {
+                    sid,
+                    seal,
+                    hit: true,
+                });
             }
             let _joined = self.inflight.lock(&sid).await;
             if let Some(seal) = cache::read_seal(root, &sid)? {
-                return Ok(Pulled { sid, seal, hit: true });
+                return Ok(Pulled {
+                    sid,
+                    seal,
+                    hit: true,
+                });
             }
             let _permit = self
                 .models
@@ -240,9 +251,17 @@ impl Engine {
             match self.fetch(root, &sid, &resolved, source, sink).await {
                 Ok(seal) => {
                     let took = started.elapsed();
-                    info!(bytes = seal.total_bytes, secs = took.as_secs_f64(), "sealed");
+                    info!(
+                        bytes = seal.total_bytes,
+                        secs = took.as_secs_f64(),
+                        "sealed"
+                    );
                     sink.sealed(&resolved.uri, &resolved.revision, seal.total_bytes, took);
-                    Ok(Pulled { sid, seal, hit: false })
+                    Ok(Pulled {
+                        sid,
+                        seal,
+                        hit: false,
+                    })
                 }
                 Err(e) => {
                     warn!(error = %e, "pull failed");
@@ -285,7 +304,11 @@ impl Engine {
     ) -> Result<Seal> {
         let need = resolved.total_bytes();
         if let Some(need) = need {
-            let (r, s, cap) = (root.clone(), sid.to_string(), self.cfg.capacity.get(&root.backend).copied());
+            let (r, s, cap) = (
+                root.clone(),
+                sid.to_string(),
+                self.cfg.capacity.get(&root.backend).copied(),
+            );
             blocking(move || cache::evict::make_room(&r, need, cap, &s)).await?;
         }
         let (r, s) = (root.clone(), sid.to_string());
@@ -336,7 +359,12 @@ impl Engine {
             entries.extend(r?);
         }
 
-        let (r, s, uri, rev) = (root.clone(), sid.to_string(), resolved.uri.clone(), resolved.revision.clone());
+        let (r, s, uri, rev) = (
+            root.clone(),
+            sid.to_string(),
+            resolved.uri.clone(),
+            resolved.revision.clone(),
+        );
         let work2 = work.clone();
         blocking(move || seal_work(&r, &s, &work2, entries, &uri, &rev)).await
     }
@@ -379,9 +407,13 @@ fn open_work(root: &Root, sid: &str, need: Option<u64>) -> Result<Work> {
         .ctx("open", &lock_path)?;
     // Another process (a second controller replica on a shared root) may be
     // pulling the same model; it will seal it, and the CO retries us.
-    nix::fcntl::Flock::lock(lock.try_clone().ctx("dup", &lock_path)?, nix::fcntl::FlockArg::LockExclusiveNonblock)
-        .map(std::mem::forget)
-        .map_err(|_| Error::Aborted(format!("model {sid} is being pulled by another process; retry later")))?;
+    let lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(
+        |_| {
+            Error::Aborted(format!(
+                "model {sid} is being pulled by another process; retry later"
+            ))
+        },
+    )?;
     let state = dir.join("state");
     let blobs = dir.join("blobs");
     fs::create_dir_all(&state).ctx("create", &state)?;
@@ -403,7 +435,8 @@ fn open_work(root: &Root, sid: &str, need: Option<u64>) -> Result<Work> {
             let mnt = dir.join("mnt");
             fs::create_dir_all(&mnt).ctx("create", &mnt)?;
             if !mount::is_mount_point(&mnt).ctx("inspect", &mnt)? {
-                let lo = mount::loopdev::attach(&image, false).ctx("attach loop device for", &image)?;
+                let lo =
+                    mount::loopdev::attach(&image, false).ctx("attach loop device for", &image)?;
                 mount::mount_device(lo.path(), &mnt, "xfs", false, "").ctx("mount", &image)?;
             }
             (mnt.clone(), Some(mnt))
@@ -421,10 +454,12 @@ fn open_work(root: &Root, sid: &str, need: Option<u64>) -> Result<Work> {
 
 fn load_state(work: &Work, path: &str) -> Result<FileState> {
     let p = state_path(work, path);
-    Ok(state::read_json(&p).ctx("read pull state", &p)?.unwrap_or_else(|| FileState {
-        path: path.to_string(),
-        ..FileState::default()
-    }))
+    Ok(state::read_json(&p)
+        .ctx("read pull state", &p)?
+        .unwrap_or_else(|| FileState {
+            path: path.to_string(),
+            ..FileState::default()
+        }))
 }
 
 fn save_state(work: &Work, st: &FileState) -> Result<()> {
@@ -433,8 +468,17 @@ fn save_state(work: &Work, st: &FileState) -> Result<()> {
 }
 
 /// Fetches one remote file (or layer) and returns the model files it produced.
-async fn fetch_file(ctx: Arc<Ctx>, work: Arc<Work>, file: RemoteFile, extract: Extract) -> Result<Vec<FileEntry>> {
-    let key = if file.path.is_empty() { file.locator.clone() } else { file.path.clone() };
+async fn fetch_file(
+    ctx: Arc<Ctx>,
+    work: Arc<Work>,
+    file: RemoteFile,
+    extract: Extract,
+) -> Result<Vec<FileEntry>> {
+    let key = if file.path.is_empty() {
+        file.locator.clone()
+    } else {
+        file.path.clone()
+    };
     let w = work.clone();
     let k = key.clone();
     let mut st = blocking(move || load_state(&w, &k)).await?;
@@ -445,7 +489,13 @@ async fn fetch_file(ctx: Arc<Ctx>, work: Arc<Work>, file: RemoteFile, extract: E
     }
     let dest = match file.unpack {
         Unpack::None => work.data.join(&file.path),
-        Unpack::Tar(_) => work.blobs.join(format!("{}.blob", &state_path(&work, &key).file_stem().unwrap_or_default().to_string_lossy())),
+        Unpack::Tar(_) => work.blobs.join(format!(
+            "{}.blob",
+            &state_path(&work, &key)
+                .file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+        )),
     };
     if let (Some(sha), true) = (&st.sha256, dest.exists()) {
         let size = st.size.unwrap_or(0);
@@ -490,7 +540,11 @@ async fn fetch_file(ctx: Arc<Ctx>, work: Arc<Work>, file: RemoteFile, extract: E
     let Unpack::Tar(compression) = file.unpack else {
         unreachable!("plain files returned above")
     };
-    let target = if file.path.is_empty() { work.data.clone() } else { work.data.join(&file.path) };
+    let target = if file.path.is_empty() {
+        work.data.clone()
+    } else {
+        work.data.join(&file.path)
+    };
     let (w, d) = (work.clone(), dest.clone());
     blocking(move || {
         fs::create_dir_all(&target).ctx("create", &target)?;
@@ -510,12 +564,22 @@ async fn fetch_file(ctx: Arc<Ctx>, work: Arc<Work>, file: RemoteFile, extract: E
 
 impl RemoteFile {
     fn path_or_locator(&self) -> &str {
-        if self.path.is_empty() { &self.locator } else { &self.path }
+        if self.path.is_empty() {
+            &self.locator
+        } else {
+            &self.path
+        }
     }
 }
 
 /// Downloads `file` to `dest` (via `dest.part`), returning its size and sha256.
-async fn download(ctx: &Arc<Ctx>, work: &Arc<Work>, file: &RemoteFile, dest: &Path, st: &mut FileState) -> Result<(u64, String)> {
+async fn download(
+    ctx: &Arc<Ctx>,
+    work: &Arc<Work>,
+    file: &RemoteFile,
+    dest: &Path,
+    st: &mut FileState,
+) -> Result<(u64, String)> {
     let part = PathBuf::from(format!("{}.part", dest.display()));
     if let Some(parent) = part.parent() {
         fs::create_dir_all(parent).ctx("create", parent)?;
@@ -572,7 +636,8 @@ async fn ranged_download(
     let (done_tx, done_rx) = std::sync::mpsc::channel::<u64>();
     for i in &st.done {
         let _ = done_tx.send(*i);
-        ctx.bytes.fetch_add(all[*i as usize].1 - all[*i as usize].0, Ordering::Relaxed);
+        ctx.bytes
+            .fetch_add(all[*i as usize].1 - all[*i as usize].0, Ordering::Relaxed);
     }
     let hasher = {
         let out = out.clone();
@@ -588,13 +653,18 @@ async fn ranged_download(
                         Ok(n) => {
                             finished.insert(n);
                         }
-                        Err(_) => return Err(Error::Internal("download ended before every chunk finished".into())),
+                        Err(_) => {
+                            return Err(Error::Internal(
+                                "download ended before every chunk finished".into(),
+                            ));
+                        }
                     }
                 }
                 let mut pos = *start;
                 while pos < *end {
                     let n = ((end - pos) as usize).min(buf.len());
-                    out.read_exact_at(&mut buf[..n], pos).ctx("read back", &part)?;
+                    out.read_exact_at(&mut buf[..n], pos)
+                        .ctx("read back", &part)?;
                     h.update(&buf[..n]);
                     pos += n as u64;
                 }
@@ -603,10 +673,18 @@ async fn ranged_download(
         })
     };
     let state = Arc::new(Mutex::new(st.clone()));
-    let missing: Vec<u64> = (0..all.len() as u64).filter(|i| !st.done.contains(i)).collect();
+    let missing: Vec<u64> = (0..all.len() as u64)
+        .filter(|i| !st.done.contains(i))
+        .collect();
     let result: Result<()> = futures::stream::iter(missing)
         .map(|i| {
-            let (ctx, work, out, state, tx) = (ctx.clone(), work.clone(), out.clone(), state.clone(), done_tx.clone());
+            let (ctx, work, out, state, tx) = (
+                ctx.clone(),
+                work.clone(),
+                out.clone(),
+                state.clone(),
+                done_tx.clone(),
+            );
             let file = file.clone();
             let (start, end) = all[i as usize];
             let part = part.to_path_buf();
@@ -632,7 +710,9 @@ async fn ranged_download(
     *st = state.lock().unwrap_or_else(|p| p.into_inner()).clone();
     match result {
         Ok(()) => {
-            let sha = hasher.await.map_err(|e| Error::Internal(format!("hasher failed: {e}")))??;
+            let sha = hasher
+                .await
+                .map_err(|e| Error::Internal(format!("hasher failed: {e}")))??;
             Ok((size, sha))
         }
         Err(e) => {
@@ -644,7 +724,14 @@ async fn ranged_download(
 
 /// Fetches `[start, end)` into `out`, resuming after the last byte written
 /// when a stream fails or stalls.
-async fn fetch_range(ctx: &Ctx, file: &RemoteFile, out: &Arc<File>, part: &Path, start: u64, end: u64) -> Result<()> {
+async fn fetch_range(
+    ctx: &Ctx,
+    file: &RemoteFile,
+    out: &Arc<File>,
+    part: &Path,
+    start: u64,
+    end: u64,
+) -> Result<()> {
     let mut pos = start;
     let mut attempt = 0u32;
     loop {
@@ -673,7 +760,12 @@ async fn fetch_range(ctx: &Ctx, file: &RemoteFile, out: &Arc<File>, part: &Path,
 
 /// A source that cannot serve ranges: fetched whole, hashed inline, and
 /// restarted from 0 after a failure.
-async fn whole_download(ctx: &Ctx, file: &RemoteFile, out: &Arc<File>, part: &Path) -> Result<(u64, String)> {
+async fn whole_download(
+    ctx: &Ctx,
+    file: &RemoteFile,
+    out: &Arc<File>,
+    part: &Path,
+) -> Result<(u64, String)> {
     let mut attempt = 0u32;
     loop {
         out.set_len(0).ctx("truncate", part)?;
@@ -687,7 +779,10 @@ async fn whole_download(ctx: &Ctx, file: &RemoteFile, out: &Arc<File>, part: &Pa
                 return Ok((pos, hex::encode(h.finalize())));
             }
             Ok(()) => {
-                let e = Error::Unavailable(format!("{} was cut short at byte {pos}", file.path_or_locator()));
+                let e = Error::Unavailable(format!(
+                    "{} was cut short at byte {pos}",
+                    file.path_or_locator()
+                ));
                 if attempt + 1 >= ctx.cfg.attempts {
                     return Err(e);
                 }
@@ -716,16 +811,17 @@ async fn stream_into(
     hasher: Option<Arc<Mutex<Sha256>>>,
 ) -> Result<()> {
     let len = end.map(|e| e - *pos);
-    let mut stream = match tokio::time::timeout(ctx.cfg.stall, ctx.source.read(file, *pos, len)).await {
-        Ok(s) => s?,
-        Err(_) => {
-            return Err(Error::Unavailable(format!(
-                "no answer for {} within {:?}",
-                file.path_or_locator(),
-                ctx.cfg.stall
-            )));
-        }
-    };
+    let mut stream =
+        match tokio::time::timeout(ctx.cfg.stall, ctx.source.read(file, *pos, len)).await {
+            Ok(s) => s?,
+            Err(_) => {
+                return Err(Error::Unavailable(format!(
+                    "no answer for {} within {:?}",
+                    file.path_or_locator(),
+                    ctx.cfg.stall
+                )));
+            }
+        };
     let flush_at = 4 << 20;
     let mut buf: Vec<Bytes> = Vec::new();
     let mut buffered = 0usize;
@@ -799,20 +895,38 @@ async fn flush(
 /// Verifies sizes, writes the seal, and renames the work directory into
 /// place. Bookkeeping is removed only after the rename, so a crash in
 /// between never forces a re-download.
-fn seal_work(root: &Root, sid: &str, work: &Work, entries: Vec<FileEntry>, uri: &str, revision: &str) -> Result<Seal> {
+fn seal_work(
+    root: &Root,
+    sid: &str,
+    work: &Work,
+    entries: Vec<FileEntry>,
+    uri: &str,
+    revision: &str,
+) -> Result<Seal> {
     let mut files: BTreeMap<String, FileEntry> = BTreeMap::new();
     for e in entries {
         files.insert(e.path.clone(), e);
     }
     // Layers may have overwritten or whited-out files of earlier layers:
     // keep what is really there.
-    files.retain(|p, _| work.data.join(p).symlink_metadata().map(|m| m.is_file()).unwrap_or(false));
+    files.retain(|p, _| {
+        work.data
+            .join(p)
+            .symlink_metadata()
+            .map(|m| m.is_file())
+            .unwrap_or(false)
+    });
     let mut tree = Tree::default();
     walk_dirs(&work.data, Path::new(""), &mut tree)?;
     for f in files.values() {
-        let len = fs::metadata(work.data.join(&f.path)).ctx("stat", &work.data.join(&f.path))?.len();
+        let len = fs::metadata(work.data.join(&f.path))
+            .ctx("stat", &work.data.join(&f.path))?
+            .len();
         if len != f.size {
-            return Err(Error::Internal(format!("{} has {len} bytes after the pull, expected {}", f.path, f.size)));
+            return Err(Error::Internal(format!(
+                "{} has {len} bytes after the pull, expected {}",
+                f.path, f.size
+            )));
         }
     }
     tree.files = files.into_values().collect();
@@ -838,7 +952,8 @@ fn seal_work(root: &Root, sid: &str, work: &Work, entries: Vec<FileEntry>, uri: 
         Ok(()) => {}
         Err(_) if cache::read_seal(root, sid)?.is_some() => {
             let _ = fs::remove_dir_all(&work.dir);
-            return cache::read_seal(root, sid)?.ok_or_else(|| Error::Internal("seal vanished".into()));
+            return cache::read_seal(root, sid)?
+                .ok_or_else(|| Error::Internal("seal vanished".into()));
         }
         Err(e) => return Err(Error::io("rename into place", &final_dir, e)),
     }
@@ -854,7 +969,10 @@ fn seal_work(root: &Root, sid: &str, work: &Work, entries: Vec<FileEntry>, uri: 
 /// hashes computed while downloading.
 fn walk_dirs(base: &Path, rel: &Path, tree: &mut Tree) -> Result<()> {
     let dir = base.join(rel);
-    let mut entries: Vec<_> = fs::read_dir(&dir).ctx("read directory", &dir)?.filter_map(|e| e.ok()).collect();
+    let mut entries: Vec<_> = fs::read_dir(&dir)
+        .ctx("read directory", &dir)?
+        .filter_map(|e| e.ok())
+        .collect();
     entries.sort_by_key(|e| e.file_name());
     for e in entries {
         let name = e.file_name();

@@ -1,0 +1,434 @@
+//! The download engine against a real local source wrapped with fault
+//! injection: verification, resume, join, stalls, Retry-After, capacity and
+//! eviction. Real files, real fsyncs, a real size-limited tmpfs for ENOSPC.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use modelcache_csi::cache::{self, Backend, Root, Roots};
+use modelcache_csi::config::Config;
+use modelcache_csi::error::{Error, Result};
+use modelcache_csi::puller::engine::{Engine, EngineConfig, NoProgress};
+use modelcache_csi::puller::file::FileSource;
+use modelcache_csi::puller::source::{RemoteFile, Resolved, Source};
+use sha2::{Digest, Sha256};
+
+/// Faults to inject into a wrapped source.
+#[derive(Default)]
+struct Faults {
+    /// Claim this sha256 for every file (a corrupted object).
+    wrong_sha: bool,
+    /// Fail every read for good after this many bytes were served in total.
+    die_after: Option<u64>,
+    /// The first N reads stall forever after their first piece.
+    stalls: AtomicUsize,
+    /// The first N reads answer Retry-After.
+    retry_after: AtomicUsize,
+}
+
+struct Faulty {
+    inner: FileSource,
+    faults: Faults,
+    reads: AtomicUsize,
+    served: Arc<AtomicU64>,
+}
+
+impl Faulty {
+    fn new(dir: &Path, faults: Faults) -> Arc<Faulty> {
+        Arc::new(Faulty {
+            inner: FileSource::new(&format!("file://{}", dir.display())).unwrap(),
+            faults,
+            reads: AtomicUsize::new(0),
+            served: Arc::new(AtomicU64::new(0)),
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl Source for Faulty {
+    async fn resolve(&self) -> Result<Resolved> {
+        let mut r = self.inner.resolve().await?;
+        if self.faults.wrong_sha {
+            for f in &mut r.files {
+                f.sha256 = Some("00".repeat(32));
+            }
+        }
+        Ok(r)
+    }
+
+    async fn read(
+        &self,
+        file: &RemoteFile,
+        offset: u64,
+        len: Option<u64>,
+    ) -> Result<BoxStream<'static, Result<Bytes>>> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        if self
+            .faults
+            .retry_after
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(Error::RetryAfter {
+                message: "busy".into(),
+                after: Duration::from_millis(50),
+            });
+        }
+        let stall = self
+            .faults
+            .stalls
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let served = self.served.clone();
+        let die_after = self.faults.die_after;
+        let inner = self.inner.read(file, offset, len).await?;
+        let s = inner.enumerate().then(move |(i, item)| {
+            let served = served.clone();
+            async move {
+                if stall && i > 0 {
+                    futures::future::pending::<()>().await;
+                }
+                let b = item?;
+                let total = served.fetch_add(b.len() as u64, Ordering::SeqCst) + b.len() as u64;
+                if die_after.is_some_and(|d| total > d) {
+                    return Err(Error::NotFound("injected permanent failure".into()));
+                }
+                Ok(b)
+            }
+        });
+        Ok(s.boxed())
+    }
+}
+
+fn model(dir: &Path, big_mib: usize) -> BTreeMap<String, String> {
+    std::fs::create_dir_all(dir.join("1_Pooling")).unwrap();
+    let mut files = BTreeMap::new();
+    let mut put = |rel: &str, bytes: Vec<u8>| {
+        std::fs::write(dir.join(rel), &bytes).unwrap();
+        files.insert(rel.to_string(), hex::encode(Sha256::digest(&bytes)));
+    };
+    put("config.json", b"{\"hidden_size\": 384}".to_vec());
+    put("1_Pooling/config.json", b"{\"pooling\": \"mean\"}".to_vec());
+    let mut big = vec![0u8; big_mib << 20];
+    let mut x: u64 = 0x9E3779B97F4A7C15;
+    for b in big.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    put("model.safetensors", big);
+    files
+}
+
+fn root_at(dir: &Path) -> Root {
+    let cfg = Config {
+        node_id: Some("n".into()),
+        state_dir: dir.to_path_buf(),
+        backends: vec![Backend::Local],
+        ..Config::default()
+    };
+    Roots::from_config(&cfg).roots.remove(0)
+}
+
+fn fast(cfg: EngineConfig) -> EngineConfig {
+    EngineConfig {
+        chunk_bytes: 1 << 20,
+        backoff: Duration::from_millis(10),
+        backoff_max: Duration::from_millis(100),
+        stall: Duration::from_millis(300),
+        ..cfg
+    }
+}
+
+fn engine(cfg: EngineConfig) -> Engine {
+    Engine::new(fast(cfg), modelcache_csi::puller::extract_layer)
+}
+
+fn sealed_files(root: &Root, sid: &str) -> BTreeMap<String, String> {
+    let data = root.source(sid).data();
+    let mut out = BTreeMap::new();
+    for f in cache::read_seal(root, sid).unwrap().unwrap().files {
+        let bytes = std::fs::read(data.join(&f.path)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&bytes)), f.sha256, "{}", f.path);
+        out.insert(f.path, f.sha256);
+    }
+    out
+}
+
+fn visible_sources(root: &Root) -> Vec<String> {
+    modelcache_csi::state::list_names(&root.sources_dir()).unwrap()
+}
+
+#[tokio::test]
+async fn pulls_verifies_and_seals_byte_for_byte() {
+    let t = tempfile::tempdir().unwrap();
+    let want = model(&t.path().join("m"), 5);
+    let root = root_at(&t.path().join("state"));
+    let src = Faulty::new(&t.path().join("m"), Faults::default());
+    let p = engine(EngineConfig::default())
+        .pull(&root, src.clone(), &NoProgress)
+        .await
+        .unwrap();
+    assert!(!p.hit);
+    assert_eq!(sealed_files(&root, &p.sid), want);
+    assert!(p.seal.revision.is_some());
+    // No bookkeeping is left inside the sealed source.
+    let mut names: Vec<_> = std::fs::read_dir(root.source(&p.sid).dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, vec!["data", "seal.json"]);
+    // A second pull is a hit and reads nothing.
+    let reads = src.reads.load(Ordering::SeqCst);
+    let again = engine(EngineConfig::default())
+        .pull(&root, src.clone(), &NoProgress)
+        .await
+        .unwrap();
+    assert!(again.hit);
+    assert_eq!(again.sid, p.sid);
+    assert_eq!(src.reads.load(Ordering::SeqCst), reads);
+}
+
+#[tokio::test]
+async fn a_corrupted_object_is_refused_and_nothing_is_sealed() {
+    let t = tempfile::tempdir().unwrap();
+    model(&t.path().join("m"), 1);
+    let root = root_at(&t.path().join("state"));
+    let src = Faulty::new(
+        &t.path().join("m"),
+        Faults {
+            wrong_sha: true,
+            ..Faults::default()
+        },
+    );
+    let err = engine(EngineConfig::default())
+        .pull(&root, src, &NoProgress)
+        .await
+        .err()
+        .expect("must fail");
+    let msg = err.to_string();
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+    assert!(
+        msg.contains("failed verification") && msg.contains("nothing was sealed"),
+        "{msg}"
+    );
+    // Only the (hidden) work directory may remain: no source is visible.
+    assert!(
+        visible_sources(&root).is_empty(),
+        "{:?}",
+        visible_sources(&root)
+    );
+}
+
+#[tokio::test]
+async fn an_interrupted_pull_resumes_without_refetching_finished_chunks() {
+    let t = tempfile::tempdir().unwrap();
+    let want = model(&t.path().join("m"), 8);
+    let root = root_at(&t.path().join("state"));
+    let cfg = EngineConfig {
+        connections: 1,
+        files: 1,
+        ..EngineConfig::default()
+    };
+    // The first run dies for good after ~5 MiB.
+    let dying = Faulty::new(
+        &t.path().join("m"),
+        Faults {
+            die_after: Some(5 << 20),
+            ..Faults::default()
+        },
+    );
+    assert!(
+        engine(cfg.clone())
+            .pull(&root, dying.clone(), &NoProgress)
+            .await
+            .is_err()
+    );
+    assert!(visible_sources(&root).is_empty());
+    // The retry only fetches what was not yet durable.
+    let healthy = Faulty::new(&t.path().join("m"), Faults::default());
+    let p = engine(cfg)
+        .pull(&root, healthy.clone(), &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(sealed_files(&root, &p.sid), want);
+    let refetched = healthy.served.load(Ordering::SeqCst);
+    let total: u64 = (8 << 20) + 39;
+    assert!(
+        refetched < total - (3 << 20),
+        "resume fetched {refetched} of {total} bytes again"
+    );
+}
+
+#[tokio::test]
+async fn twenty_concurrent_pulls_fetch_once() {
+    let t = tempfile::tempdir().unwrap();
+    model(&t.path().join("m"), 3);
+    let root = root_at(&t.path().join("state"));
+    let src = Faulty::new(&t.path().join("m"), Faults::default());
+    let engine = Arc::new(engine(EngineConfig::default()));
+    let pulls = (0..20).map(|_| {
+        let (e, r, s) = (engine.clone(), root.clone(), src.clone());
+        tokio::spawn(async move { e.pull(&r, s, &NoProgress).await.map(|p| (p.sid, p.hit)) })
+    });
+    let results: Vec<_> = futures::future::join_all(pulls)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect();
+    assert_eq!(results.iter().filter(|(_, hit)| !hit).count(), 1);
+    assert!(results.iter().all(|(sid, _)| *sid == results[0].0));
+    // 3 MiB in 1 MiB chunks + 2 small files: one read each.
+    assert_eq!(src.reads.load(Ordering::SeqCst), 5);
+    assert_eq!(src.served.load(Ordering::SeqCst), (3 << 20) + 39);
+}
+
+#[tokio::test]
+async fn stalls_and_retry_after_are_survived() {
+    let t = tempfile::tempdir().unwrap();
+    let want = model(&t.path().join("m"), 2);
+    let root = root_at(&t.path().join("state"));
+    let src = Faulty::new(
+        &t.path().join("m"),
+        Faults {
+            stalls: AtomicUsize::new(2),
+            retry_after: AtomicUsize::new(2),
+            ..Faults::default()
+        },
+    );
+    let p = engine(EngineConfig::default())
+        .pull(&root, src, &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(sealed_files(&root, &p.sid), want);
+}
+
+struct Tmpfs(PathBuf);
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = modelcache_csi::mount::unmount_lazy(&self.0);
+    }
+}
+
+fn small_fs(dir: &Path, mib: u64) -> Tmpfs {
+    std::fs::create_dir_all(dir).unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        dir,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some(format!("size={mib}m").as_str()),
+    )
+    .unwrap();
+    Tmpfs(dir.to_path_buf())
+}
+
+#[tokio::test]
+async fn a_model_that_cannot_fit_is_refused_before_any_byte_is_written() {
+    let t = tempfile::tempdir().unwrap();
+    model(&t.path().join("m"), 12);
+    let fs = small_fs(&t.path().join("small"), 8);
+    let root = root_at(&fs.0);
+    let src = Faulty::new(&t.path().join("m"), Faults::default());
+    let err = engine(EngineConfig::default())
+        .pull(&root, src.clone(), &NoProgress)
+        .await
+        .err()
+        .expect("must fail");
+    assert!(matches!(err, Error::ResourceExhausted(_)), "{err:?}");
+    assert_eq!(
+        src.reads.load(Ordering::SeqCst),
+        0,
+        "nothing may be fetched"
+    );
+    assert!(
+        !root.sources_dir().exists() || std::fs::read_dir(root.sources_dir()).unwrap().count() == 0
+    );
+}
+
+#[tokio::test]
+async fn capacity_evicts_least_recently_used_but_never_a_model_in_use() {
+    let t = tempfile::tempdir().unwrap();
+    let root = root_at(&t.path().join("state"));
+    let mut sids = Vec::new();
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let dir = t.path().join(name);
+        model(&dir, 2);
+        std::fs::write(dir.join("tag"), name).unwrap();
+        let cfg = EngineConfig {
+            capacity: BTreeMap::from([(Backend::Local, 7 << 20)]),
+            ..EngineConfig::default()
+        };
+        let p = engine(cfg)
+            .pull(&root, Faulty::new(&dir, Faults::default()), &NoProgress)
+            .await
+            .unwrap();
+        cache::evict::touch(&root, &p.sid).unwrap();
+        // Distinct last-used seconds, oldest first.
+        std::fs::write(
+            root.source(&p.sid).dir.join("last-used"),
+            (1000 + i).to_string(),
+        )
+        .unwrap();
+        sids.push(p.sid);
+    }
+    // "a" is the oldest but in use: a cache volume references it.
+    let rec_uuid = "0123456789abcdef0123456789abcdef";
+    cache::add_ref(&root, &sids[0], rec_uuid).unwrap();
+    cache::write_volume(
+        &root,
+        &cache::VolumeRecord {
+            id: root.volume_id(rec_uuid),
+            name: "in-use".into(),
+            backend: Backend::Local,
+            role: cache::Role::Cache,
+            source: sids[0].clone(),
+            sub_path: None,
+            verify: Default::default(),
+            capacity_bytes: 1,
+            node: None,
+            model: None,
+            revision: None,
+            content_source: None,
+            request: String::new(),
+            created_unix: 0,
+        },
+    )
+    .unwrap();
+    // A fourth model needs room: "b" (oldest unused) goes, "a" stays.
+    let dir = t.path().join("d");
+    model(&dir, 2);
+    let cfg = EngineConfig {
+        capacity: BTreeMap::from([(Backend::Local, 7 << 20)]),
+        ..EngineConfig::default()
+    };
+    engine(cfg)
+        .pull(&root, Faulty::new(&dir, Faults::default()), &NoProgress)
+        .await
+        .unwrap();
+    assert!(
+        cache::read_seal(&root, &sids[0]).unwrap().is_some(),
+        "a model in use was evicted"
+    );
+    assert!(
+        cache::read_seal(&root, &sids[1]).unwrap().is_none(),
+        "the least recently used unused model stays"
+    );
+    assert!(cache::read_seal(&root, &sids[2]).unwrap().is_some());
+    // Pinned models survive idle eviction; unpinned idle ones go.
+    cache::evict::set_pinned(&root, &sids[2], true).unwrap();
+    let gone = cache::evict::evict_idle(&root, Duration::from_secs(0)).unwrap();
+    assert!(
+        !gone.contains(&sids[2]) && !gone.contains(&sids[0]),
+        "{gone:?}"
+    );
+    assert_eq!(gone.len(), 1);
+}
