@@ -70,16 +70,28 @@ pub async fn serve_on(
         !node || cfg.node_id.is_some(),
         "--node-id is required to serve the node service"
     );
+    let provisioner = controller.then(|| Arc::new(Provisioner::new(cfg.clone())));
+    if let (Some(p), Some(idle)) = (&provisioner, cfg.evict_idle) {
+        let p = p.clone();
+        tokio::spawn(async move {
+            // Often enough that a model goes soon after its idle time ends.
+            let mut tick = tokio::time::interval((idle / 4).clamp(
+                std::time::Duration::from_secs(10),
+                std::time::Duration::from_secs(300),
+            ));
+            loop {
+                tick.tick().await;
+                let p = p.clone();
+                let _ = tokio::task::spawn_blocking(move || p.evict_idle(idle)).await;
+            }
+        });
+    }
     let router = tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService::new(
             cfg.clone(),
             controller,
         )))
-        .add_optional_service(controller.then(|| {
-            ControllerServer::new(ControllerService::new(Arc::new(Provisioner::new(
-                cfg.clone(),
-            ))))
-        }))
+        .add_optional_service(provisioner.map(|p| ControllerServer::new(ControllerService::new(p))))
         .add_optional_service(
             node.then(|| NodeServer::new(NodeService::new(Arc::new(NodeOps::new(cfg.clone()))))),
         );

@@ -169,7 +169,9 @@ pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -
     Err(Error::ResourceExhausted(format!(
         "the model needs {need} bytes but {} has only {avail} available{} even after evicting every unused model",
         root.describe(),
-        capacity.map(|c| format!(" (capacity {c} bytes)")).unwrap_or_default()
+        capacity
+            .map(|c| format!(" (capacity {c} bytes)"))
+            .unwrap_or_default()
     )))
 }
 

@@ -151,8 +151,9 @@ impl Params {
                 }
                 k if SOURCE_OPTIONS.contains(&k) => {
                     if k.ends_with("Endpoint") || k.ends_with("URL") {
-                        let ok = url::Url::parse(value)
-                            .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
+                        let ok = url::Url::parse(value).is_ok_and(|u| {
+                            matches!(u.scheme(), "http" | "https") && u.host().is_some()
+                        });
                         if !ok {
                             return Err(Error::invalid(
                                 format!("parameters.{k}"),
@@ -187,7 +188,10 @@ impl Params {
                 (p.sub_path.is_some(), SUB_PATH),
                 (p.verify.is_some(), VERIFY),
                 (p.source.is_some(), SOURCE),
-                (!p.source_options.is_empty(), "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, modelRegistryURL"),
+                (
+                    !p.source_options.is_empty(),
+                    "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, modelRegistryURL",
+                ),
             ] {
                 if set {
                     return Err(Error::invalid(
@@ -289,8 +293,14 @@ mod tests {
 
     #[test]
     fn mutable_parameters() {
-        assert_eq!(parse_mutable(&map(&[("sealed", "true")])).unwrap().sealed, Some(true));
-        assert_eq!(parse_mutable(&map(&[("pinned", "false")])).unwrap().pinned, Some(false));
+        assert_eq!(
+            parse_mutable(&map(&[("sealed", "true")])).unwrap().sealed,
+            Some(true)
+        );
+        assert_eq!(
+            parse_mutable(&map(&[("pinned", "false")])).unwrap().pinned,
+            Some(false)
+        );
         assert_eq!(parse_mutable(&map(&[])).unwrap(), Mutable::default());
         assert!(parse_mutable(&map(&[("XXX_FakeKey", "1")])).is_err());
         assert!(parse_mutable(&map(&[("sealed", "yes")])).is_err());

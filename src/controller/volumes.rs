@@ -512,8 +512,22 @@ impl Provisioner {
         {
             return Ok(0);
         }
-        let free = cache::free_bytes(&root.dir).map_err(|e| Error::io("statfs", &root.dir, e))?;
+        let cap = self.cfg.pull.capacity.get(&root.backend).copied();
+        let free = cache::evict::available(&root, cap)?;
         Ok(free.min(i64::MAX as u64) as i64)
+    }
+
+    /// Evicts pulled models nobody has used for `idle`, in every root.
+    pub fn evict_idle(&self, idle: std::time::Duration) {
+        for root in &self.roots.roots {
+            match cache::evict::evict_idle(root, idle) {
+                Ok(gone) if !gone.is_empty() => {
+                    tracing::info!(root = %root.dir.display(), evicted = ?gone, "evicted idle models")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(root = %root.dir.display(), error = %e, "eviction failed"),
+            }
+        }
     }
 
     pub fn volume_context(

@@ -92,6 +92,10 @@ impl NodeOps {
         let node = node_id(&self.cfg)?;
         let _g = self.sources.lock(&rec.source).await;
         let new_lease = writable && cache::acquire_writer(&root, &rec.source, &node)?;
+        if cache::evict::is_model(&rec.source) {
+            // Best effort: a read-only shared root must not block a stage.
+            let _ = cache::evict::touch(&root, &rec.source);
+        }
         let (r, sid) = (root.clone(), rec.source.clone());
         let result = blocking(move || stage_blocking(&r, &rec, &staging, writable, seal)).await;
         if result.is_err() && new_lease {

@@ -41,7 +41,10 @@ impl FileSource {
 fn list(root: &Path) -> Result<Vec<(String, PathBuf, fs::Metadata)>> {
     let meta = fs::metadata(root).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
-            Error::NotFound(format!("model file://{} does not exist on this node", root.display()))
+            Error::NotFound(format!(
+                "model file://{} does not exist on this node",
+                root.display()
+            ))
         } else {
             Error::io("stat", root, e)
         }
@@ -113,7 +116,12 @@ impl Source for FileSource {
         })
     }
 
-    async fn read(&self, file: &RemoteFile, offset: u64, len: Option<u64>) -> Result<BoxStream<'static, Result<Bytes>>> {
+    async fn read(
+        &self,
+        file: &RemoteFile,
+        offset: u64,
+        len: Option<u64>,
+    ) -> Result<BoxStream<'static, Result<Bytes>>> {
         let path = PathBuf::from(&file.locator);
         let f = File::open(&path).ctx("open", &path)?;
         let end = match len {
@@ -143,7 +151,10 @@ impl Source for FileSource {
                         Some((Ok(Bytes::from(buf)), (f, next)))
                     }
                     Ok(Err(e)) => Some((Err(Error::io("read", &path, e)), (f, end))),
-                    Err(e) => Some((Err(Error::Internal(format!("read task failed: {e}"))), (f, end))),
+                    Err(e) => Some((
+                        Err(Error::Internal(format!("read task failed: {e}"))),
+                        (f, end),
+                    )),
                 }
             }
         })

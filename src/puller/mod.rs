@@ -9,6 +9,7 @@
 
 pub mod engine;
 pub mod file;
+pub mod oci;
 pub mod s3;
 pub mod source;
 pub mod unpack;

@@ -157,14 +157,21 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<AmazonS3> {
     let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
 
     if let Some(region) = params.get(PARAM_REGION) {
-        if region.is_empty() || !region.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        if region.is_empty()
+            || !region
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        {
             return Err(Error::invalid(
                 format!("parameters.{PARAM_REGION}"),
                 format!("{region:?} is not a region name, like us-east-1"),
             ));
         }
         builder = builder.with_region(region);
-    } else if builder.get_config_value(&AmazonS3ConfigKey::Region).is_none() {
+    } else if builder
+        .get_config_value(&AmazonS3ConfigKey::Region)
+        .is_none()
+    {
         builder = builder.with_region(DEFAULT_REGION);
     }
 
@@ -284,7 +291,9 @@ fn parse_endpoint(endpoint: &str) -> Result<url::Url> {
     {
         return Err(Error::invalid(
             &field,
-            format!("{endpoint:?} is not of the form http(s)://host[:port], like http://127.0.0.1:9000"),
+            format!(
+                "{endpoint:?} is not of the form http(s)://host[:port], like http://127.0.0.1:9000"
+            ),
         ));
     }
     Ok(url)
@@ -303,7 +312,10 @@ impl S3Source {
         let prefix_path = if prefix.is_empty() {
             None
         } else {
-            Some(Path::parse(prefix).map_err(|e| Error::invalid("parameters.source", e.to_string()))?)
+            Some(
+                Path::parse(prefix)
+                    .map_err(|e| Error::invalid("parameters.source", e.to_string()))?,
+            )
         };
         // object_store lists `prefix/`, so `models/minilm` never matches
         // `models/minilm-v2/...`.
@@ -648,8 +660,10 @@ mod tests {
         assert!(e.to_string().contains(PARAM_PATH_STYLE), "{e}");
 
         let mut opts = SourceOptions::default();
-        opts.params
-            .insert(PARAM_ENDPOINT.into(), "http://k:hunter2@127.0.0.1:9000".into());
+        opts.params.insert(
+            PARAM_ENDPOINT.into(),
+            "http://k:hunter2@127.0.0.1:9000".into(),
+        );
         let e = new("s3://bucket/x", &opts).unwrap_err();
         assert!(!e.to_string().contains("hunter2"), "{e}");
 

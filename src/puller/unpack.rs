@@ -102,7 +102,9 @@ pub fn merge(dest: &Path, layers: Vec<Vec<FileEntry>>) -> Result<Vec<FileEntry>>
         match fs::symlink_metadata(&abs) {
             Ok(m) if m.is_file() => kept.push(f),
             Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENOTDIR) => {}
+            Err(e)
+                if e.kind() == io::ErrorKind::NotFound
+                    || e.raw_os_error() == Some(libc::ENOTDIR) => {}
             Err(e) => return Err(Error::io("stat", &abs, e)),
         }
     }
@@ -194,7 +196,10 @@ impl Layer<'_> {
         // Extension headers the tar crate did not fold into the next entry.
         if matches!(
             kind,
-            EntryType::XGlobalHeader | EntryType::XHeader | EntryType::GNULongName | EntryType::GNULongLink
+            EntryType::XGlobalHeader
+                | EntryType::XHeader
+                | EntryType::GNULongName
+                | EntryType::GNULongLink
         ) {
             return Ok(());
         }
@@ -220,7 +225,10 @@ impl Layer<'_> {
             }
             EntryType::Char | EntryType::Block => Err(refuse(&name, "is a device file")),
             EntryType::Fifo => Err(refuse(&name, "is a fifo")),
-            other => Err(refuse(&name, format_args!("has unsupported type {other:?}"))),
+            other => Err(refuse(
+                &name,
+                format_args!("has unsupported type {other:?}"),
+            )),
         }
     }
 
@@ -248,7 +256,9 @@ impl Layer<'_> {
                 Err(Errno::ENOENT) if create => {
                     match mkdirat(dir.as_fd(), c.as_str(), Mode::from_bits_truncate(DIR_MODE)) {
                         Ok(()) | Err(Errno::EEXIST) => {}
-                        Err(e) => return Err(Error::io("create", &self.dest.join(&prefix), e.into())),
+                        Err(e) => {
+                            return Err(Error::io("create", &self.dest.join(&prefix), e.into()));
+                        }
                     }
                     let fd = openat(dir.as_fd(), c.as_str(), dir_flags, Mode::empty())
                         .map_err(|e| Error::io("open", &self.dest.join(&prefix), e.into()))?;
@@ -303,7 +313,13 @@ impl Layer<'_> {
         Ok(false)
     }
 
-    fn write_file<R: Read>(&mut self, name: &str, comps: &[String], data: &mut R, mode: u32) -> Result<()> {
+    fn write_file<R: Read>(
+        &mut self,
+        name: &str,
+        comps: &[String],
+        data: &mut R,
+        mode: u32,
+    ) -> Result<()> {
         let Some((base, _)) = comps.split_last() else {
             return Err(refuse(name, "is a file named like the model root"));
         };
@@ -360,8 +376,12 @@ impl Layer<'_> {
         let abs = self.dest.join(&rel);
         let dir = self.parent(name, comps, true)?.expect("created");
         if !self.clear(&dir, &rel, base, true)? {
-            mkdirat(dir.as_fd(), base.as_str(), Mode::from_bits_truncate(DIR_MODE))
-                .map_err(|e| Error::io("create", &abs, e.into()))?;
+            mkdirat(
+                dir.as_fd(),
+                base.as_str(),
+                Mode::from_bits_truncate(DIR_MODE),
+            )
+            .map_err(|e| Error::io("create", &abs, e.into()))?;
         }
         let fd = openat(
             dir.as_fd(),
@@ -379,7 +399,8 @@ impl Layer<'_> {
         let Some((base, _)) = comps.split_last() else {
             return Err(refuse(name, "is a symlink named like the model root"));
         };
-        link_target_ok(comps, target).map_err(|why| refuse(name, format_args!("{why} ({target:?})")))?;
+        link_target_ok(comps, target)
+            .map_err(|why| refuse(name, format_args!("{why} ({target:?})")))?;
         let rel = comps.join("/");
         let dir = self.parent(name, comps, true)?.expect("created");
         self.clear(&dir, &rel, base, false)?;
@@ -396,7 +417,10 @@ impl Layer<'_> {
             return Err(refuse(name, "is a hardlink named like the model root"));
         };
         let target_comps = components(target).map_err(|_| {
-            refuse(name, format_args!("is a hardlink to {target:?}, outside the model"))
+            refuse(
+                name,
+                format_args!("is a hardlink to {target:?}, outside the model"),
+            )
         })?;
         let target_rel = target_comps.join("/");
         let Some(entry) = self.files.get(&target_rel).cloned() else {
@@ -412,7 +436,10 @@ impl Layer<'_> {
             return Ok(());
         }
         let Some(target_dir) = self.parent(name, &target_comps, false)? else {
-            return Err(refuse(name, format_args!("is a hardlink to {target:?}, which is gone")));
+            return Err(refuse(
+                name,
+                format_args!("is a hardlink to {target:?}, which is gone"),
+            ));
         };
         let dir = self.parent(name, comps, true)?.expect("created");
         self.clear(&dir, &rel, base, false)?;
@@ -426,7 +453,8 @@ impl Layer<'_> {
         )
         .map_err(|e| Error::io("create hardlink", &self.dest.join(&rel), e.into()))?;
         self.touched.insert(rel.clone());
-        self.files.insert(rel.clone(), FileEntry { path: rel, ..entry });
+        self.files
+            .insert(rel.clone(), FileEntry { path: rel, ..entry });
         Ok(())
     }
 
@@ -642,7 +670,10 @@ mod tests {
         assert_eq!(fs::read(d.join(&long)).unwrap(), b"long");
         assert_eq!(fs::read(d.join(&pax_name)).unwrap(), b"pax");
         assert_eq!(fs::read(d.join("models/1_Pooling/up")).unwrap(), b"{}");
-        assert_eq!(fs::read_link(d.join("models/alias.json")).unwrap(), Path::new("config.json"));
+        assert_eq!(
+            fs::read_link(d.join("models/alias.json")).unwrap(),
+            Path::new("config.json")
+        );
         let mode = |p: &str| fs::symlink_metadata(d.join(p)).unwrap().mode() & 0o7777;
         assert_eq!(mode("models/run.sh"), 0o755);
         assert_eq!(mode("models/secret"), 0o644);
@@ -661,7 +692,10 @@ mod tests {
         fs::write(&gz_path, gz.finish().unwrap()).unwrap();
         let zst_path = f.tmp.path().join("l.tar.zst");
         fs::write(&zst_path, zstd::encode_all(&tar[..], 1).unwrap()).unwrap();
-        for (p, c) in [(&gz_path, Compression::Gzip), (&zst_path, Compression::Zstd)] {
+        for (p, c) in [
+            (&gz_path, Compression::Gzip),
+            (&zst_path, Compression::Zstd),
+        ] {
             let dest = f.tmp.path().join(format!("{c:?}"));
             let files = extract(p, c, &dest).unwrap();
             assert_eq!(files.len(), 1);
@@ -693,16 +727,22 @@ mod tests {
     fn refuses_escaping_symlinks() {
         let f = Fixture::new();
         let err = f.refused(Tar::new().link(EntryType::Symlink, "link", "/etc"));
-        assert!(err.contains("\"link\" is a symlink to an absolute path"), "{err}");
+        assert!(
+            err.contains("\"link\" is a symlink to an absolute path"),
+            "{err}"
+        );
         let err = f.refused(Tar::new().link(EntryType::Symlink, "a/link", "../../etc"));
         assert!(err.contains("climbs outside the model"), "{err}");
         // Lexically inside, but '..' after a name that may itself be a link.
-        let err = f.refused(
-            Tar::new()
-                .link(EntryType::Symlink, "d/l", "..")
-                .link(EntryType::Symlink, "e", "d/l/.."),
+        let err = f.refused(Tar::new().link(EntryType::Symlink, "d/l", "..").link(
+            EntryType::Symlink,
+            "e",
+            "d/l/..",
+        ));
+        assert!(
+            err.contains("\"e\" is a symlink whose target has '..' after"),
+            "{err}"
         );
-        assert!(err.contains("\"e\" is a symlink whose target has '..' after"), "{err}");
     }
 
     #[test]
@@ -724,25 +764,34 @@ mod tests {
                 .link(EntryType::Symlink, "link", "/etc")
                 .file("link/passwd", b"x"),
         );
-        assert!(err.contains("\"link\" is a symlink to an absolute path"), "{err}");
+        assert!(
+            err.contains("\"link\" is a symlink to an absolute path"),
+            "{err}"
+        );
     }
 
     #[test]
     fn refuses_bad_hardlinks() {
         let f = Fixture::new();
         let err = f.refused(Tar::new().raw(EntryType::Link, b"h", b"/etc/passwd", b""));
-        assert!(err.contains("\"h\" is a hardlink to \"/etc/passwd\", outside"), "{err}");
+        assert!(
+            err.contains("\"h\" is a hardlink to \"/etc/passwd\", outside"),
+            "{err}"
+        );
         let err = f.refused(Tar::new().raw(EntryType::Link, b"h", b"../x", b""));
         assert!(err.contains("outside the model"), "{err}");
         // Present in dest from an earlier layer, but not from this one.
         fs::write(f.dest().join("old"), b"x").unwrap();
         let err = f.refused(Tar::new().link(EntryType::Link, "h", "old"));
-        assert!(err.contains("not a regular file extracted earlier from this layer"), "{err}");
-        let err = f.refused(
-            Tar::new()
-                .link(EntryType::Symlink, "s", "old")
-                .link(EntryType::Link, "h", "s"),
+        assert!(
+            err.contains("not a regular file extracted earlier from this layer"),
+            "{err}"
         );
+        let err = f.refused(Tar::new().link(EntryType::Symlink, "s", "old").link(
+            EntryType::Link,
+            "h",
+            "s",
+        ));
         assert!(err.contains("\"h\" is a hardlink to \"s\""), "{err}");
     }
 
@@ -780,7 +829,10 @@ mod tests {
             .write(f.tmp.path(), "l2.tar");
         let f1 = extract(&l1, Compression::None, &dest).unwrap();
         let f2 = extract(&l2, Compression::None, &dest).unwrap();
-        assert_eq!(f2.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(), vec!["d/new"]);
+        assert_eq!(
+            f2.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(),
+            vec!["d/new"]
+        );
         let all = merge(&dest, vec![f1, f2]).unwrap();
         let names: Vec<_> = all.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(names, vec!["d/new", "keep"]);
