@@ -156,7 +156,8 @@ fn inherited_restrictions(dst: &Path) -> io::Result<MsFlags> {
 }
 
 /// Mount the block device `dev` on `dst` as `fstype` with filesystem options `data`
-/// (e.g. "norecovery,nouuid"), read-only when `readonly`.
+/// (e.g. "norecovery,nouuid"), read-only when `readonly`. Always nosuid and nodev, like the
+/// driver's bind mounts: a model filesystem holds neither setuid programs nor device files.
 pub fn mount_device(
     dev: &Path,
     dst: &Path,
@@ -164,11 +165,13 @@ pub fn mount_device(
     readonly: bool,
     data: &str,
 ) -> io::Result<()> {
-    let flags = if readonly {
-        MsFlags::MS_RDONLY
-    } else {
-        MsFlags::empty()
-    };
+    let flags = MsFlags::MS_NOSUID
+        | MsFlags::MS_NODEV
+        | if readonly {
+            MsFlags::MS_RDONLY
+        } else {
+            MsFlags::empty()
+        };
     tracing::debug!(dev = %dev.display(), dst = %dst.display(), fstype, readonly, data, "mount device");
     mount(
         Some(dev),

@@ -1,0 +1,651 @@
+//! The harness for the integration tests: the real `modelcache-csi` binary
+//! started as a child process in a fresh temp dir, driven over its Unix
+//! socket with the generated client, and torn down so that nothing it
+//! mounted or attached outlives the test, even when the test panics.
+//!
+//! Tests run as root inside `unshare -m --propagation private`, so mounts
+//! made here never reach the host; loop devices are global, which is why
+//! `Drop` detaches those backed by files under the temp dir.
+
+#![allow(
+    dead_code,
+    reason = "each test binary uses a different part of the harness"
+)]
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use modelcache_csi::client::Client;
+use modelcache_csi::csi::volume_capability::access_mode::Mode;
+use modelcache_csi::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use modelcache_csi::csi::volume_content_source::{Type as ContentType, VolumeSource};
+use modelcache_csi::csi::*;
+use modelcache_csi::mount::{self, MountEntry, loopdev};
+use tonic::{Code, Status};
+
+pub const WRITER: Mode = Mode::SingleNodeWriter;
+pub const READER: Mode = Mode::SingleNodeReaderOnly;
+
+pub const NODE: &str = "node-1";
+pub const MIB: i64 = 1 << 20;
+/// The smallest XFS image the driver makes (mkfs.xfs refuses less); sparse.
+pub const XFS_BYTES: i64 = 300 * MIB;
+
+/// One running driver (controller and node in one process) and its temp dir.
+pub struct Driver {
+    /// Canonical temp dir holding everything below.
+    pub dir: PathBuf,
+    pub state_dir: PathBuf,
+    pub shared_dir: PathBuf,
+    pub socket: PathBuf,
+    pub client: Client,
+    extra_args: Vec<String>,
+    log: PathBuf,
+    child: Child,
+    // Dropped last, after `Drop::drop` has unmounted everything under it.
+    _tmp: tempfile::TempDir,
+}
+
+impl Driver {
+    /// Starts the driver with every backend (local, xfs, shared).
+    pub async fn start() -> Driver {
+        Driver::start_with(&[]).await
+    }
+
+    /// Starts the driver with extra command-line arguments.
+    pub async fn start_with(extra_args: &[&str]) -> Driver {
+        let tmp = tempfile::Builder::new()
+            .prefix("mc-test-")
+            .tempdir()
+            .expect("create temp dir");
+        let dir = fs::canonicalize(tmp.path()).expect("resolve temp dir");
+        let state_dir = dir.join("state");
+        let shared_dir = dir.join("shared");
+        fs::create_dir_all(&shared_dir).expect("create shared dir");
+        let socket = dir.join("csi.sock");
+        let log = dir.join("driver.log");
+        let extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
+        let mut child = spawn(&socket, &state_dir, &shared_dir, &log, &extra_args);
+        let client = match connect(&mut child, &socket, &log).await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{e}");
+            }
+        };
+        Driver {
+            dir,
+            state_dir,
+            shared_dir,
+            socket,
+            client,
+            extra_args,
+            log,
+            child,
+            _tmp: tmp,
+        }
+    }
+
+    /// SIGKILL: no handler runs, no cleanup; mounts and leases stay as they are.
+    pub fn kill_9(&mut self) {
+        self.child.kill().expect("kill -9 driver");
+        self.child.wait().expect("reap driver");
+    }
+
+    /// Starts the driver again on the same directories and reconnects.
+    pub async fn restart(&mut self) {
+        if self.child.try_wait().expect("wait for driver").is_none() {
+            self.kill_9();
+        }
+        // The stale socket would accept nothing; the new process replaces it.
+        let _ = fs::remove_file(&self.socket);
+        self.child = spawn(
+            &self.socket,
+            &self.state_dir,
+            &self.shared_dir,
+            &self.log,
+            &self.extra_args,
+        );
+        match connect(&mut self.child, &self.socket, &self.log).await {
+            Ok(c) => self.client = c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A staging path as kubelet would pass it (not created: the driver makes it).
+    pub fn staging(&self, name: &str) -> PathBuf {
+        self.dir.join("kubelet/staging").join(name)
+    }
+
+    /// A pod's target path (not created: the driver makes it).
+    pub fn target(&self, name: &str) -> PathBuf {
+        self.dir.join("kubelet/pods").join(name).join("mount")
+    }
+
+    /// The JSON record of a volume on the node-local `backend`.
+    pub fn record_path(&self, backend: &str, volume_id: &str) -> PathBuf {
+        self.state_dir
+            .join(backend)
+            .join("volumes")
+            .join(format!("{}.json", uuid_of(volume_id)))
+    }
+
+    /// The directory of a node-local source on `backend`.
+    pub fn source_dir(&self, backend: &str, source_id: &str) -> PathBuf {
+        self.state_dir.join(backend).join("sources").join(source_id)
+    }
+
+    // Thin wrappers over the RPCs. Each clones the client (cheap: one
+    // shared channel), so they take `&self` and can run concurrently.
+
+    pub async fn create(&self, req: CreateVolumeRequest) -> Result<Volume, Status> {
+        let resp = self.client.clone().controller.create_volume(req).await?;
+        Ok(resp
+            .into_inner()
+            .volume
+            .expect("CreateVolume returned no volume"))
+    }
+
+    /// A writable source volume on `backend`.
+    pub async fn create_source(&self, name: &str, backend: &str) -> Volume {
+        let mut req = create_req(name, &[("backend", backend)], WRITER);
+        if backend == "xfs" {
+            req.capacity_range = Some(CapacityRange {
+                required_bytes: XFS_BYTES,
+                limit_bytes: 0,
+            });
+        }
+        self.create(req).await.expect("create source volume")
+    }
+
+    /// A read-only cache volume cloned from `source_id`.
+    pub async fn create_cache(
+        &self,
+        name: &str,
+        source_id: &str,
+        params: &[(&str, &str)],
+    ) -> Result<Volume, Status> {
+        self.create(clone_req(name, params, source_id, READER))
+            .await
+    }
+
+    pub async fn delete(&self, volume_id: &str) -> Result<(), Status> {
+        let req = DeleteVolumeRequest {
+            volume_id: volume_id.into(),
+            ..Default::default()
+        };
+        self.client.clone().controller.delete_volume(req).await?;
+        Ok(())
+    }
+
+    /// ControllerModifyVolume sealed=true.
+    pub async fn seal(&self, volume_id: &str) -> Result<(), Status> {
+        let req = ControllerModifyVolumeRequest {
+            volume_id: volume_id.into(),
+            mutable_parameters: map(&[("sealed", "true")]),
+            ..Default::default()
+        };
+        self.client
+            .clone()
+            .controller
+            .controller_modify_volume(req)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn stage(&self, volume_id: &str, staging: &Path, mode: Mode) -> Result<(), Status> {
+        self.stage_req(stage_req(volume_id, staging, mount_cap(mode, &[])))
+            .await
+    }
+
+    pub async fn stage_req(&self, req: NodeStageVolumeRequest) -> Result<(), Status> {
+        self.client.clone().node.node_stage_volume(req).await?;
+        Ok(())
+    }
+
+    pub async fn unstage(&self, volume_id: &str, staging: &Path) -> Result<(), Status> {
+        let req = NodeUnstageVolumeRequest {
+            volume_id: volume_id.into(),
+            staging_target_path: path_str(staging),
+        };
+        self.client.clone().node.node_unstage_volume(req).await?;
+        Ok(())
+    }
+
+    /// NodePublish with the given access mode, no mount flags.
+    pub async fn publish(
+        &self,
+        volume_id: &str,
+        staging: &Path,
+        target: &Path,
+        mode: Mode,
+        readonly: bool,
+    ) -> Result<(), Status> {
+        self.publish_req(publish_req(
+            volume_id,
+            staging,
+            target,
+            mount_cap(mode, &[]),
+            readonly,
+        ))
+        .await
+    }
+
+    pub async fn publish_req(&self, req: NodePublishVolumeRequest) -> Result<(), Status> {
+        self.client.clone().node.node_publish_volume(req).await?;
+        Ok(())
+    }
+
+    pub async fn unpublish(&self, volume_id: &str, target: &Path) -> Result<(), Status> {
+        let req = NodeUnpublishVolumeRequest {
+            volume_id: volume_id.into(),
+            target_path: path_str(target),
+        };
+        self.client.clone().node.node_unpublish_volume(req).await?;
+        Ok(())
+    }
+
+    /// Every volume, walking ListVolumes pages of `max_entries`.
+    pub async fn list_all(&self, max_entries: i32) -> Vec<Volume> {
+        let mut out = Vec::new();
+        let mut token = String::new();
+        loop {
+            let page = self
+                .client
+                .clone()
+                .controller
+                .list_volumes(ListVolumesRequest {
+                    max_entries,
+                    starting_token: token,
+                })
+                .await
+                .expect("ListVolumes")
+                .into_inner();
+            if max_entries > 0 {
+                assert!(page.entries.len() <= max_entries as usize, "{page:?}");
+            }
+            out.extend(page.entries.into_iter().filter_map(|e| e.volume));
+            if page.next_token.is_empty() {
+                return out;
+            }
+            token = page.next_token;
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let leftovers = clean_up(&self.dir);
+        if std::thread::panicking() {
+            eprintln!(
+                "---- driver log ({}) ----\n{}",
+                self.log.display(),
+                self.log_text()
+            );
+            if !leftovers.is_empty() {
+                eprintln!("cleaned up after the failed test: {leftovers:#?}");
+            }
+        }
+    }
+}
+
+fn spawn(
+    socket: &Path,
+    state_dir: &Path,
+    shared_dir: &Path,
+    log: &Path,
+    extra_args: &[String],
+) -> Child {
+    let log_file = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("open driver log");
+    Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
+        .arg("--endpoint")
+        .arg(format!("unix://{}", socket.display()))
+        .args(["--node-id", NODE])
+        .arg("--state-dir")
+        .arg(state_dir)
+        .arg("--shared-path")
+        .arg(shared_dir)
+        .args(extra_args)
+        .env("RUST_LOG", "modelcache_csi=debug,info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone().expect("dup log"))
+        .stderr(log_file)
+        .spawn()
+        .expect("start modelcache-csi")
+}
+
+/// Polls the socket until the driver accepts; fails fast if it died.
+async fn connect(child: &mut Child, socket: &Path, log: &Path) -> Result<Client, String> {
+    let log_text = || fs::read_to_string(log).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.try_wait().expect("wait for driver") {
+            return Err(format!("driver exited with {status}:\n{}", log_text()));
+        }
+        if let Ok(client) = Client::connect(socket.to_path_buf()).await {
+            return Ok(client);
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "driver did not accept on {} within 20 s:\n{}",
+                socket.display(),
+                log_text()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Unmounts everything under `dir` (deepest first, lazily, since a killed
+/// driver may have left anything) and detaches loop devices backed by files
+/// under it. Returns what it had to clean, for the failure report.
+pub fn clean_up(dir: &Path) -> Vec<String> {
+    let mut cleaned = Vec::new();
+    for _ in 0..16 {
+        let table = mount::read_table().unwrap_or_default();
+        let under: Vec<PathBuf> = mount::mounts_under(&table, dir)
+            .into_iter()
+            .map(|m| m.mount_point.clone())
+            .collect();
+        if under.is_empty() {
+            break;
+        }
+        for m in under {
+            if let Err(e) = mount::unmount_lazy(&m) {
+                eprintln!("unmount {}: {e}", m.display());
+            }
+            cleaned.push(format!("mount {}", m.display()));
+        }
+    }
+    for (dev, backing) in loop_devices_under(dir) {
+        if let Err(e) = loopdev::detach(&dev) {
+            eprintln!("detach {}: {e}", dev.display());
+        }
+        cleaned.push(format!("{} over {}", dev.display(), backing.display()));
+    }
+    cleaned
+}
+
+/// Loop devices whose backing file lies under `dir` (deleted or not).
+pub fn loop_devices_under(dir: &Path) -> Vec<(PathBuf, PathBuf)> {
+    let Ok(entries) = fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            name.strip_prefix("loop")?.parse::<u32>().ok()?;
+            let dev = PathBuf::from("/dev").join(&name);
+            let backing = loopdev::backing_file(&dev).ok()??;
+            backing.starts_with(dir).then_some((dev, backing))
+        })
+        .collect()
+}
+
+// ---- requests ----
+
+pub fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
+    kv.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+pub fn path_str(p: &Path) -> String {
+    p.to_str().expect("test paths are UTF-8").to_string()
+}
+
+/// The volume uuid: the last of the id's three dot-separated parts.
+pub fn uuid_of(volume_id: &str) -> &str {
+    volume_id.rsplit('.').next().expect("volume id")
+}
+
+/// A mount (filesystem) capability with `mode` and `flags`.
+pub fn mount_cap(mode: Mode, flags: &[&str]) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+            ..Default::default()
+        })),
+    }
+}
+
+pub fn block_cap(mode: Mode) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    }
+}
+
+pub fn create_req(name: &str, params: &[(&str, &str)], mode: Mode) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name: name.into(),
+        parameters: map(params),
+        volume_capabilities: vec![mount_cap(mode, &[])],
+        ..Default::default()
+    }
+}
+
+pub fn clone_req(
+    name: &str,
+    params: &[(&str, &str)],
+    source_id: &str,
+    mode: Mode,
+) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        volume_content_source: Some(VolumeContentSource {
+            r#type: Some(ContentType::Volume(VolumeSource {
+                volume_id: source_id.into(),
+            })),
+        }),
+        ..create_req(name, params, mode)
+    }
+}
+
+pub fn stage_req(volume_id: &str, staging: &Path, cap: VolumeCapability) -> NodeStageVolumeRequest {
+    NodeStageVolumeRequest {
+        volume_id: volume_id.into(),
+        staging_target_path: path_str(staging),
+        volume_capability: Some(cap),
+        ..Default::default()
+    }
+}
+
+pub fn publish_req(
+    volume_id: &str,
+    staging: &Path,
+    target: &Path,
+    cap: VolumeCapability,
+    readonly: bool,
+) -> NodePublishVolumeRequest {
+    NodePublishVolumeRequest {
+        volume_id: volume_id.into(),
+        staging_target_path: path_str(staging),
+        target_path: path_str(target),
+        volume_capability: Some(cap),
+        readonly,
+        ..Default::default()
+    }
+}
+
+// ---- assertions ----
+
+/// Asserts the call failed with `code` and a message containing `fragment`;
+/// returns the status for further checks.
+#[track_caller]
+pub fn assert_code<T: Debug>(result: Result<T, Status>, code: Code, fragment: &str) -> Status {
+    let status = match result {
+        Ok(v) => panic!("expected {code:?} ({fragment:?}), got Ok({v:?})"),
+        Err(s) => s,
+    };
+    assert_eq!(
+        status.code(),
+        code,
+        "wrong code; message: {:?}",
+        status.message()
+    );
+    assert!(
+        status.message().contains(fragment),
+        "{code:?} message {:?} does not contain {fragment:?}",
+        status.message()
+    );
+    status
+}
+
+/// Every mount stacked exactly at `path` (bottom first).
+pub fn mounts_at(path: &Path) -> Vec<MountEntry> {
+    let Ok(path) = fs::canonicalize(path) else {
+        return Vec::new();
+    };
+    mount::read_table()
+        .expect("read mountinfo")
+        .into_iter()
+        .filter(|m| m.mount_point == path)
+        .collect()
+}
+
+/// The one mount at `path`; fails if there is none or more than one.
+#[track_caller]
+pub fn single_mount(path: &Path) -> MountEntry {
+    let mut at = mounts_at(path);
+    assert_eq!(at.len(), 1, "mounts at {}: {at:#?}", path.display());
+    at.pop().unwrap()
+}
+
+#[track_caller]
+pub fn assert_not_mounted(path: &Path) {
+    let at = mounts_at(path);
+    assert!(
+        at.is_empty(),
+        "still mounted at {}: {at:#?}",
+        path.display()
+    );
+}
+
+/// Every mount at or below `dir`.
+pub fn mounts_below(dir: &Path) -> Vec<MountEntry> {
+    let table = mount::read_table().expect("read mountinfo");
+    mount::mounts_under(&table, dir)
+        .into_iter()
+        .cloned()
+        .collect()
+}
+
+/// Per-mount options (not the superblock's) include every one of `opts`.
+#[track_caller]
+pub fn assert_mount_options(m: &MountEntry, opts: &[&str]) {
+    for o in opts {
+        assert!(
+            m.mount_options.iter().any(|x| x == o),
+            "mount at {} lacks per-mount option {o}: {m:#?}",
+            m.mount_point.display()
+        );
+    }
+}
+
+/// Asserts writing `path` fails with EROFS, and nothing else.
+#[track_caller]
+pub fn assert_erofs(path: &Path) {
+    match fs::write(path, b"written through a read-only mount") {
+        Ok(()) => panic!(
+            "wrote {} through a mount that must be read-only",
+            path.display()
+        ),
+        Err(e) => assert_eq!(
+            e.raw_os_error(),
+            Some(libc::EROFS),
+            "writing {}: {e}",
+            path.display()
+        ),
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds or `timeout` passes.
+pub fn eventually(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---- models ----
+
+/// The files of a small generated model: relative path and bytes.
+pub struct Model {
+    pub files: Vec<(String, Vec<u8>)>,
+}
+
+/// Writes a model tree into `dir` (created if needed): two small JSON files,
+/// one in a nested directory, a tokenizer two levels down, and a 1 MiB
+/// weights file of deterministic pseudo-random bytes (`seed` varies them).
+pub fn write_model(dir: &Path, seed: u64) -> Model {
+    let mut weights = vec![0u8; 1 << 20];
+    // xorshift64: cheap, deterministic, and no two seeds agree.
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for chunk in weights.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+    let files = vec![
+        (
+            "config.json".to_string(),
+            format!("{{\"hidden_size\": 384, \"seed\": {seed}}}\n").into_bytes(),
+        ),
+        ("model.safetensors".to_string(), weights),
+        (
+            "1_Pooling/config.json".to_string(),
+            b"{\"pooling_mode_mean_tokens\": true}\n".to_vec(),
+        ),
+        (
+            "tokenizer/vocab/vocab.txt".to_string(),
+            b"[PAD]\n[UNK]\nhello\nworld\n".to_vec(),
+        ),
+    ];
+    for (rel, bytes) in &files {
+        let path = dir.join(rel);
+        fs::create_dir_all(path.parent().unwrap()).expect("create model dir");
+        fs::write(&path, bytes).expect("write model file");
+    }
+    Model { files }
+}
+
+/// Every file of `model` reads back byte for byte under `dir`.
+#[track_caller]
+pub fn assert_model(dir: &Path, model: &Model) {
+    for (rel, bytes) in &model.files {
+        let path = dir.join(rel);
+        let got = fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        assert!(
+            got == *bytes,
+            "{} differs: {} bytes read, {} expected",
+            path.display(),
+            got.len(),
+            bytes.len()
+        );
+    }
+}

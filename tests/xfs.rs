@@ -1,0 +1,116 @@
+//! Backend xfs: a source is a filesystem image, written through its own
+//! read-write loop device, then shared by every cache volume on the node
+//! through ONE read-only loop device, mounted `ro,norecovery,nouuid`; the
+//! device goes away with its last mount.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use modelcache_csi::mount::loopdev::devices_backed_by;
+
+#[track_caller]
+fn assert_released(image: &Path) {
+    assert!(
+        eventually(Duration::from_secs(2), || devices_backed_by(image)
+            .unwrap()
+            .is_empty()),
+        "loop devices still attached to {}: {:?}",
+        image.display(),
+        devices_backed_by(image)
+    );
+}
+
+#[tokio::test]
+async fn sealed_image_is_shared_read_only_through_one_loop_device() {
+    let d = Driver::start().await;
+    let src = d.create_source("pvc-xfs-src", "xfs").await;
+    let id = &src.volume_id;
+    assert!(id.starts_with("xfs."), "{id}");
+    assert_eq!(src.capacity_bytes, XFS_BYTES);
+    let image = d
+        .source_dir("xfs", &src.volume_context["source"])
+        .join("image.xfs");
+    // Sparse: the 300 MiB are not allocated up front.
+    let blocks = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&image).unwrap());
+    assert!(blocks * 512 < XFS_BYTES as u64 / 4, "{blocks} blocks");
+
+    // Written through a read-write device of its own.
+    let (staging, target) = (d.staging("xfs-src"), d.target("xfs-writer"));
+    d.stage(id, &staging, WRITER).await.unwrap();
+    let m = single_mount(&staging);
+    assert_eq!(m.fs_type, "xfs", "{m:#?}");
+    assert_mount_options(&m, &["rw", "nodev"]);
+    let devices = devices_backed_by(&image).unwrap();
+    assert_eq!(devices.len(), 1, "{devices:?}");
+    assert_eq!(devices[0].0.to_str(), Some(m.source.as_str()));
+    assert!(!devices[0].1, "the writer's device is read-only");
+    d.publish(id, &staging, &target, WRITER, false)
+        .await
+        .unwrap();
+    assert_mount_options(&single_mount(&target), &["rw", "nodev"]);
+    let model = write_model(&target, 5);
+    d.unpublish(id, &target).await.unwrap();
+    d.unstage(id, &staging).await.unwrap();
+    assert_not_mounted(&staging);
+    assert_released(&image);
+
+    d.seal(id).await.unwrap();
+    assert_released(&image);
+
+    let clones = [
+        d.create_cache("pvc-xfs-a", id, &[]).await.unwrap(),
+        d.create_cache("pvc-xfs-b", id, &[]).await.unwrap(),
+    ];
+    let mut mounted = Vec::new();
+    for (i, c) in clones.iter().enumerate() {
+        let (s, t) = (
+            d.staging(&format!("xfs-{i}")),
+            d.target(&format!("xfs-{i}")),
+        );
+        d.stage(&c.volume_id, &s, READER).await.unwrap();
+        d.publish(&c.volume_id, &s, &t, READER, true).await.unwrap();
+        mounted.push((c.volume_id.clone(), s, t));
+    }
+
+    let devices = devices_backed_by(&image).unwrap();
+    assert_eq!(
+        devices.len(),
+        1,
+        "one device per image per node: {devices:?}"
+    );
+    let (dev, read_only) = &devices[0];
+    assert!(read_only, "{} is writable", dev.display());
+    for (_, s, t) in &mounted {
+        let m = single_mount(s);
+        assert_eq!(m.fs_type, "xfs", "{m:#?}");
+        assert_eq!(m.source, dev.to_str().unwrap(), "{m:#?}");
+        assert_mount_options(&m, &["ro", "nosuid", "nodev"]);
+        for o in ["ro", "norecovery", "nouuid"] {
+            assert!(m.has_option(o), "staging mount lacks {o}: {m:#?}");
+        }
+        let pm = single_mount(t);
+        assert_mount_options(&pm, &["ro", "nosuid", "nodev"]);
+        assert_model(t, &model);
+        assert_erofs(&t.join("config.json"));
+        assert_erofs(&s.join("config.json"));
+    }
+
+    // The device outlives the first unstage and goes with the last.
+    for (i, (v, s, t)) in mounted.iter().enumerate() {
+        d.unpublish(v, t).await.unwrap();
+        d.unstage(v, s).await.unwrap();
+        assert_not_mounted(s);
+        if i == 0 {
+            assert_eq!(devices_backed_by(&image).unwrap(), devices);
+        }
+    }
+    assert_released(&image);
+    assert!(
+        mounts_below(&d.dir).is_empty(),
+        "{:#?}",
+        mounts_below(&d.dir)
+    );
+}
