@@ -210,7 +210,10 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<AmazonS3> {
             e.set_host(Some(&host)).map_err(|_| {
                 Error::invalid(
                     format!("parameters.{PARAM_ENDPOINT}"),
-                    format!("cannot put bucket {bucket} into the endpoint host for virtual-hosted requests; set {PARAM_PATH_STYLE}: \"true\""),
+                    format!(
+                        "cannot put bucket {bucket} into the endpoint's host for \
+                         virtual-hosted requests; set {PARAM_PATH_STYLE}: \"true\""
+                    ),
                 )
             })?;
             e.as_str().trim_end_matches('/').to_string()
@@ -483,6 +486,12 @@ impl Source for S3Source {
                 ))
             })?;
         let size = meta.size;
+        if file.size.is_some_and(|s| s != size) {
+            // A file from an older resolve than the pins: never mix the two.
+            return Err(Error::FailedPrecondition(format!(
+                "{target}: object changed during the pull; retry to pull the new revision"
+            )));
+        }
         let end = match len {
             Some(l) => offset.checked_add(l).filter(|e| *e <= size),
             None => (offset <= size).then_some(size),
@@ -501,9 +510,10 @@ impl Source for S3Source {
         } else {
             Some(GetRange::Bounded(offset..end))
         };
+        // Pinned by ETag, not by version id: a versioned GET needs
+        // s3:GetObjectVersion, which read-only policies often lack.
         let mut options = GetOptions {
             range,
-            version: meta.version.clone(),
             ..Default::default()
         };
         match &meta.e_tag {
@@ -555,6 +565,15 @@ fn inspect(err: &(dyn StdError + 'static)) -> Failure {
     f
 }
 
+/// The innermost error's text ("Connection refused (os error 111)").
+fn root_cause(err: &(dyn StdError + 'static)) -> String {
+    let mut cur = err;
+    while let Some(next) = cur.source() {
+        cur = next;
+    }
+    cur.to_string()
+}
+
 fn s3_code(body: &str) -> Option<String> {
     let start = body.find("<Code>")? + "<Code>".len();
     let len = body[start..].find("</Code>")?;
@@ -577,37 +596,38 @@ fn map_err(target: &str, op: &str, err: object_store::Error) -> Error {
         OsError::Unauthenticated { .. } => Some(401),
         _ => failure.status,
     };
-    let code = failure
-        .code
-        .as_deref()
-        .map(|c| format!(" ({c})"))
-        .unwrap_or_default();
+    let code = failure.code.as_deref().unwrap_or("");
+    let sep = if code.is_empty() { "" } else { " " };
     match status {
         Some(404) if op == "get" || op == "read" => Error::NotFound(format!(
-            "{target} no longer exists{code}: the model changed during the pull; retry to pull the new revision"
+            "{target} no longer exists: the model changed during the pull; \
+             retry to pull the new revision"
         )),
-        Some(404) => Error::NotFound(format!("{target}: not found{code}")),
+        Some(404) if code.is_empty() => Error::NotFound(format!("{target}: not found")),
+        Some(404) => Error::NotFound(format!("{target}: not found ({code})")),
         Some(412) => Error::FailedPrecondition(format!(
             "{target}: object changed during the pull; retry to pull the new revision"
         )),
-        Some(401 | 403) => Error::FailedPrecondition(format!(
-            "{target}: the S3 credentials were rejected or lack permission (HTTP {}{code}); \
-             check the {SECRET_ACCESS_KEY_ID}/{SECRET_SECRET_ACCESS_KEY} secrets or the driver's AWS credentials",
-            status.unwrap_or_default()
+        Some(s @ (401 | 403)) => Error::FailedPrecondition(format!(
+            "{target}: the S3 credentials were rejected or lack permission (HTTP {s}{sep}{code}); \
+             check the {SECRET_ACCESS_KEY_ID}/{SECRET_SECRET_ACCESS_KEY} secrets \
+             or the driver's AWS credentials"
         )),
         Some(301) => Error::FailedPrecondition(format!(
-            "{target}: the bucket is in another region (HTTP 301{code}); set {PARAM_REGION}"
+            "{target}: the bucket is in another region (HTTP 301{sep}{code}); set {PARAM_REGION}"
         )),
         Some(s) if s == 429 || s >= 500 => Error::Unavailable(format!(
-            "{target}: the object store answered HTTP {s}{code} to {op}"
+            "{target}: the object store answered {op} with HTTP {s}{sep}{code}"
         )),
         Some(s) => Error::FailedPrecondition(format!(
-            "{target}: the object store refused {op} with HTTP {s}{code}; check {PARAM_ENDPOINT}, {PARAM_REGION} and {PARAM_PATH_STYLE}"
+            "{target}: the object store refused {op} with HTTP {s}{sep}{code}; \
+             check {PARAM_ENDPOINT}, {PARAM_REGION} and {PARAM_PATH_STYLE}"
         )),
         // No response: connection refused or reset, timeout, DNS, TLS.
         // These errors carry no response body, so their text is safe.
         None if failure.transport.is_some() => Error::Unavailable(format!(
-            "{target}: cannot reach the object store to {op}: {err}"
+            "{target}: cannot reach the object store to {op}: {err}: {}",
+            root_cause(&err)
         )),
         None => match err {
             OsError::InvalidPath { source } => Error::FailedPrecondition(format!(
@@ -685,7 +705,8 @@ mod tests {
 
     #[test]
     fn s3_error_code_is_extracted_alone() {
-        let body = "403 Forbidden: <Error><Code>SignatureDoesNotMatch</Code><AWSAccessKeyId>AKIA</AWSAccessKeyId></Error>";
+        let body = "403 Forbidden: <Error><Code>SignatureDoesNotMatch</Code>\
+                    <AWSAccessKeyId>AKIA</AWSAccessKeyId></Error>";
         assert_eq!(s3_code(body).as_deref(), Some("SignatureDoesNotMatch"));
         assert_eq!(s3_code("no xml"), None);
     }
