@@ -160,6 +160,13 @@ impl Params {
                                 format!("{value:?} is not an http(s) URL like https://host:port"),
                             ));
                         }
+                    } else if k == "s3Region" {
+                        if value.is_empty() || value.contains(char::is_whitespace) {
+                            return Err(Error::invalid(
+                                format!("parameters.{k}"),
+                                format!("{value:?} is not a region name like us-east-1"),
+                            ));
+                        }
                     } else if !matches!(value, "true" | "false") {
                         return Err(Error::invalid(
                             format!("parameters.{k}"),

@@ -325,7 +325,7 @@ impl Provisioner {
                             params: params.source_options.clone(),
                             secrets: req.secrets.clone().into_iter().collect(),
                         };
-                        let source = puller::open(&uri, &opts)?;
+                        let source = puller::open(&uri, &opts).await?;
                         let pulled = self.engine.pull(&root, source, &NoProgress).await?;
                         rec.model = pulled.seal.origin.clone().into();
                         rec.revision = pulled.seal.revision.clone();

@@ -320,12 +320,11 @@ impl Engine {
             state_lock: Mutex::new(()),
         });
 
-        let files = futures::stream::iter(resolved.files.iter().cloned())
-            .map(|f| {
+        let files = futures::stream::iter(resolved.files.iter().cloned().enumerate())
+            .map(|(i, f)| {
                 let ctx = ctx.clone();
                 let work = work.clone();
-                let extract = self.extract;
-                async move { fetch_file(ctx, work, f, extract).await }
+                async move { fetch_file(ctx, work, i, f).await }
             })
             .buffer_unordered(self.cfg.files.max(1));
         let mut files = std::pin::pin!(files);
@@ -355,8 +354,16 @@ impl Engine {
             }
         }
         let mut entries = Vec::new();
+        let mut layers = Vec::new();
         for r in results {
-            entries.extend(r?);
+            match r? {
+                Fetched::File(f) => entries.push(f),
+                l @ Fetched::Layer { .. } => layers.push(l),
+            }
+        }
+        if !layers.is_empty() {
+            let (w, x) = (work.clone(), self.extract);
+            entries.extend(blocking(move || unpack_layers(&w, x, layers)).await?);
         }
 
         let (r, s, uri, rev) = (
@@ -386,7 +393,8 @@ fn progress(uri: &str, bytes: u64, total: Option<u64>, elapsed: Duration) -> Pro
 
 fn backoff(cfg: &EngineConfig, attempt: u32, e: &Error) -> Duration {
     if let Error::RetryAfter { after, .. } = e {
-        return *after;
+        // A server may ask for hours; a pull waits at most ten minutes a time.
+        return (*after).min(Duration::from_secs(600));
     }
     let exp = cfg.backoff.saturating_mul(1u32 << attempt.min(16));
     let capped = exp.min(cfg.backoff_max);
@@ -467,26 +475,35 @@ fn save_state(work: &Work, st: &FileState) -> Result<()> {
     state::write_json(&p, st).ctx("write pull state", &p)
 }
 
-/// Fetches one remote file (or layer) and returns the model files it produced.
+/// What one remote file became.
+enum Fetched {
+    File(FileEntry),
+    /// A verified layer blob, unpacked later in manifest order.
+    Layer {
+        index: usize,
+        key: String,
+        blob: PathBuf,
+        compression: Compression,
+        subdir: String,
+        extracted: Option<Vec<FileEntry>>,
+    },
+}
+
+/// Fetches and verifies one remote file (or layer blob).
 async fn fetch_file(
     ctx: Arc<Ctx>,
     work: Arc<Work>,
+    index: usize,
     file: RemoteFile,
-    extract: Extract,
-) -> Result<Vec<FileEntry>> {
-    let key = if file.path.is_empty() {
-        file.locator.clone()
-    } else {
-        file.path.clone()
+) -> Result<Fetched> {
+    // Layers are keyed by position too: a manifest may repeat a digest.
+    let key = match file.unpack {
+        Unpack::None => file.path.clone(),
+        Unpack::Tar(_) => format!("layer-{index}-{}", file.locator),
     };
     let w = work.clone();
     let k = key.clone();
     let mut st = blocking(move || load_state(&w, &k)).await?;
-    if let Unpack::Tar(_) = file.unpack
-        && let Some(done) = &st.extracted
-    {
-        return Ok(done.clone());
-    }
     let dest = match file.unpack {
         Unpack::None => work.data.join(&file.path),
         Unpack::Tar(_) => work.blobs.join(format!(
@@ -497,69 +514,107 @@ async fn fetch_file(
                 .to_string_lossy()
         )),
     };
-    if let (Some(sha), true) = (&st.sha256, dest.exists()) {
-        let size = st.size.unwrap_or(0);
-        ctx.bytes.fetch_add(size, Ordering::Relaxed);
-        if file.unpack == Unpack::None {
-            return Ok(vec![FileEntry {
-                path: file.path.clone(),
-                size,
-                sha256: sha.clone(),
-            }]);
-        }
-    } else {
-        st.path = key.clone();
-        let (size, sha) = download(&ctx, &work, &file, &dest, &mut st).await?;
-        if let Some(expected) = &file.sha256
-            && !expected.eq_ignore_ascii_case(&sha)
-        {
-            let (d, w, k) = (dest.clone(), work.clone(), key.clone());
-            let _ = blocking(move || {
-                let _ = fs::remove_file(&d);
-                state::remove_file(&state_path(&w, &k)).ctx("remove pull state", &w.state)
-            })
-            .await;
-            return Err(Error::FailedPrecondition(format!(
-                "{} failed verification: the source promised sha256 {expected}, the bytes hash to {sha}; nothing was sealed",
-                file.path_or_locator()
-            )));
-        }
-        st.sha256 = Some(sha.clone());
-        st.size = Some(size);
-        let (w, s) = (work.clone(), st.clone());
-        blocking(move || save_state(&w, &s)).await?;
-        if file.unpack == Unpack::None {
-            return Ok(vec![FileEntry {
-                path: file.path.clone(),
-                size,
-                sha256: sha,
-            }]);
-        }
+    let layer = |extracted: Option<Vec<FileEntry>>, compression| Fetched::Layer {
+        index,
+        key: key.clone(),
+        blob: dest.clone(),
+        compression,
+        subdir: file.path.clone(),
+        extracted,
+    };
+    if let Unpack::Tar(c) = file.unpack
+        && st.extracted.is_some()
+    {
+        ctx.bytes.fetch_add(st.size.unwrap_or(0), Ordering::Relaxed);
+        return Ok(layer(st.extracted.clone(), c));
     }
-    // A verified layer: unpack it into the model, then drop the blob.
-    let Unpack::Tar(compression) = file.unpack else {
-        unreachable!("plain files returned above")
+    let (size, sha) = match (&st.sha256, dest.exists()) {
+        (Some(sha), true) => {
+            let size = st.size.unwrap_or(0);
+            ctx.bytes.fetch_add(size, Ordering::Relaxed);
+            (size, sha.clone())
+        }
+        _ => {
+            st.path = key.clone();
+            let (size, sha) = download(&ctx, &work, &file, &dest, &mut st).await?;
+            if let Some(expected) = &file.sha256
+                && !expected.eq_ignore_ascii_case(&sha)
+            {
+                let (d, w, k) = (dest.clone(), work.clone(), key.clone());
+                let _ = blocking(move || {
+                    let _ = fs::remove_file(&d);
+                    state::remove_file(&state_path(&w, &k)).ctx("remove pull state", &w.state)
+                })
+                .await;
+                return Err(Error::FailedPrecondition(format!(
+                    "{} failed verification: the source promised sha256 {expected}, the bytes hash to {sha}; nothing was sealed",
+                    file.path_or_locator()
+                )));
+            }
+            st.sha256 = Some(sha.clone());
+            st.size = Some(size);
+            let (w, s) = (work.clone(), st.clone());
+            blocking(move || save_state(&w, &s)).await?;
+            (size, sha)
+        }
     };
-    let target = if file.path.is_empty() {
-        work.data.clone()
-    } else {
-        work.data.join(&file.path)
-    };
-    let (w, d) = (work.clone(), dest.clone());
-    blocking(move || {
+    Ok(match file.unpack {
+        Unpack::None => Fetched::File(FileEntry {
+            path: file.path.clone(),
+            size,
+            sha256: sha,
+        }),
+        Unpack::Tar(c) => layer(None, c),
+    })
+}
+
+/// Unpacks verified layers one at a time, in manifest order, so later
+/// layers override and white out earlier ones as the image spec says.
+fn unpack_layers(
+    work: &Work,
+    extract: Extract,
+    mut layers: Vec<Fetched>,
+) -> Result<Vec<FileEntry>> {
+    layers.sort_by_key(|l| match l {
+        Fetched::Layer { index, .. } => *index,
+        Fetched::File(_) => 0,
+    });
+    let mut lists = Vec::new();
+    for l in layers {
+        let Fetched::Layer {
+            key,
+            blob,
+            compression,
+            subdir,
+            extracted,
+            ..
+        } = l
+        else {
+            continue;
+        };
+        if let Some(done) = extracted {
+            lists.push(done);
+            continue;
+        }
+        let target = if subdir.is_empty() {
+            work.data.clone()
+        } else {
+            work.data.join(&subdir)
+        };
         fs::create_dir_all(&target).ctx("create", &target)?;
-        let mut files = extract(&d, compression, &target)?;
-        if !file.path.is_empty() {
+        let mut files = extract(&blob, compression, &target)?;
+        if !subdir.is_empty() {
             for f in &mut files {
-                f.path = format!("{}/{}", file.path, f.path);
+                f.path = format!("{subdir}/{}", f.path);
             }
         }
+        let mut st = load_state(work, &key)?;
         st.extracted = Some(files.clone());
-        save_state(&w, &st)?;
-        let _ = fs::remove_file(&d);
-        Ok(files)
-    })
-    .await
+        save_state(work, &st)?;
+        let _ = fs::remove_file(&blob);
+        lists.push(files);
+    }
+    super::unpack::merge(&work.data, lists)
 }
 
 impl RemoteFile {
