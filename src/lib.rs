@@ -14,6 +14,7 @@ pub mod lock; // per-volume operation guards
 pub mod mount; // mounts, the mount table, loop devices, safe subpaths
 pub mod node; // CSI Node service: stage, publish, stats
 pub mod puller; // model URIs fetched and sealed by the driver
+pub mod rescheduler;
 pub mod rpc; // the edge of every handler: required fields, logging, status
 pub mod server; // binding the endpoint and serving
-pub mod state; // atomic, durable JSON records
+pub mod state; // atomic, durable JSON records // clears selected-node from PVCs stuck on nodes without the driver

@@ -29,6 +29,8 @@ enum Command {
     Serve(ServeArgs),
     /// Run the driver in-process on a temp dir and show three cache volumes sharing one model.
     Demo(modelcache_csi::demo::DemoArgs),
+    /// Clear selected-node from pending PVCs whose node has no running driver.
+    Rescheduler(ReschedulerArgs),
     /// Seal a source volume through a running controller (ControllerModifyVolume sealed=true).
     Seal {
         #[arg(long, default_value = "unix:///csi/csi.sock")]
@@ -36,6 +38,27 @@ enum Command {
         #[arg(long)]
         volume_id: String,
     },
+}
+
+#[derive(Args, Clone)]
+struct ReschedulerArgs {
+    /// The CSI driver whose PVCs to watch.
+    #[arg(long, default_value = "modelcache.csi.io")]
+    driver_name: String,
+    /// The node DaemonSet's node selector (key=value,...): nodes outside it never get a driver.
+    #[arg(long, default_value = "")]
+    node_selector: String,
+    /// How long a node that should run the driver may go without it.
+    #[arg(long, default_value_t = 300)]
+    grace_period_seconds: u64,
+    /// How often every PVC is looked at again.
+    #[arg(long, default_value_t = 30)]
+    resync_seconds: u64,
+    /// Kubeconfig file; default: $KUBECONFIG, ~/.kube/config, or in-cluster.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    #[arg(long, default_value = "text")]
+    log_format: String,
 }
 
 #[derive(Args, Clone)]
@@ -205,7 +228,37 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Serve(a)) => run_serve(a).await,
+        Some(Command::Rescheduler(a)) => run_rescheduler(a).await,
         None => run_serve(cli.serve).await,
+    }
+}
+
+async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer().await?,
+    };
+    Ok(kube::Client::try_from(config)?)
+}
+
+async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
+    init_logging(&a.log_format, "info");
+    let node_selector = modelcache_csi::rescheduler::parse_selector(&a.node_selector)
+        .map_err(anyhow::Error::msg)?;
+    let client = kube_client(a.kubeconfig.as_deref()).await?;
+    let cfg = modelcache_csi::rescheduler::Config {
+        driver_name: a.driver_name,
+        node_selector,
+        grace: std::time::Duration::from_secs(a.grace_period_seconds),
+        resync: std::time::Duration::from_secs(a.resync_seconds.max(1)),
+        instance: std::env::var("POD_NAME").ok(),
+    };
+    tokio::select! {
+        _ = modelcache_csi::rescheduler::run(client, cfg, Default::default()) => Ok(()),
+        _ = shutdown_signal() => Ok(()),
     }
 }
 
