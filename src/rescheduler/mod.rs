@@ -231,30 +231,12 @@ async fn reconcile(
         }
         Decision::Wait(remaining) => Ok(Action::requeue(remaining.min(ctx.cfg.resync))),
         Decision::Reschedule { reason, message } => {
-            let rv = pvc.resource_version().unwrap_or_default();
-            // The observed resourceVersion makes this an optimistic update:
-            // a concurrent change (or another replica) turns it into a 409.
-            let patch = serde_json::json!({
-                "metadata": {
-                    "resourceVersion": rv,
-                    "annotations": { SELECTED_NODE: null }
-                }
-            });
-            let api: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-            match api
-                .patch(
-                    &name,
-                    &kube::api::PatchParams::default(),
-                    &kube::api::Patch::Merge(&patch),
-                )
-                .await
-            {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
-                    info!(code = s.code, "PVC changed concurrently; looking again");
+            match clear_selected_node(&ctx.client, &pvc).await? {
+                Cleared::Yes => {}
+                Cleared::Conflict => {
+                    info!("PVC changed concurrently; looking again");
                     return Ok(Action::requeue(Duration::from_millis(200)));
                 }
-                Err(e) => return Err(e.into()),
             }
             ctx.first_seen
                 .lock()
@@ -278,6 +260,39 @@ async fn reconcile(
             }
             Ok(Action::await_change())
         }
+    }
+}
+
+/// Whether the optimistic patch won.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Cleared {
+    Yes,
+    /// The PVC changed (or vanished) since it was observed; nothing was done.
+    Conflict,
+}
+
+/// Removes the selected-node annotation from `pvc` as observed: the patch
+/// carries its resourceVersion, so any change since makes it a 409.
+pub async fn clear_selected_node(
+    client: &Client,
+    pvc: &PersistentVolumeClaim,
+) -> Result<Cleared, kube::Error> {
+    let patch = serde_json::json!({
+        "metadata": {
+            "resourceVersion": pvc.resource_version().unwrap_or_default(),
+            "annotations": { SELECTED_NODE: null }
+        }
+    });
+    let api: Api<PersistentVolumeClaim> =
+        Api::namespaced(client.clone(), &pvc.namespace().unwrap_or_default());
+    let params = kube::api::PatchParams::default();
+    match api
+        .patch(&pvc.name_any(), &params, &kube::api::Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(Cleared::Yes),
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(Cleared::Conflict),
+        Err(e) => Err(e),
     }
 }
 
