@@ -11,6 +11,7 @@ pub mod demo; // the `demo` command
 pub mod error; // the domain error and its one mapping to gRPC codes
 pub mod identity; // CSI Identity service and readiness
 pub mod lock; // per-volume operation guards
+pub mod metrics; // Prometheus metrics and the /metrics, /healthz endpoint
 pub mod mount; // mounts, the mount table, loop devices, safe subpaths
 pub mod node; // CSI Node service: stage, publish, stats
 pub mod puller; // model URIs fetched and sealed by the driver

@@ -57,6 +57,9 @@ struct ReschedulerArgs {
     /// Kubeconfig file; default: $KUBECONFIG, ~/.kube/config, or in-cluster.
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    /// Serve Prometheus /metrics and /healthz here (e.g. 0.0.0.0:9810).
+    #[arg(long)]
+    metrics_address: Option<std::net::SocketAddr>,
     #[arg(long, default_value = "text")]
     log_format: String,
 }
@@ -102,6 +105,9 @@ struct ServeArgs {
     /// A download making no progress this long is restarted.
     #[arg(long, default_value_t = 30)]
     pull_stall_seconds: u64,
+    /// Serve Prometheus /metrics and /healthz here (e.g. 0.0.0.0:9809).
+    #[arg(long)]
+    metrics_address: Option<std::net::SocketAddr>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -256,6 +262,9 @@ async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
         resync: std::time::Duration::from_secs(a.resync_seconds.max(1)),
         instance: std::env::var("POD_NAME").ok(),
     };
+    if let Some(addr) = a.metrics_address {
+        tokio::spawn(modelcache_csi::metrics::serve(addr, Arc::new(|_| None)));
+    }
     tokio::select! {
         _ = modelcache_csi::rescheduler::run(client, cfg, Default::default()) => Ok(()),
         _ = shutdown_signal() => Ok(()),
@@ -265,6 +274,16 @@ async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
 async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     init_logging(&a.log_format, "info");
     let cfg = Arc::new(config(&a)?);
+    if let Some(addr) = a.metrics_address {
+        let caps = cfg.pull.capacity.clone();
+        let listener =
+            modelcache_csi::metrics::serve(addr, Arc::new(move |b| caps.get(&b).copied()));
+        tokio::spawn(async move {
+            if let Err(e) = listener.await {
+                tracing::error!(error = %e, "metrics endpoint failed");
+            }
+        });
+    }
     for p in modelcache_csi::identity::problems(&cfg) {
         tracing::warn!(problem = %p, "a backend is not usable; Probe will report not ready");
     }

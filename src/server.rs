@@ -86,7 +86,9 @@ pub async fn serve_on(
             }
         });
     }
+    crate::metrics::global().watch_roots(crate::cache::Roots::from_config(&cfg));
     let router = tonic::transport::Server::builder()
+        .layer(tower::layer::layer_fn(Observe))
         .add_service(IdentityServer::new(IdentityService::new(
             cfg.clone(),
             controller,
@@ -100,4 +102,56 @@ pub async fn serve_on(
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await?;
     Ok(())
+}
+
+/// Records every call's latency, and its gRPC code when it failed, by
+/// method. Errors come back as trailers-only responses, so the status is in
+/// the response headers; a success has none there.
+#[derive(Clone)]
+struct Observe<S>(S);
+
+impl<S, ReqBody, ResBody> tower::Service<tonic::codegen::http::Request<ReqBody>> for Observe<S>
+where
+    S: tower::Service<
+            tonic::codegen::http::Request<ReqBody>,
+            Response = tonic::codegen::http::Response<ResBody>,
+        >,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<ReqBody>) -> Self::Future {
+        let method = req
+            .uri()
+            .path()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let started = std::time::Instant::now();
+        let fut = self.0.call(req);
+        Box::pin(async move {
+            let res = fut.await;
+            if let Ok(r) = &res {
+                let code = r
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<i32>().ok())
+                    .map(tonic::Code::from);
+                crate::metrics::global().rpc(&method, started, code);
+            }
+            res
+        })
+    }
 }

@@ -143,6 +143,7 @@ pub fn evict(root: &Root, sid: &str) -> Result<bool> {
         return Ok(false);
     }
     fs::remove_dir_all(&trash).ctx("remove", &trash)?;
+    crate::metrics::global().evictions.inc();
     tracing::info!(source = sid, "evicted model");
     Ok(true)
 }

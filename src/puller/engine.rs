@@ -163,6 +163,8 @@ struct Ctx {
     source: Arc<dyn Source>,
     cfg: EngineConfig,
     bytes: AtomicU64,
+    /// Bytes really downloaded by this process (resumed ones excluded).
+    fetched: AtomicU64,
     state_lock: Mutex<()>,
 }
 
@@ -225,7 +227,10 @@ impl Engine {
         let sid = model_id(&resolved.uri, &resolved.revision);
         let span =
             info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
-        async {
+        let scheme = crate::metrics::scheme_of(&resolved.uri);
+        let m = crate::metrics::global();
+        let started = Instant::now();
+        let result = async {
             if let Some(seal) = cache::read_seal(root, &sid)? {
                 return Ok(Pulled {
                     sid,
@@ -246,10 +251,14 @@ impl Engine {
                 .acquire()
                 .await
                 .map_err(|_| Error::Internal("puller is shutting down".into()))?;
-            let started = Instant::now();
             sink.started(&resolved.uri, resolved.total_bytes());
             match self.fetch(root, &sid, &resolved, source, sink).await {
-                Ok(seal) => {
+                Ok((seal, fetched)) => {
+                    m.pull_bytes
+                        .get_or_create(&crate::metrics::Scheme {
+                            scheme: scheme.clone(),
+                        })
+                        .inc_by(fetched);
                     let took = started.elapsed();
                     info!(
                         bytes = seal.total_bytes,
@@ -271,7 +280,31 @@ impl Engine {
             }
         }
         .instrument(span)
-        .await
+        .await;
+        let outcome = match &result {
+            Ok(p) if p.hit => {
+                m.cache_hits
+                    .get_or_create(&crate::metrics::Scheme {
+                        scheme: scheme.clone(),
+                    })
+                    .inc();
+                None
+            }
+            Ok(_) => Some("sealed"),
+            Err(_) => Some("failed"),
+        };
+        if let Some(outcome) = outcome {
+            m.pulls
+                .get_or_create(&crate::metrics::PullOutcome {
+                    scheme: scheme.clone(),
+                    outcome: outcome.into(),
+                })
+                .inc();
+            m.pull_duration
+                .get_or_create(&crate::metrics::Scheme { scheme })
+                .observe(started.elapsed().as_secs_f64());
+        }
+        result
     }
 
     async fn retry<T, F, Fut>(&self, what: &str, mut op: F) -> Result<T>
@@ -301,7 +334,7 @@ impl Engine {
         resolved: &Resolved,
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
-    ) -> Result<Seal> {
+    ) -> Result<(Seal, u64)> {
         let need = resolved.total_bytes();
         if let Some(need) = need {
             let (r, s, cap) = (
@@ -317,6 +350,7 @@ impl Engine {
             source,
             cfg: self.cfg.clone(),
             bytes: AtomicU64::new(0),
+            fetched: AtomicU64::new(0),
             state_lock: Mutex::new(()),
         });
 
@@ -337,7 +371,10 @@ impl Engine {
         loop {
             tokio::select! {
                 next = files.next() => match next {
-                    Some(r) => results.push(r),
+                    // The first failure that retries could not mend ends the
+                    // pull at once; what other files made durable is resumed.
+                    Some(Err(e)) => return Err(e),
+                    Some(Ok(r)) => results.push(r),
                     None => break,
                 },
                 _ = tick.tick() => {
@@ -356,7 +393,7 @@ impl Engine {
         let mut entries = Vec::new();
         let mut layers = Vec::new();
         for r in results {
-            match r? {
+            match r {
                 Fetched::File(f) => entries.push(f),
                 l @ Fetched::Layer { .. } => layers.push(l),
             }
@@ -373,7 +410,8 @@ impl Engine {
             resolved.revision.clone(),
         );
         let work2 = work.clone();
-        blocking(move || seal_work(&r, &s, &work2, entries, &uri, &rev)).await
+        let seal = blocking(move || seal_work(&r, &s, &work2, entries, &uri, &rev)).await?;
+        Ok((seal, ctx.fetched.load(Ordering::Relaxed)))
     }
 }
 
@@ -944,6 +982,7 @@ async fn flush(
     *pos += written;
     *buffered = 0;
     ctx.bytes.fetch_add(written, Ordering::Relaxed);
+    ctx.fetched.fetch_add(written, Ordering::Relaxed);
     Ok(())
 }
 

@@ -247,6 +247,12 @@ async fn reconcile(
                 .unwrap_or_else(|p| p.into_inner())
                 .entry(reason)
                 .or_default() += 1;
+            crate::metrics::global()
+                .rescheduler_actions
+                .get_or_create(&crate::metrics::Reason {
+                    reason: reason.to_string(),
+                })
+                .inc();
             warn!(node = %node, reason, "cleared selected-node: {message}");
             let event = Event {
                 type_: EventType::Warning,

@@ -5,7 +5,8 @@
 //!
 //! - [`FileServer`]: a static file server over a directory: HEAD, Range,
 //!   ETag and Last-Modified, per-path request counters; faults: 404, 503
-//!   with Retry-After N times, a body cut mid-way, a body that stalls.
+//!   with Retry-After N times (any request, or GETs only), a body cut
+//!   mid-way, a body that stalls (always, or for the next N GETs).
 //! - [`HubServer`]: the Hugging Face Hub endpoints `hf.rs` uses, serving a
 //!   directory as repo `org/minilm` at the fixed commit [`HUB_SHA`].
 //! - [`RegistryServer`]: the Kubeflow Model Registry v1alpha3 endpoints
@@ -487,8 +488,12 @@ struct FileKnobs {
     not_found: HashSet<String>,
     /// Path -> (503s still to send, Retry-After value).
     unavailable: HashMap<String, (usize, Option<String>)>,
+    /// The same, for GETs only: HEADs (resolving) pass.
+    unavailable_gets: HashMap<String, (usize, Option<String>)>,
     truncate: HashMap<String, u64>,
     stall: HashMap<String, u64>,
+    /// Path -> stalled GETs still to send; a stalled path not here stalls every GET.
+    stalls_left: HashMap<String, usize>,
     docs: HashMap<String, Arc<Vec<u8>>>,
     ignore_ranges: bool,
     no_validators: bool,
@@ -562,6 +567,14 @@ impl FileServer {
             .insert(path.into(), (times, retry_after.map(str::to_string)));
     }
 
+    /// Like [`FileServer::unavailable`], but only GETs count and get the
+    /// 503: a HEAD while resolving succeeds, the download is refused.
+    pub fn unavailable_gets(&self, path: &str, times: usize, retry_after: Option<&str>) {
+        self.knobs()
+            .unavailable_gets
+            .insert(path.into(), (times, retry_after.map(str::to_string)));
+    }
+
     /// Cuts GET bodies of `path` after `after` bytes (Content-Length stays whole).
     pub fn truncate(&self, path: &str, after: u64) {
         self.knobs().truncate.insert(path.into(), after);
@@ -569,7 +582,17 @@ impl FileServer {
 
     /// Sends headers and `after` body bytes of `path`, then goes silent.
     pub fn stall(&self, path: &str, after: u64) {
-        self.knobs().stall.insert(path.into(), after);
+        let mut k = self.knobs();
+        k.stall.insert(path.into(), after);
+        k.stalls_left.remove(path);
+    }
+
+    /// Stalls only the next `times` GETs of `path` (each after `after` bytes
+    /// of its body); later GETs are served whole.
+    pub fn stall_times(&self, path: &str, after: u64, times: usize) {
+        let mut k = self.knobs();
+        k.stall.insert(path.into(), after);
+        k.stalls_left.insert(path.into(), times);
     }
 
     /// Removes every fault set for `path`.
@@ -577,8 +600,10 @@ impl FileServer {
         let mut k = self.knobs();
         k.not_found.remove(path);
         k.unavailable.remove(path);
+        k.unavailable_gets.remove(path);
         k.truncate.remove(path);
         k.stall.remove(path);
+        k.stalls_left.remove(path);
     }
 
     /// Behaves like a server without range support: no Accept-Ranges, and
@@ -599,11 +624,18 @@ fn serve_file(state: &FileState, req: &Request) -> Reply {
         return Reply::new(405);
     }
     let path = req.path();
-    let mut k = state.knobs.lock().unwrap();
+    let mut guard = state.knobs.lock().unwrap();
+    // Through a plain reference, so that two knobs can be borrowed at once.
+    let k = &mut *guard;
     if k.not_found.contains(&path) {
         return Reply::new(404);
     }
-    if let Some((left, retry)) = k.unavailable.get_mut(&path)
+    let busy = match k.unavailable.get_mut(&path) {
+        Some(entry) if entry.0 > 0 => Some(entry),
+        _ if req.method == "GET" => k.unavailable_gets.get_mut(&path),
+        _ => None,
+    };
+    if let Some((left, retry)) = busy
         && *left > 0
     {
         *left -= 1;
@@ -631,7 +663,17 @@ fn serve_file(state: &FileState, req: &Request) -> Reply {
         reply.fault = Fault::TruncateAfter(n);
     }
     if let Some(&n) = k.stall.get(&path) {
-        reply.fault = Fault::StallAfter(n);
+        let armed = match k.stalls_left.get_mut(&path) {
+            None => true,
+            Some(left) if *left > 0 && req.method == "GET" => {
+                *left -= 1;
+                true
+            }
+            Some(_) => false,
+        };
+        if armed {
+            reply.fault = Fault::StallAfter(n);
+        }
     }
     reply
 }

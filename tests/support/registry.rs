@@ -285,6 +285,45 @@ impl Registry {
         }
     }
 
+    /// Every blob GET the registry has answered so far, whatever its digest
+    /// or status. An access log line is written only after its response,
+    /// so a marker request is sent first and its line awaited (up to 5 s):
+    /// requests answered before the call are then counted.
+    pub async fn settled_blob_gets(&self) -> usize {
+        let marker = format!(
+            "/v2/modelcache-settle-{}/tags/list",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos()
+        );
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .expect("build HTTP client");
+        // Unknown repository: a 404 (or 401), logged all the same.
+        let _ = http
+            .get(format!("http://{}{marker}", self.addr))
+            .send()
+            .await;
+        let needle = format!("\"GET {marker} HTTP/");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.log.lock().unwrap().iter().any(|l| l.contains(&needle)) {
+            assert!(
+                Instant::now() < deadline,
+                "the registry never logged the marker request"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains("\"GET /v2/") && l.contains("/blobs/sha256:"))
+            .count()
+    }
+
     fn reference(&self, repo_tag: &str) -> Reference {
         let (repo, tag) = repo_tag
             .rsplit_once(':')

@@ -1,0 +1,306 @@
+//! Prometheus metrics, following its naming conventions (base units,
+//! `_total` counters), served on `--metrics-address` with a `/healthz`.
+//!
+//! Counters and histograms are updated where things happen; gauges that
+//! describe the disk and the mount table are computed at scrape time, so
+//! they are true after a restart too. Labels never carry a URI or a
+//! credential, only the scheme.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Instant;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::cache::{self, Roots};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Scheme {
+    pub scheme: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PullOutcome {
+    pub scheme: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Method {
+    pub method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodCode {
+    pub method: String,
+    pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabel {
+    pub backend: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Reason {
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct State {
+    pub state: String,
+}
+
+pub struct Metrics {
+    pub pulls: Family<PullOutcome, Counter>,
+    pub pull_bytes: Family<Scheme, Counter>,
+    pub pull_duration: Family<Scheme, Histogram>,
+    pub cache_hits: Family<Scheme, Counter>,
+    pub evictions: Counter,
+    pub cache_used: Family<BackendLabel, Gauge>,
+    pub cache_free: Family<BackendLabel, Gauge>,
+    pub volumes: Family<State, Gauge>,
+    pub rpc_duration: Family<Method, Histogram>,
+    pub rpc_errors: Family<MethodCode, Counter>,
+    pub rescheduler_actions: Family<Reason, Counter>,
+    registry: Mutex<Registry>,
+    /// Roots whose gauges are computed at scrape time.
+    roots: Mutex<Vec<Roots>>,
+}
+
+fn duration_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.001, 4.0, 10)
+}
+
+static GLOBAL: LazyLock<Arc<Metrics>> = LazyLock::new(|| Arc::new(Metrics::new()));
+
+/// The process's metrics.
+pub fn global() -> Arc<Metrics> {
+    GLOBAL.clone()
+}
+
+impl Metrics {
+    fn new() -> Metrics {
+        let m = Metrics {
+            pulls: Family::default(),
+            pull_bytes: Family::default(),
+            pull_duration: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.1, 3.0, 10))
+            }),
+            cache_hits: Family::default(),
+            evictions: Counter::default(),
+            cache_used: Family::default(),
+            cache_free: Family::default(),
+            volumes: Family::default(),
+            rpc_duration: Family::new_with_constructor(|| Histogram::new(duration_buckets())),
+            rpc_errors: Family::default(),
+            rescheduler_actions: Family::default(),
+            registry: Mutex::new(Registry::with_prefix("modelcache")),
+            roots: Mutex::new(Vec::new()),
+        };
+        {
+            let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
+            r.register(
+                "pulls",
+                "Model pulls by scheme and outcome (sealed, failed)",
+                m.pulls.clone(),
+            );
+            r.register(
+                "pull_bytes",
+                "Bytes downloaded by the puller",
+                m.pull_bytes.clone(),
+            );
+            r.register(
+                "pull_duration_seconds",
+                "Time from resolve to seal",
+                m.pull_duration.clone(),
+            );
+            r.register(
+                "cache_hits",
+                "Volumes served from an already sealed model",
+                m.cache_hits.clone(),
+            );
+            r.register(
+                "cache_evictions",
+                "Pulled models evicted",
+                m.evictions.clone(),
+            );
+            r.register(
+                "cache_used_bytes",
+                "Bytes held by sealed pulled models",
+                m.cache_used.clone(),
+            );
+            r.register(
+                "cache_free_bytes",
+                "Bytes a new model may still use",
+                m.cache_free.clone(),
+            );
+            r.register(
+                "volumes",
+                "Mounts of this driver's volumes by state (staged, published)",
+                m.volumes.clone(),
+            );
+            r.register(
+                "rpc_duration_seconds",
+                "CSI call latency by method",
+                m.rpc_duration.clone(),
+            );
+            r.register(
+                "rpc_errors",
+                "CSI calls that failed, by method and gRPC code",
+                m.rpc_errors.clone(),
+            );
+            r.register(
+                "rescheduler_actions",
+                "PVCs whose selected node was cleared, by reason",
+                m.rescheduler_actions.clone(),
+            );
+        }
+        m
+    }
+
+    /// Includes these roots in the scrape-time gauges.
+    pub fn watch_roots(&self, roots: Roots) {
+        self.roots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(roots);
+    }
+
+    pub fn rpc(&self, method: &str, started: Instant, code: Option<tonic::Code>) {
+        let m = Method {
+            method: method.to_string(),
+        };
+        self.rpc_duration
+            .get_or_create(&m)
+            .observe(started.elapsed().as_secs_f64());
+        if let Some(code) = code.filter(|c| *c != tonic::Code::Ok) {
+            self.rpc_errors
+                .get_or_create(&MethodCode {
+                    method: method.to_string(),
+                    code: format!("{code:?}"),
+                })
+                .inc();
+        }
+    }
+
+    fn refresh_gauges(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) {
+        let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut staged = 0;
+        let mut published = 0;
+        let table = crate::mount::read_table().unwrap_or_default();
+        for rs in &roots {
+            for root in &rs.roots {
+                let label = BackendLabel {
+                    backend: root.backend.to_string(),
+                };
+                if let Ok(used) = cache::evict::usage(root) {
+                    self.cache_used.get_or_create(&label).set(used as i64);
+                }
+                if let Ok(free) = cache::evict::available(root, capacity(root.backend)) {
+                    self.cache_free
+                        .get_or_create(&label)
+                        .set(free.min(i64::MAX as u64) as i64);
+                }
+                let sources = root.sources_dir();
+                for m in &table {
+                    let ours = m.root.starts_with(&sources)
+                        || crate::mount::loopdev::backing_file(std::path::Path::new(&m.source))
+                            .ok()
+                            .flatten()
+                            .is_some_and(|b| b.starts_with(&sources));
+                    // kubelet stages at .../globalmount and publishes elsewhere.
+                    if ours && !m.mount_point.starts_with(root.dir.as_path()) {
+                        if m.mount_point.ends_with("globalmount") {
+                            staged += 1;
+                        } else {
+                            published += 1;
+                        }
+                    }
+                }
+            }
+        }
+        self.volumes
+            .get_or_create(&State {
+                state: "staged".into(),
+            })
+            .set(staged);
+        self.volumes
+            .get_or_create(&State {
+                state: "published".into(),
+            })
+            .set(published);
+    }
+
+    /// The text exposition, with fresh gauges.
+    pub fn render(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) -> String {
+        self.refresh_gauges(capacity);
+        let mut out = String::new();
+        let r = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = encode(&mut out, &r);
+        out
+    }
+}
+
+/// The scheme label of a model URI, never the URI itself.
+pub fn scheme_of(uri: &str) -> String {
+    uri.split_once("://")
+        .map(|(s, _)| s.to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Serves `/metrics` and `/healthz` until the process ends. A minimal
+/// HTTP/1.1 responder: one request per connection, nothing else.
+pub async fn serve(
+    addr: SocketAddr,
+    capacity: Arc<dyn Fn(cache::Backend) -> Option<u64> + Send + Sync>,
+) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving metrics");
+    loop {
+        let (mut sock, _) = listener.accept().await?;
+        let capacity = capacity.clone();
+        tokio::spawn(async move {
+            // Read the request head whole: clients may send it in pieces.
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 1024];
+            let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+            while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16384 {
+                match tokio::time::timeout_at(deadline, sock.read(&mut chunk)).await {
+                    Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                    _ => return,
+                }
+            }
+            let req = String::from_utf8_lossy(&buf);
+            let path = req.split_whitespace().nth(1).unwrap_or("/");
+            let (status, ctype, body) = match path {
+                "/metrics" => {
+                    let body = tokio::task::spawn_blocking(move || global().render(&*capacity))
+                        .await
+                        .unwrap_or_default();
+                    (
+                        "200 OK",
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        body,
+                    )
+                }
+                "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
+                _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
+            };
+            let head = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = sock.write_all(head.as_bytes()).await;
+            let _ = sock.write_all(body.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}

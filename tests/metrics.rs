@@ -1,0 +1,129 @@
+//! The /metrics endpoint of the real binary: pulls, cache hits, RPC latency
+//! and errors, and staged/published volumes taken from the mount table.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use common::*;
+use tonic::Code;
+
+fn scrape(port: u16, path: &str) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect metrics");
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The value of the first sample whose line starts with `series`.
+fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test]
+async fn metrics_follow_pulls_rpcs_and_mounts() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let d = Driver::start_with(&["--metrics-address", &addr]).await;
+    let model = d.dir.join("model");
+    write_model(&model, 7);
+    let uri = format!("file://{}", model.display());
+    let v1 = d
+        .create(create_req("m1", &[("source", &uri)], READER))
+        .await
+        .expect("pull");
+    d.create(create_req("m2", &[("source", &uri)], READER))
+        .await
+        .expect("hit");
+    let bad = d
+        .create(create_req("m3", &[("colour", "red")], READER))
+        .await;
+    assert_code(bad, Code::InvalidArgument, "parameters.colour");
+    let staging = d.dir.join("kubelet/globalmount");
+    let target = d.dir.join("kubelet/pods/p1/mount");
+    d.stage(&v1.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v1.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+
+    let health = scrape(port, "/healthz");
+    assert!(
+        health.starts_with("HTTP/1.1 200") && health.ends_with("ok\n"),
+        "{health}"
+    );
+    let text = scrape(port, "/metrics");
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let pulled = value(
+        &text,
+        "modelcache_pulls_total{scheme=\"file\",outcome=\"sealed\"}",
+    );
+    assert_eq!(pulled, Some(1.0), "{text}");
+    assert_eq!(
+        value(&text, "modelcache_cache_hits_total{scheme=\"file\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        value(&text, "modelcache_pull_bytes_total{scheme=\"file\"}").unwrap() >= (1 << 20) as f64
+    );
+    assert_eq!(
+        value(
+            &text,
+            "modelcache_rpc_errors_total{method=\"CreateVolume\",code=\"InvalidArgument\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        value(
+            &text,
+            "modelcache_rpc_duration_seconds_count{method=\"NodeStageVolume\"}"
+        )
+        .unwrap()
+            >= 1.0
+    );
+    assert_eq!(
+        value(&text, "modelcache_volumes{state=\"staged\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        value(&text, "modelcache_volumes{state=\"published\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        value(&text, "modelcache_cache_used_bytes{backend=\"local\"}").unwrap() >= (1 << 20) as f64
+    );
+    assert!(value(&text, "modelcache_cache_free_bytes{backend=\"local\"}").unwrap() > 0.0);
+    // Never a URI or a path in a label.
+    assert!(!text.contains(&uri), "a URI leaked into a label");
+
+    d.unpublish(&v1.volume_id, &target).await.unwrap();
+    d.unstage(&v1.volume_id, &staging).await.unwrap();
+    let text = scrape(port, "/metrics");
+    assert_eq!(
+        value(&text, "modelcache_volumes{state=\"staged\"}"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        value(&text, "modelcache_volumes{state=\"published\"}"),
+        Some(0.0),
+        "{text}"
+    );
+}

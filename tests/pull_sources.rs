@@ -1,0 +1,546 @@
+//! The driver pulling the real all-MiniLM-L6-v2 model through every source
+//! but S3 (that is `pull_s3.rs`): CreateVolume with `parameters.source` an
+//! http(s) manifest or file, an `hf://` repo, a `model-registry://` version,
+//! or an `oci://` artifact or modelcar, served by the fixtures or a real
+//! registry; then NodeStage, a read-only NodePublish, and the model read
+//! back through the mount. A second volume of a model must cost no
+//! download; a failed pull must say why with a clear code and seal nothing;
+//! a stall or a 503 that passes must not fail the pull.
+
+mod common;
+#[path = "support/fixtures.rs"]
+mod fixtures;
+#[path = "support/registry.rs"]
+mod registry;
+
+use std::fs;
+use std::io::Read;
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::*;
+use fixtures::{FileServer, HUB_LFS_MIN, HUB_REPO, HUB_SHA, HubServer, RegistryServer};
+use modelcache_csi::csi::Volume;
+use modelcache_csi::puller::engine::EngineConfig;
+use registry::Registry;
+use serde_json::Value;
+use tonic::Code;
+
+const CHUNK_MIB: u64 = 8;
+
+/// A model file: '/'-separated path, size, sha256.
+type FileSum = (String, u64, String);
+
+/// The real model's files, hashed once.
+fn model() -> &'static [FileSum] {
+    static SUMS: OnceLock<Vec<FileSum>> = OnceLock::new();
+    SUMS.get_or_init(|| {
+        let sums = sums_under(&fixtures::model_dir());
+        // README, configs, tokenizer, vocab, weights and 1_Pooling/config.json.
+        assert_eq!(sums.len(), 12, "{sums:?}");
+        assert!(sums.iter().any(|(p, _, _)| p == "1_Pooling/config.json"));
+        sums
+    })
+}
+
+fn model_file(path: &str) -> &'static FileSum {
+    model()
+        .iter()
+        .find(|(p, _, _)| p == path)
+        .unwrap_or_else(|| panic!("the model has no {path}"))
+}
+
+/// Every regular file under `dir`, hashed.
+fn sums_under(dir: &Path) -> Vec<FileSum> {
+    fixtures::tree_files(dir)
+        .into_iter()
+        .map(|(p, size)| {
+            let sha = fixtures::sha256_file(&dir.join(&p));
+            (p, size, sha)
+        })
+        .collect()
+}
+
+async fn driver(extra: &[&str]) -> Driver {
+    let chunk = CHUNK_MIB.to_string();
+    let mut args = vec!["--pull-chunk-mib", &chunk, "--pull-connections", "2"];
+    args.extend_from_slice(extra);
+    Driver::start_with(&args).await
+}
+
+/// CreateVolume of a read-only cache volume on the local backend.
+async fn create(d: &Driver, name: &str, params: &[(&str, &str)]) -> Result<Volume, tonic::Status> {
+    let mut all = vec![("backend", "local")];
+    all.extend_from_slice(params);
+    d.create(create_req(name, &all, READER)).await
+}
+
+#[track_caller]
+fn created(r: Result<Volume, tonic::Status>) -> Volume {
+    r.unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()))
+}
+
+/// The volume names the model it was pulled from and the revision sealed.
+#[track_caller]
+fn assert_context(v: &Volume, model: &str, revision_prefix: &str) {
+    let ctx = &v.volume_context;
+    assert_eq!(ctx.get("model").map(String::as_str), Some(model), "{ctx:?}");
+    let revision = ctx.get("revision").expect("volume_context.revision");
+    assert!(
+        revision.starts_with(revision_prefix) && revision.len() > 8,
+        "revision {revision:?}, expected {revision_prefix:?}…"
+    );
+    assert!(!ctx["source"].is_empty());
+}
+
+/// The 8-byte little-endian header length, then a JSON header naming the
+/// tensors with offsets inside the file.
+#[track_caller]
+fn assert_safetensors(path: &Path) {
+    let mut f = fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file_len = f.metadata().unwrap().len();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).unwrap();
+    let header_len = u64::from_le_bytes(len);
+    assert!(header_len < file_len - 8, "header of {header_len} bytes");
+    let mut header = vec![0u8; header_len as usize];
+    f.read_exact(&mut header).unwrap();
+    let header: Value = serde_json::from_slice(&header).expect("the safetensors header is JSON");
+    let tensors: Vec<(&String, &Value)> = header
+        .as_object()
+        .expect("the header is an object")
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .collect();
+    assert!(
+        tensors
+            .iter()
+            .any(|(k, _)| *k == "embeddings.word_embeddings.weight"),
+        "{tensors:?}"
+    );
+    let data_len = file_len - 8 - header_len;
+    for (name, t) in tensors {
+        let end = t["data_offsets"][1].as_u64().expect("data_offsets");
+        assert!(end <= data_len, "{name} ends at {end}, past {data_len}");
+        assert!(
+            t["dtype"].is_string() && t["shape"].is_array(),
+            "{name}: {t}"
+        );
+    }
+}
+
+/// Stages `v`, publishes it read-only, and checks through the mount that it
+/// holds exactly `want`, byte for byte, with a parseable safetensors header
+/// when it has weights, and refuses writes with EROFS. Unmounts after.
+async fn assert_served(d: &Driver, v: &Volume, want: &[FileSum]) {
+    let key = uuid_of(&v.volume_id);
+    let (staging, target) = (d.staging(key), d.target(key));
+    d.stage(&v.volume_id, &staging, READER)
+        .await
+        .expect("NodeStageVolume");
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .expect("NodePublishVolume");
+    assert!(single_mount(&target).is_readonly());
+    assert_eq!(sums_under(&target), want, "{} differs", v.volume_id);
+    if let Some((weights, _, _)) = want
+        .iter()
+        .find(|(p, _, _)| p.ends_with("model.safetensors"))
+    {
+        assert_safetensors(&target.join(weights));
+    }
+    assert_erofs(&target.join(&want[0].0));
+    assert_erofs(&target.join("written-by-a-pod"));
+    d.unpublish(&v.volume_id, &target).await.expect("unpublish");
+    d.unstage(&v.volume_id, &staging).await.expect("unstage");
+    let left = mounts_below(&d.dir);
+    assert!(left.is_empty(), "mounts left: {left:#?}");
+}
+
+/// Sealed models in the local root; a pull's hidden work dir does not count.
+fn sealed_sources(d: &Driver) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(d.state_dir.join("local/sources")) else {
+        return Vec::new();
+    };
+    entries
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !n.starts_with('.'))
+        .collect()
+}
+
+/// GETs of model files (not of manifests or API documents).
+fn file_gets(server: &FileServer) -> usize {
+    model().iter().map(|(p, _, _)| server.gets(p)).sum()
+}
+
+/// GETs of model files from the Hub: `resolve/`, and for LFS files also
+/// the CDN it redirects to.
+fn hub_file_gets(hub: &HubServer) -> usize {
+    model()
+        .iter()
+        .map(|(p, size, sha)| {
+            let cdn = if *size >= HUB_LFS_MIN {
+                hub.gets(&format!("cdn-lfs/{sha}"))
+            } else {
+                0
+            };
+            hub.gets(&format!("{HUB_REPO}/resolve/{HUB_SHA}/{p}")) + cdn
+        })
+        .sum()
+}
+
+/// Ranged GETs one full download of `size` bytes makes.
+fn chunks(size: u64) -> usize {
+    size.div_ceil(CHUNK_MIB << 20).max(1) as usize
+}
+
+/// Ranged GETs one full download of the model makes.
+fn planned_gets() -> usize {
+    model().iter().map(|(_, size, _)| chunks(*size)).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_manifest_and_single_file_are_pulled_once_and_served_byte_for_byte() {
+    let dir = fixtures::model_dir();
+    let files = FileServer::start(&dir).await;
+    files.put("manifest.json", fixtures::manifest_for(&dir, true));
+    let d = driver(&[]).await;
+
+    let uri = format!("{}#manifest", files.url("manifest.json"));
+    let v = created(create(&d, "pvc-manifest", &[("source", &uri)]).await);
+    assert_context(&v, &uri, "manifest:");
+    assert_eq!(file_gets(&files), planned_gets());
+    assert_served(&d, &v, model()).await;
+
+    // Another volume of the model: the manifest is read again (it names
+    // the revision), the files are not.
+    let before = file_gets(&files);
+    let again = created(create(&d, "pvc-manifest-2", &[("source", &uri)]).await);
+    assert_eq!(file_gets(&files), before, "a cache hit downloaded files");
+    assert_eq!(again.volume_context["source"], v.volume_context["source"]);
+    assert_ne!(again.volume_id, v.volume_id);
+    assert_served(&d, &again, model()).await;
+
+    // One file: resolved by a HEAD (ETag), fetched by one GET.
+    let config = model_file("config.json");
+    let uri = files.url("config.json");
+    let before = files.gets("config.json");
+    let one = created(create(&d, "pvc-config", &[("source", &uri)]).await);
+    assert_context(&one, &uri, "etag:");
+    assert_eq!(files.gets("config.json"), before + 1);
+    assert_served(&d, &one, std::slice::from_ref(config)).await;
+    let again = created(create(&d, "pvc-config-2", &[("source", &uri)]).await);
+    assert_eq!(
+        files.gets("config.json"),
+        before + 1,
+        "a cache hit downloaded"
+    );
+    assert_eq!(again.volume_context["source"], one.volume_context["source"]);
+    assert_ne!(one.volume_context["source"], v.volume_context["source"]);
+    assert_eq!(sealed_sources(&d).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hf_repo_at_main_and_at_its_commit_share_one_pull() {
+    let hub = HubServer::start(fixtures::model_dir()).await;
+    let endpoint = hub.endpoint();
+    let d = driver(&[]).await;
+    let uri = "hf://org/minilm";
+
+    let v = created(create(&d, "pvc-hf", &[("source", uri), ("hfEndpoint", &endpoint)]).await);
+    assert_context(&v, "hf://org/minilm", HUB_SHA);
+    let pulled = hub_file_gets(&hub);
+    let redirected: usize = model()
+        .iter()
+        .filter(|(_, size, _)| *size >= HUB_LFS_MIN)
+        .map(|(_, size, _)| chunks(*size))
+        .sum();
+    assert_eq!(pulled, planned_gets() + redirected);
+    assert_served(&d, &v, model()).await;
+
+    // The same URI again, then pinned to the commit `main` resolved to:
+    // the API is asked again, the files are not fetched again.
+    let pinned = format!("{uri}@{HUB_SHA}");
+    for (name, uri) in [("pvc-hf-2", uri), ("pvc-hf-sha", &pinned)] {
+        let params = [("source", uri), ("hfEndpoint", &endpoint)];
+        let again = created(create(&d, name, &params).await);
+        assert_eq!(hub_file_gets(&hub), pulled, "{uri}: a cache hit downloaded");
+        assert_eq!(again.volume_context["source"], v.volume_context["source"]);
+        assert_context(&again, "hf://org/minilm", HUB_SHA);
+    }
+    assert_eq!(sealed_sources(&d).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_registry_version_shares_the_cache_entry_of_its_artifact() {
+    let dir = fixtures::model_dir();
+    let files = FileServer::start(&dir).await;
+    files.put("manifest.json", fixtures::manifest_for(&dir, true));
+    let artifact = format!("{}#manifest", files.url("manifest.json"));
+    let mr = RegistryServer::start("minilm", &[("v1", &artifact)]).await;
+    let url = mr.url();
+    let d = driver(&[]).await;
+    let params = [
+        ("source", "model-registry://minilm/v1"),
+        ("modelRegistryURL", url.as_str()),
+    ];
+
+    let v = created(create(&d, "pvc-mr", &params).await);
+    let pulled = file_gets(&files);
+    assert_eq!(pulled, planned_gets());
+    assert!(!mr.requests().is_empty());
+    // The model is the artifact: the registry only named it.
+    assert_context(&v, &artifact, "manifest:");
+    assert_served(&d, &v, model()).await;
+
+    let again = created(create(&d, "pvc-mr-2", &params).await);
+    assert_eq!(again.volume_context["source"], v.volume_context["source"]);
+    let direct = created(create(&d, "pvc-artifact", &[("source", &artifact)]).await);
+    assert_eq!(direct.volume_context["source"], v.volume_context["source"]);
+    assert_eq!(file_gets(&files), pulled, "a cache hit downloaded");
+    assert_served(&d, &direct, model()).await;
+    assert_eq!(sealed_sources(&d).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oci_artifact_is_pulled_once_by_tag_or_digest() {
+    let reg = Registry::start().await;
+    let pushed = reg
+        .push_artifact("models/minilm:v1", &fixtures::model_dir())
+        .await;
+    let d = driver(&[]).await;
+    let uri = reg.uri("models/minilm:v1");
+
+    let before = reg.settled_blob_gets().await;
+    let params = [("source", uri.as_str()), ("ociPlainHTTP", "true")];
+    let v = created(create(&d, "pvc-oci", &params).await);
+    assert_context(&v, &reg.uri("models/minilm"), &pushed.digest);
+    let pulled = reg.settled_blob_gets().await;
+    assert_eq!(pulled - before, planned_gets());
+    assert_served(&d, &v, model()).await;
+
+    let by_digest = reg.uri(&format!("models/minilm@{}", pushed.digest));
+    for (name, uri) in [("pvc-oci-2", &uri), ("pvc-oci-digest", &by_digest)] {
+        let params = [("source", uri.as_str()), ("ociPlainHTTP", "true")];
+        let again = created(create(&d, name, &params).await);
+        assert_eq!(again.volume_context["source"], v.volume_context["source"]);
+        assert_eq!(
+            reg.settled_blob_gets().await,
+            pulled,
+            "{uri}: a cache hit downloaded"
+        );
+    }
+    assert_eq!(sealed_sources(&d).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oci_modelcar_is_unpacked_and_served_from_its_models_dir() {
+    let reg = Registry::start().await;
+    let pushed = reg
+        .push_modelcar("models/minilm:v1", &fixtures::model_dir())
+        .await;
+    let d = driver(&[]).await;
+    let uri = reg.uri("models/minilm:v1");
+    let base = [("source", uri.as_str()), ("ociPlainHTTP", "true")];
+
+    let before = reg.settled_blob_gets().await;
+    let image = created(create(&d, "pvc-car", &base).await);
+    assert_context(&image, &reg.uri("models/minilm"), &pushed.digest);
+    let pulled = reg.settled_blob_gets().await;
+    let planned: usize = pushed.layers.iter().map(|l| chunks(l.size)).sum();
+    assert_eq!(pulled - before, planned);
+    // The whole image: the model under models/.
+    let under_models: Vec<FileSum> = model()
+        .iter()
+        .map(|(p, s, h)| (format!("models/{p}"), *s, h.clone()))
+        .collect();
+    assert_served(&d, &image, &under_models).await;
+
+    // subPath: models exposes the model itself, from the same sealed copy.
+    let mut sub = base.to_vec();
+    sub.push(("subPath", "models"));
+    let v = created(create(&d, "pvc-car-models", &sub).await);
+    assert_eq!(v.volume_context["source"], image.volume_context["source"]);
+    assert_eq!(v.volume_context["subPath"], "models");
+    assert_eq!(
+        reg.settled_blob_gets().await,
+        pulled,
+        "a cache hit downloaded"
+    );
+    assert_served(&d, &v, model()).await;
+    assert_eq!(sealed_sources(&d).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_pulls_have_clear_codes_and_seal_nothing() {
+    let dir = fixtures::model_dir();
+    let files = FileServer::start(&dir).await;
+    let reg = Registry::start().await;
+    reg.push_image("evil/slip:v1", vec![registry::tar_slip_layer()], "amd64")
+        .await;
+    reg.push_image(
+        "evil/symlink:v1",
+        vec![registry::symlink_escape_layer()],
+        "amd64",
+    )
+    .await;
+
+    // A manifest promising the wrong sha256 for the weights.
+    let mut corrupt: Value = serde_json::from_slice(&fixtures::manifest_for(&dir, true)).unwrap();
+    for f in corrupt["files"].as_array_mut().unwrap() {
+        if f["path"] == "model.safetensors" {
+            let sha = f["sha256"].as_str().unwrap();
+            let flipped = if sha.starts_with('0') { "1" } else { "0" };
+            f["sha256"] = Value::from(format!("{flipped}{}", &sha[1..]));
+        }
+    }
+    files.put("corrupt.json", serde_json::to_vec(&corrupt).unwrap());
+    // A manifest listing a file the server does not have.
+    let (_, size, sha) = model_file("config.json");
+    let missing = serde_json::json!({"files": [
+        {"path": "config.json", "size": size, "sha256": sha},
+        {"path": "weights/missing.safetensors"},
+    ]});
+    files.put("missing.json", serde_json::to_vec(&missing).unwrap());
+    // A file whose every GET sends 1000 bytes, then nothing (at its own
+    // path: the manifests above list vocab.txt too).
+    files.put(
+        "stalled/vocab.txt",
+        fs::read(dir.join("vocab.txt")).unwrap(),
+    );
+    files.stall("stalled/vocab.txt", 1000);
+
+    let d = driver(&["--pull-stall-seconds", "1"]).await;
+    let nothing_sealed = |case: &str| {
+        assert_eq!(
+            sealed_sources(&d),
+            Vec::<String>::new(),
+            "{case} sealed something"
+        );
+    };
+
+    // The stalled pull uses up its retry budget while the others run.
+    let stalled = async {
+        let started = Instant::now();
+        let r = create(
+            &d,
+            "pvc-stalled",
+            &[("source", &files.url("stalled/vocab.txt"))],
+        )
+        .await;
+        (r, started.elapsed())
+    };
+    let others = async {
+        let layers = [
+            ("pvc-slip", "evil/slip:v1", "\"../evil\""),
+            ("pvc-symlink", "evil/symlink:v1", "\"link\""),
+        ];
+        for (name, tag, entry) in layers {
+            let r = create(
+                &d,
+                name,
+                &[("source", &reg.uri(tag)), ("ociPlainHTTP", "true")],
+            )
+            .await;
+            let s = assert_code(r, Code::FailedPrecondition, entry);
+            assert!(s.message().contains("refused"), "{tag}: {}", s.message());
+            nothing_sealed(tag);
+        }
+        let uri = format!("{}#manifest", files.url("corrupt.json"));
+        let r = create(&d, "pvc-corrupt", &[("source", &uri)]).await;
+        let s = assert_code(r, Code::FailedPrecondition, "failed verification");
+        assert!(s.message().contains("model.safetensors"), "{}", s.message());
+        nothing_sealed("a corrupted object");
+
+        let uri = format!("{}#manifest", files.url("missing.json"));
+        let r = create(&d, "pvc-missing", &[("source", &uri)]).await;
+        assert_code(r, Code::NotFound, "weights/missing.safetensors");
+        nothing_sealed("a missing object");
+    };
+    let ((stalled, took), ()) = tokio::join!(stalled, others);
+    let s = assert_code(stalled, Code::Unavailable, "stalled");
+    assert!(s.message().contains("vocab.txt"), "{}", s.message());
+    let attempts = EngineConfig::default().attempts as usize;
+    assert_eq!(
+        files.gets("stalled/vocab.txt"),
+        attempts,
+        "one GET per attempt"
+    );
+    assert!(
+        took >= Duration::from_secs(attempts as u64),
+        "gave up after {took:?}: the watchdog fired early"
+    );
+    nothing_sealed("a stalled download");
+
+    // Nothing landed outside a model, and /etc was not written through the link.
+    let escaped: Vec<_> = walk(&d.dir)
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n == "evil" || n == "passwd"))
+        .collect();
+    assert!(escaped.is_empty(), "{escaped:?}");
+    let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
+    assert!(!passwd.contains("root::0:0::/:/bin/sh"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalls_and_retry_after_are_survived() {
+    let dir = fixtures::model_dir();
+    let files = FileServer::start(&dir).await;
+    files.put("manifest.json", fixtures::manifest_for(&dir, true));
+    // The first two GETs of the weights send 1 MiB each, then go silent.
+    files.stall_times("model.safetensors", 1 << 20, 2);
+    // The first two GETs of another file are refused with 503, Retry-After: 1.
+    let (_, vocab_size, vocab_sha) = model_file("vocab.txt");
+    files.put("busy/vocab.txt", fs::read(dir.join("vocab.txt")).unwrap());
+    files.unavailable_gets("busy/vocab.txt", 2, Some("1"));
+    let d = driver(&["--pull-stall-seconds", "1"]).await;
+
+    let stalled = async {
+        let started = Instant::now();
+        let uri = format!("{}#manifest", files.url("manifest.json"));
+        let v = created(create(&d, "pvc-stalls", &[("source", &uri)]).await);
+        (v, started.elapsed())
+    };
+    let busy = async {
+        let started = Instant::now();
+        let uri = files.url("busy/vocab.txt");
+        let v = created(create(&d, "pvc-busy", &[("source", &uri)]).await);
+        (v, started.elapsed())
+    };
+    let ((stalled, stalled_took), (busy, busy_took)) = tokio::join!(stalled, busy);
+
+    // The watchdog dropped two silent connections and asked again: two
+    // GETs on top of the planned ones, and the sealed weights are intact.
+    let weights = model_file("model.safetensors");
+    assert_eq!(files.gets("model.safetensors"), chunks(weights.1) + 2);
+    assert!(stalled_took >= Duration::from_secs(2), "{stalled_took:?}");
+    assert_served(&d, &stalled, model()).await;
+
+    assert_eq!(files.gets("busy/vocab.txt"), 3);
+    assert!(
+        busy_took >= Duration::from_secs(2),
+        "Retry-After: 1, twice, but done in {busy_took:?}"
+    );
+    let want = [("vocab.txt".to_string(), *vocab_size, vocab_sha.clone())];
+    assert_served(&d, &busy, &want).await;
+}
+
+/// Every path under `dir`, not following symlinks.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(p.clone());
+            }
+            out.push(p);
+        }
+    }
+    out
+}
