@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Build real Kubernetes and etcd binaries from the Go module proxy, cached by
+# version, for the integration and e2e tests.
+#
+#   e2e/k8s/build.sh [component...]     components: etcd kube-apiserver
+#                                        kube-controller-manager kube-scheduler
+#                                        kubelet kubectl | all
+#                                        (default: etcd kube-apiserver kubectl)
+#
+# Cache layout (MODELCACHE_TOOLS overrides the root):
+#   ${XDG_CACHE_HOME:-~/.cache}/modelcache-csi/tools/
+#     k8s-v1.36.3/{kube-apiserver,kubectl,...}   built from e2e/k8s/wrapper
+#     k8s-v1.36.3/etcd -> ../etcd-v3.6.16/etcd  (symlink, so one bin dir)
+#     etcd-v3.6.16/etcd                          built from e2e/k8s/etcd-wrapper
+#     k8s-v1.36.3/build-times.log, etcd-v3.6.16/build-times.log
+#     .build.lock                                serialises concurrent callers
+#
+# A binary already present is never rebuilt (a warm run takes well under a
+# second). Build logs go to stderr; the last line on stdout is the bin
+# directory (the k8s-<version> directory, which also holds the etcd symlink).
+#
+# Versions come from the wrapper modules' go.mod files (single source of truth).
+# Builds run under `nice -n 19` with `go build -p 2`: this is a shared 2-core
+# machine. A flock keeps parallel callers from running two big builds at once.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+K8S_WRAPPER=$HERE/wrapper
+ETCD_WRAPPER=$HERE/etcd-wrapper
+
+if ! command -v go >/dev/null 2>&1; then
+    if [[ -x /usr/local/go/bin/go ]]; then
+        PATH=/usr/local/go/bin:$PATH
+    else
+        echo "build.sh: no 'go' in PATH (need Go >= 1.26)" >&2
+        exit 1
+    fi
+fi
+
+# Versions, read from the committed wrapper go.mod files.
+K8S_VERSION=$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3} $1=="k8s.io/kubernetes" && $2 ~ /^v/ {print $2}' \
+    "$K8S_WRAPPER/go.mod" | head -n1)
+ETCD_VERSION=$(awk '$1=="go.etcd.io/etcd/server/v3" && $2 ~ /^v/ {print $2} $1=="require" && $2=="go.etcd.io/etcd/server/v3" {print $3}' \
+    "$ETCD_WRAPPER/go.mod" | head -n1)
+[[ -n $K8S_VERSION && -n $ETCD_VERSION ]] || { echo "build.sh: cannot read versions from wrapper go.mod" >&2; exit 1; }
+K8S_MINOR=$(echo "$K8S_VERSION" | cut -d. -f2)
+K8S_MAJOR=$(echo "$K8S_VERSION" | cut -d. -f1 | tr -d v)
+
+TOOLS=${MODELCACHE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/modelcache-csi/tools}
+K8S_DIR=$TOOLS/k8s-$K8S_VERSION
+ETCD_DIR=$TOOLS/etcd-$ETCD_VERSION
+
+ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
+DEFAULT=(etcd kube-apiserver kubectl)
+
+components=()
+if [[ $# -eq 0 ]]; then
+    components=("${DEFAULT[@]}")
+else
+    for c in "$@"; do
+        case $c in
+            all) components+=("${ALL[@]}") ;;
+            etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kubectl) components+=("$c") ;;
+            -h|--help) sed -n '2,24p' "$0" >&2; exit 0 ;;
+            *) echo "build.sh: unknown component '$c' (one of: ${ALL[*]} all)" >&2; exit 2 ;;
+        esac
+    done
+fi
+
+target_of() {
+    if [[ $1 == etcd ]]; then echo "$ETCD_DIR/etcd"; else echo "$K8S_DIR/$1"; fi
+}
+
+link_etcd() {
+    # One bin directory for callers: k8s-<v>/etcd points at the cached etcd.
+    if [[ -x $ETCD_DIR/etcd && ! -e $K8S_DIR/etcd ]] || \
+       [[ -L $K8S_DIR/etcd && $(readlink "$K8S_DIR/etcd") != "../etcd-$ETCD_VERSION/etcd" ]]; then
+        ln -sfn "../etcd-$ETCD_VERSION/etcd" "$K8S_DIR/etcd"
+    fi
+}
+
+missing() {
+    local c
+    for c in "${components[@]}"; do
+        [[ -x $(target_of "$c") ]] || echo "$c"
+    done
+}
+
+mkdir -p "$K8S_DIR" "$ETCD_DIR"
+
+if [[ -n $(missing) ]]; then
+    # Serialise builds across processes (parallel tests all call this script).
+    exec 9>"$TOOLS/.build.lock"
+    if ! flock -n 9; then
+        echo "build.sh: another build is running; waiting for $TOOLS/.build.lock" >&2
+        flock 9
+    fi
+
+    # A full, committed go.sum lets the builds run with -mod=readonly: a build
+    # never rewrites the wrapper modules. (GOFLAGS from the environment replaces
+    # `go env -w GOFLAGS`, so -buildvcs=false is restated: the wrappers live in
+    # a git work tree whose state is irrelevant to these binaries.)
+    export GOFLAGS="-mod=readonly -buildvcs=false"
+
+    for c in $(missing); do
+        out=$(target_of "$c")
+        tmp="$out.tmp.$$"
+        trap 'rm -f "$tmp"' EXIT
+        start=$(date +%s)
+        echo "build.sh: building $c -> $out (cold builds take many minutes)" >&2
+        if [[ $c == etcd ]]; then
+            (cd "$ETCD_WRAPPER" && nice -n 19 go build -p 2 -trimpath -ldflags "-s -w" \
+                -o "$tmp" go.etcd.io/etcd/server/v3) >&2
+            dir=$ETCD_DIR
+        else
+            (cd "$K8S_WRAPPER" && nice -n 19 go build -p 2 -trimpath -ldflags "-s -w \
+                -X k8s.io/component-base/version.gitVersion=$K8S_VERSION \
+                -X k8s.io/component-base/version.gitMajor=$K8S_MAJOR \
+                -X k8s.io/component-base/version.gitMinor=$K8S_MINOR \
+                -X k8s.io/component-base/version.gitTreeState=clean" \
+                -o "$tmp" "k8s.io/kubernetes/cmd/$c") >&2
+            dir=$K8S_DIR
+        fi
+        mv -f "$tmp" "$out"
+        trap - EXIT
+        secs=$(( $(date +%s) - start ))
+        printf '%s\t%s\t%ss\tgo=%s\tload=%s\n' "$(date -u +%FT%TZ)" "$c" "$secs" \
+            "$(go env GOVERSION)" "$(cut -d' ' -f1-3 /proc/loadavg)" >> "$dir/build-times.log"
+        echo "build.sh: built $c in ${secs}s" >&2
+    done
+fi
+
+link_etcd
+echo "$K8S_DIR"
