@@ -21,6 +21,10 @@ pub struct Config {
     pub pull: EngineConfig,
     /// Unreferenced pulled models idle this long are evicted.
     pub evict_idle: Option<Duration>,
+    /// Kubernetes API access for the controller (per-PVC sources, `pvc://`,
+    /// PVC events): a kubeconfig, or in-cluster when None and enabled.
+    pub kube_api: bool,
+    pub kubeconfig: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -44,6 +48,8 @@ impl Default for Config {
             backends: vec![Backend::Local],
             pull: EngineConfig::default(),
             evict_idle: None,
+            kube_api: false,
+            kubeconfig: None,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod csi; // generated CSI v1 types and services
 pub mod demo; // the `demo` command
 pub mod error; // the domain error and its one mapping to gRPC codes
 pub mod identity; // CSI Identity service and readiness
+pub mod kubeapi; // the requesting PVC, pvc:// claims and PVC events, via the Kubernetes API
 pub mod lock; // per-volume operation guards
 pub mod metrics; // Prometheus metrics and the /metrics, /healthz endpoint
 pub mod mount; // mounts, the mount table, loop devices, safe subpaths

@@ -40,6 +40,13 @@ enum Command {
     },
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum KubeApiMode {
+    Auto,
+    On,
+    Off,
+}
+
 #[derive(Args, Clone)]
 struct ReschedulerArgs {
     /// The CSI driver whose PVCs to watch.
@@ -108,6 +115,13 @@ struct ServeArgs {
     /// Serve Prometheus /metrics and /healthz here (e.g. 0.0.0.0:9809).
     #[arg(long)]
     metrics_address: Option<std::net::SocketAddr>,
+    /// Kubernetes API access (PVC source annotation, pvc://, PVC events):
+    /// auto uses --kubeconfig, $KUBECONFIG or the in-cluster service account when present.
+    #[arg(long, value_enum, default_value = "auto")]
+    kube_api: KubeApiMode,
+    /// Kubeconfig file for --kube-api.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -161,6 +175,16 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         shared_paths: a.shared_path.clone(),
         backends,
         pull,
+        kube_api: match a.kube_api {
+            KubeApiMode::On => true,
+            KubeApiMode::Off => false,
+            KubeApiMode::Auto => {
+                a.kubeconfig.is_some()
+                    || std::env::var_os("KUBECONFIG").is_some()
+                    || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+            }
+        },
+        kubeconfig: a.kubeconfig.clone(),
         evict_idle: a
             .evict_idle_minutes
             .map(|m| std::time::Duration::from_secs(m * 60)),
@@ -239,22 +263,11 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)?;
-            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
-        }
-        None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(config)?)
-}
-
 async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
     init_logging(&a.log_format, "info");
     let node_selector = modelcache_csi::rescheduler::parse_selector(&a.node_selector)
         .map_err(anyhow::Error::msg)?;
-    let client = kube_client(a.kubeconfig.as_deref()).await?;
+    let client = server::kube_client(a.kubeconfig.as_deref()).await?;
     let cfg = modelcache_csi::rescheduler::Config {
         driver_name: a.driver_name,
         node_selector,

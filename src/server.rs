@@ -70,7 +70,18 @@ pub async fn serve_on(
         !node || cfg.node_id.is_some(),
         "--node-id is required to serve the node service"
     );
-    let provisioner = controller.then(|| Arc::new(Provisioner::new(cfg.clone())));
+    let provisioner = match controller {
+        false => None,
+        true => {
+            let mut p = Provisioner::new(cfg.clone());
+            if cfg.kube_api {
+                let client = kube_client(cfg.kubeconfig.as_deref()).await?;
+                p = p.with_kube(crate::kubeapi::KubeApi::new(client, &cfg.driver_name));
+                tracing::info!("using the Kubernetes API for per-PVC sources, pvc:// and events");
+            }
+            Some(Arc::new(p))
+        }
+    };
     if let (Some(p), Some(idle)) = (&provisioner, cfg.evict_idle) {
         let p = p.clone();
         tokio::spawn(async move {
@@ -102,6 +113,19 @@ pub async fn serve_on(
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await?;
     Ok(())
+}
+
+/// A client from a kubeconfig file, else the usual inference ($KUBECONFIG,
+/// ~/.kube/config, in-cluster).
+pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer().await?,
+    };
+    Ok(kube::Client::try_from(config)?)
 }
 
 /// Records every call's latency, and its gRPC code when it failed, by

@@ -173,7 +173,7 @@ async fn unsupported_requests_say_what_is_accepted() {
     let r = d
         .create(create_req(
             "pvc-s3",
-            &[("source", "s3://bucket/model")],
+            &[("source", "ftp://bucket/model")],
             READER,
         ))
         .await;

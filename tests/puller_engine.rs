@@ -397,6 +397,7 @@ async fn capacity_evicts_least_recently_used_but_never_a_model_in_use() {
             node: None,
             model: None,
             revision: None,
+            external: None,
             content_source: None,
             request: String::new(),
             created_unix: 0,

@@ -26,7 +26,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use layout::{Backend, Root, Roots, SourcePaths, VolumeId, uuid_for_name};
 pub use manifest::Seal;
-pub use record::{Role, Verify, VolumeRecord};
+pub use record::{External, Role, Verify, VolumeRecord};
 
 use crate::error::{Error, IoContext, Result};
 use crate::state;

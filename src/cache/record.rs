@@ -42,6 +42,18 @@ impl Verify {
     }
 }
 
+/// Bytes this driver does not own, exposed read-only in place: the volume
+/// of another PV (`pvc://`), on this node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum External {
+    /// A directory (hostPath or local PV), bind-mounted read-only.
+    Dir { path: String },
+    /// A block device holding XFS (a block-mode local PV), mounted
+    /// `ro,norecovery,nouuid`.
+    XfsBlock { device: String },
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeRecord {
     pub id: String,
@@ -64,6 +76,9 @@ pub struct VolumeRecord {
     /// The immutable revision that URI resolved to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
+    /// Set for a volume over bytes this driver does not own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub external: Option<External>,
     /// The volume id this one was created from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<String>,

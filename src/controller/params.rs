@@ -15,6 +15,7 @@ pub const IMAGE_LOCATION: &str = "imageLocation";
 pub const SUB_PATH: &str = "subPath";
 pub const VERIFY: &str = "verify";
 pub const SOURCE: &str = "source";
+pub const ALLOW_CROSS_NAMESPACE: &str = "allowCrossNamespacePVC";
 
 /// Options handed to the model source; see `puller`.
 pub const SOURCE_OPTIONS: [&str; 6] = [
@@ -26,8 +27,9 @@ pub const SOURCE_OPTIONS: [&str; 6] = [
     "modelRegistryURL",
 ];
 
-const KNOWN: [&str; 13] = [
+const KNOWN: [&str; 14] = [
     BACKEND,
+    ALLOW_CROSS_NAMESPACE,
     ROLE,
     SHARED_PATH,
     IMAGE_LOCATION,
@@ -65,6 +67,8 @@ pub struct Params {
     pub verify: Option<Verify>,
     pub source: Option<String>,
     pub source_options: BTreeMap<String, String>,
+    /// `pvc://` may name a claim in another namespace.
+    pub allow_cross_namespace: bool,
 }
 
 fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
@@ -136,6 +140,10 @@ impl Params {
                     crate::mount::subpath::validate_syntax(value)
                         .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
                     p.sub_path = Some(value.trim_end_matches('/').to_string());
+                }
+                ALLOW_CROSS_NAMESPACE => {
+                    p.allow_cross_namespace =
+                        one_of(key, value, &[("true", true), ("false", false)])?;
                 }
                 VERIFY => {
                     p.verify = Some(one_of(

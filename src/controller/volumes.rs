@@ -6,14 +6,18 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::cache::{self, Backend, Role, Root, Roots, Seal, Verify, VolumeId, VolumeRecord};
+use crate::cache::{
+    self, Backend, External, Role, Root, Roots, Seal, Verify, VolumeId, VolumeRecord,
+};
 use crate::capability;
 use crate::config::Config;
 use crate::csi::{CapacityRange, Topology, TopologyRequirement, VolumeCapability};
 use crate::error::{Error, Result};
+use crate::kubeapi::{self, KubeApi};
 use crate::lock::KeyedMutex;
-use crate::puller::engine::{Engine, NoProgress};
+use crate::puller::engine::{Engine, NoProgress, ProgressSink};
 use crate::puller::{self, SourceOptions};
+use kube::ResourceExt;
 
 use super::params::{ImageLocation, Params};
 
@@ -37,6 +41,22 @@ pub struct Provisioner {
     /// Serialises clone, seal and delete on one source within this process.
     pub sources: KeyedMutex,
     pub engine: Engine,
+    /// API access, for per-PVC sources, `pvc://` and PVC events.
+    pub kube: Option<KubeApi>,
+}
+
+/// What a `pvc://` source turned out to be.
+enum PvcSource {
+    /// A volume of this driver: read its sealed source in place.
+    Volume {
+        id: String,
+        sub_path: Option<String>,
+    },
+    /// Another PV's bytes on this node, read-only in place.
+    External {
+        external: External,
+        sub_path: Option<String>,
+    },
 }
 
 /// Runs blocking filesystem work off the async runtime.
@@ -60,6 +80,7 @@ impl Provisioner {
             roots,
             sources: KeyedMutex::default(),
             engine,
+            kube: None,
         }
     }
 
@@ -164,12 +185,62 @@ impl Provisioner {
     }
 
     pub async fn create(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
-        let params = Params::parse(&req.params)?;
+        let mut params = Params::parse(&req.params)?;
         let mutable = super::params::parse_mutable(&req.mutable)?;
+        let mut secrets: std::collections::BTreeMap<String, String> =
+            req.secrets.clone().into_iter().collect();
+
+        // The requesting PVC (external-provisioner --extra-create-metadata)
+        // may name its own source and pull secret.
+        let pvc = match (
+            &self.kube,
+            req.params.get(kubeapi::PVC_NAMESPACE),
+            req.params.get(kubeapi::PVC_NAME),
+        ) {
+            (Some(k), Some(ns), Some(name)) => Some((ns.clone(), k.pvc(ns, name).await?)),
+            _ => None,
+        };
+        if let (Some((ns, claim)), Some(k)) = (&pvc, &self.kube) {
+            if let Some(src) = claim.annotations().get(kubeapi::SOURCE_ANNOTATION) {
+                puller::validate_uri(src).map_err(|m| {
+                    Error::invalid(format!("PVC annotation {}", kubeapi::SOURCE_ANNOTATION), m)
+                })?;
+                params.source = Some(src.clone());
+            }
+            if let Some(secret) = claim.annotations().get(kubeapi::SECRET_ANNOTATION) {
+                secrets.extend(k.secret(ns, secret).await?);
+            }
+        }
+        // A pvc:// source is either one of our volumes (read like a clone)
+        // or another PV's bytes on this node.
+        let mut content_volume = req.content_volume.clone();
+        let mut external = None;
+        if let Some(src) = params.source.clone()
+            && src.starts_with("pvc://")
+        {
+            let requester_ns = pvc.as_ref().map(|(ns, _)| ns.clone());
+            match self
+                .resolve_pvc(&src, requester_ns.as_deref(), params.allow_cross_namespace)
+                .await?
+            {
+                PvcSource::Volume { id, sub_path } => {
+                    content_volume = Some(id);
+                    params.sub_path = join_sub(sub_path, params.sub_path.take());
+                }
+                PvcSource::External {
+                    external: e,
+                    sub_path,
+                } => {
+                    external = Some(e);
+                    params.sub_path = join_sub(sub_path, params.sub_path.take());
+                }
+            }
+            params.source = None;
+        }
 
         // The content source decides the root: a cache volume reads its
         // source in place, so it cannot live anywhere else.
-        let content = match &req.content_volume {
+        let content = match &content_volume {
             Some(id) => {
                 let (root, rec) = self.lookup(id).map_err(|_| {
                     Error::NotFound(format!(
@@ -180,12 +251,19 @@ impl Provisioner {
             }
             None => None,
         };
-        let role = match (params.role, &content, &params.source) {
-            (Some(r), _, _) => r,
-            (None, None, None) => Role::Source,
-            (None, _, _) => Role::Cache,
+        let role = match (params.role, &content, &params.source, &external) {
+            (Some(r), ..) => r,
+            (None, None, None, None) => Role::Source,
+            (None, ..) => Role::Cache,
         };
-        if role == Role::Cache && content.is_none() && params.source.is_none() {
+        if role == Role::Source && external.is_some() {
+            return Err(Error::invalid(
+                "parameters.role",
+                "a pvc:// claim of another driver can only be read: use role cache",
+            ));
+        }
+        if role == Role::Cache && content.is_none() && params.source.is_none() && external.is_none()
+        {
             return Err(Error::invalid(
                 "parameters.role",
                 "a cache volume needs a source: set parameter source to a model URI, or \
@@ -194,7 +272,6 @@ impl Provisioner {
         }
         // The StorageClass's source is a default; a PVC's own dataSource is
         // more specific and wins.
-        let mut params = params;
         if content.is_some() {
             params.source = None;
         }
@@ -220,6 +297,11 @@ impl Provisioner {
                 }
                 root.clone()
             }
+            None if external.is_some() => self.roots.node_local(Backend::Local).cloned().ok_or_else(|| {
+                Error::FailedPrecondition(
+                    "a pvc:// claim of another driver is read on the node that holds it: run the controller on the node (--node-id) with backend local".into(),
+                )
+            })?,
             None => self.select_root(&params)?,
         };
         capability::check(&req.capabilities, &root, role)?;
@@ -267,10 +349,11 @@ impl Provisioner {
             sub_path: params.sub_path.clone(),
             model: None,
             revision: None,
+            external: external.clone(),
             verify: params.verify.unwrap_or(Verify::Size),
             capacity_bytes: 0,
             node: root.node.clone(),
-            content_source: req.content_volume.clone(),
+            content_source: content_volume.clone(),
             request: fingerprint,
             created_unix: cache::now_unix(),
         };
@@ -317,23 +400,49 @@ impl Provisioner {
                 blocking(move || cache::copy_source(&r, &f, &t)).await?;
             }
             (Role::Cache, from) => {
+                if let Some(e) = &external {
+                    rec.source = format!("x{}", &uuid[..31]);
+                    rec.capacity_bytes = required.max(1);
+                    let path = match e {
+                        External::Dir { path } => path,
+                        External::XfsBlock { device } => device,
+                    };
+                    if !std::path::Path::new(path).exists() {
+                        return Err(Error::NotFound(format!(
+                            "{path} does not exist on node {}",
+                            root.node.clone().unwrap_or_default()
+                        )));
+                    }
+                    cache::write_volume(&root, &rec)?;
+                    return Ok((rec, self.topology_of(&root)));
+                }
                 let sid = match from {
                     Some((_, from)) => from.source,
                     None => {
                         let uri = params.source.clone().unwrap_or_default();
                         let opts = SourceOptions {
                             params: params.source_options.clone(),
-                            secrets: req.secrets.clone().into_iter().collect(),
+                            secrets: secrets.clone(),
                         };
                         let source = puller::open(&uri, &opts).await?;
-                        let pulled = self.engine.pull(&root, source, &NoProgress).await?;
+                        let events = match (&self.kube, &pvc) {
+                            (Some(k), Some((_, claim))) => {
+                                Some(k.pull_events(claim, std::time::Duration::from_secs(10)))
+                            }
+                            _ => None,
+                        };
+                        let sink: &dyn ProgressSink = match &events {
+                            Some(e) => e,
+                            None => &NoProgress,
+                        };
+                        let pulled = self.engine.pull(&root, source, sink).await?;
                         rec.model = pulled.seal.origin.clone().into();
                         rec.revision = pulled.seal.revision.clone();
                         pulled.sid
                     }
                 };
                 let _g = self.sources.lock(&sid).await;
-                let seal = self.sealed(&root, &sid, req.content_volume.as_deref())?;
+                let seal = self.sealed(&root, &sid, content_volume.as_deref())?;
                 if let Some(sub) = &params.sub_path
                     && !seal.has_dir(sub)
                 {
@@ -552,6 +661,101 @@ impl Provisioner {
             ctx.insert("revision".into(), r.clone());
         }
         ctx
+    }
+}
+
+fn join_sub(a: Option<String>, b: Option<String>) -> Option<String> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(format!("{a}/{b}")),
+        (a, b) => a.or(b),
+    }
+}
+
+impl Provisioner {
+    pub fn with_kube(mut self, kube: KubeApi) -> Provisioner {
+        self.kube = Some(kube);
+        self
+    }
+
+    /// Resolves `pvc://[ns:]claim[/path]` to what its bound PV holds.
+    async fn resolve_pvc(
+        &self,
+        uri: &str,
+        requester_ns: Option<&str>,
+        cross_ns: bool,
+    ) -> Result<PvcSource> {
+        let field = "parameters.source";
+        let u = kubeapi::parse_pvc_uri(uri).map_err(|m| Error::invalid(field, m))?;
+        let kube = self.kube.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "{uri} needs Kubernetes API access and the PVC's namespace: run the provisioner with --extra-create-metadata and the driver in the cluster (or with --kubeconfig)"
+            ))
+        })?;
+        let requester_ns = requester_ns.ok_or_else(|| {
+            Error::FailedPrecondition(format!("{uri}: the requesting PVC is unknown; run external-provisioner with --extra-create-metadata"))
+        })?;
+        let ns = match &u.namespace {
+            Some(ns) if ns != requester_ns && !cross_ns => {
+                return Err(Error::invalid(
+                    field,
+                    format!(
+                        "{uri} names a claim in namespace {ns}, but the PVC is in {requester_ns}; a StorageClass must set {}: \"true\" to allow that",
+                        super::params::ALLOW_CROSS_NAMESPACE
+                    ),
+                ));
+            }
+            Some(ns) => ns.clone(),
+            None => requester_ns.to_string(),
+        };
+        let claim = kube.pvc(&ns, &u.claim).await?;
+        let pv_name = claim
+            .spec
+            .as_ref()
+            .and_then(|s| s.volume_name.clone())
+            .filter(|_| claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
+            .ok_or_else(|| {
+                Error::FailedPrecondition(format!("claim {ns}/{} is not bound yet", u.claim))
+            })?;
+        let pv = kube.pv(&pv_name).await?;
+        let spec = pv.spec.unwrap_or_default();
+        if let Some(csi) = &spec.csi
+            && csi.driver == self.cfg.driver_name
+        {
+            return Ok(PvcSource::Volume {
+                id: csi.volume_handle.clone(),
+                sub_path: u.path,
+            });
+        }
+        let block = spec.volume_mode.as_deref() == Some("Block");
+        let local_path = spec.local.as_ref().map(|l| l.path.clone());
+        let host_path = spec.host_path.as_ref().map(|h| h.path.clone());
+        match (local_path.or(host_path), block) {
+            (Some(device), true) => {
+                if u.path.is_some() {
+                    return Err(Error::invalid(
+                        field,
+                        format!(
+                            "{uri}: a block PV has no directories; drop the path and use parameter subPath"
+                        ),
+                    ));
+                }
+                Ok(PvcSource::External {
+                    external: External::XfsBlock { device },
+                    sub_path: None,
+                })
+            }
+            (Some(path), false) => Ok(PvcSource::External {
+                external: External::Dir { path },
+                sub_path: u.path,
+            }),
+            (None, _) => Err(Error::invalid(
+                field,
+                format!(
+                    "PV {pv_name} behind {uri} is of a type that cannot be exposed read-only in place; supported: volumes of {}, hostPath and local PVs (directories), and block-mode local PVs holding XFS",
+                    self.cfg.driver_name
+                ),
+            )),
+        }
     }
 }
 

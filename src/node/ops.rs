@@ -10,7 +10,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::cache::{self, Backend, Role, Root, Roots, Seal, Verify, VolumeRecord};
+use crate::cache::{self, Backend, External, Role, Root, Roots, Seal, Verify, VolumeRecord};
 use crate::capability::MountRequest;
 use crate::config::Config;
 use crate::error::{Error, IoContext, Result};
@@ -83,6 +83,9 @@ impl NodeOps {
         let seal = cache::read_seal(&root, &rec.source)?;
         // Sealed means read-only, for a source volume as for its caches.
         let writable = rec.role == Role::Source && seal.is_none();
+        if let Some(ext) = rec.external.clone() {
+            return blocking(move || stage_external(&ext, &staging)).await;
+        }
         if !writable && seal.is_none() {
             return Err(Error::FailedPrecondition(format!(
                 "source {} of volume {volume_id} is not sealed",
@@ -180,6 +183,46 @@ impl NodeOps {
             Ok((st, condition))
         })
         .await
+    }
+}
+
+/// Another PV's bytes, read-only in place: no seal to check, so the mount
+/// itself is the only guarantee.
+fn stage_external(ext: &External, staging: &Path) -> Result<()> {
+    std::fs::create_dir_all(staging).ctx("create staging path", staging)?;
+    let flags = MountFlags {
+        nosuid: true,
+        nodev: true,
+        ..MountFlags::default()
+    };
+    if let Some(existing) = mount_entry(staging)? {
+        let same = match ext {
+            External::Dir { path } => identity(staging)? == identity(Path::new(path))?,
+            External::XfsBlock { device } => {
+                std::fs::canonicalize(device).is_ok_and(|d| Path::new(&existing.source) == d)
+            }
+        };
+        if same && existing.is_readonly() {
+            return Ok(());
+        }
+        return Err(Error::AlreadyExists(format!(
+            "staging path {} already holds a different mount ({} from {}); unstage it first",
+            staging.display(),
+            existing.fs_type,
+            existing.source
+        )));
+    }
+    match ext {
+        External::Dir { path } => mount::bind_readonly(Path::new(path), staging, flags)
+            .ctx("bind-mount read-only", Path::new(path)),
+        External::XfsBlock { device } => mount::mount_device(
+            Path::new(device),
+            staging,
+            "xfs",
+            true,
+            cache::xfs::READER_OPTIONS,
+        )
+        .ctx("mount read-only", Path::new(device)),
     }
 }
 
@@ -307,6 +350,23 @@ fn check_condition(
     entry: &mountinfo::MountEntry,
     staging: Option<&Path>,
 ) -> Condition {
+    if let Some(ext) = &rec.external {
+        let path = match ext {
+            External::Dir { path } => path,
+            External::XfsBlock { device } => device,
+        };
+        return if Path::new(path).exists() {
+            Condition {
+                abnormal: false,
+                message: format!("volume is mounted; {path} is present"),
+            }
+        } else {
+            Condition {
+                abnormal: true,
+                message: format!("{path} behind this volume is gone"),
+            }
+        };
+    }
     let sp = root.source(&rec.source);
     let abnormal = |m: String| Condition {
         abnormal: true,

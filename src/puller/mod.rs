@@ -28,7 +28,7 @@ use source::{Compression, Source};
 /// Every model URI form, for error messages.
 pub const ACCEPTED_FORMS: &str = "s3://bucket/prefix, https://host/path/file (or .../manifest.json#manifest), \
      oci://registry/repo:tag or oci://registry/repo@sha256:<digest>, hf://org/repo[@revision], \
-     model-registry://model[/version], file:///absolute/path";
+     model-registry://model[/version], pvc://[namespace:]claim[/path], file:///absolute/path";
 
 /// Parameters and secrets that configure sources. Parameters come from the
 /// StorageClass (validated by the controller); secrets from the CSI
@@ -58,6 +58,7 @@ pub fn validate_uri(uri: &str) -> Result<(), String> {
         Some(("oci", _)) => oci::parse(uri).map(|_| ()),
         Some(("hf", _)) => hf::parse(uri).map(|_| ()),
         Some(("model-registry", _)) => registry::parse(uri).map(|_| ()),
+        Some(("pvc", _)) => crate::kubeapi::parse_pvc_uri(uri).map(|_| ()),
         Some((scheme, _)) => Err(unknown(format!("scheme {scheme:?} is not supported"))),
         None => Err(unknown(format!("{uri:?} is not a model URI"))),
     }

@@ -1,0 +1,276 @@
+//! What the controller asks the Kubernetes API, when it has access: the
+//! requesting PVC (its source annotation and pull-secret reference), the PV
+//! behind a `pvc://` claim, and events on the PVC for pull progress.
+//!
+//! external-provisioner's `--extra-create-metadata` puts the PVC's name and
+//! namespace into CreateVolume's parameters; that is how a request is tied
+//! to its PVC. Secrets are read only from the PVC's own namespace, and
+//! never logged.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{
+    ObjectReference, PersistentVolume, PersistentVolumeClaim, Secret,
+};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client, Resource};
+
+use crate::error::{Error, Result};
+use crate::puller::engine::{Progress, ProgressSink};
+
+pub const PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
+pub const PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
+
+/// Annotations a user sets on a PVC.
+pub const SOURCE_ANNOTATION: &str = "modelcache.csi.io/source";
+pub const SECRET_ANNOTATION: &str = "modelcache.csi.io/source-secret";
+
+/// `pvc://[namespace:]claim[/path]`: a claim (in the requesting PVC's
+/// namespace unless one is given) and a directory inside its volume.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PvcUri {
+    pub namespace: Option<String>,
+    pub claim: String,
+    pub path: Option<String>,
+}
+
+pub const PVC_FORM: &str = "pvc://claim[/path] or pvc://namespace:claim[/path]";
+
+pub fn parse_pvc_uri(uri: &str) -> Result<PvcUri, String> {
+    let rest = uri
+        .strip_prefix("pvc://")
+        .ok_or_else(|| format!("{uri:?} is not {PVC_FORM}"))?;
+    let (claim_part, path) = match rest.split_once('/') {
+        Some((c, p)) if !p.trim_matches('/').is_empty() => {
+            (c, Some(p.trim_matches('/').to_string()))
+        }
+        Some((c, _)) => (c, None),
+        None => (rest, None),
+    };
+    let (namespace, claim) = match claim_part.split_once(':') {
+        Some((ns, c)) => (Some(ns.to_string()), c.to_string()),
+        None => (None, claim_part.to_string()),
+    };
+    let dns = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 253
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    };
+    if !dns(&claim) || namespace.as_deref().is_some_and(|n| !dns(n)) {
+        return Err(format!("{uri:?} does not name a claim; use {PVC_FORM}"));
+    }
+    if let Some(p) = &path {
+        crate::mount::subpath::validate_syntax(p).map_err(|m| format!("{uri:?}: the path {m}"))?;
+    }
+    Ok(PvcUri {
+        namespace,
+        claim,
+        path,
+    })
+}
+
+#[derive(Clone)]
+pub struct KubeApi {
+    client: Client,
+    driver: String,
+}
+
+fn api_error(what: &str, e: kube::Error) -> Error {
+    match e {
+        kube::Error::Api(s) if s.code == 404 => Error::NotFound(format!("{what} does not exist")),
+        kube::Error::Api(s) if s.code == 403 || s.code == 401 => {
+            Error::FailedPrecondition(format!(
+                "the driver may not read {what}: {}; check its RBAC",
+                s.message
+            ))
+        }
+        other => Error::Unavailable(format!("reading {what} from the Kubernetes API: {other}")),
+    }
+}
+
+impl KubeApi {
+    pub fn new(client: Client, driver: &str) -> KubeApi {
+        KubeApi {
+            client,
+            driver: driver.to_string(),
+        }
+    }
+
+    pub async fn pvc(&self, namespace: &str, name: &str) -> Result<PersistentVolumeClaim> {
+        Api::<PersistentVolumeClaim>::namespaced(self.client.clone(), namespace)
+            .get(name)
+            .await
+            .map_err(|e| api_error(&format!("PVC {namespace}/{name}"), e))
+    }
+
+    pub async fn pv(&self, name: &str) -> Result<PersistentVolume> {
+        Api::<PersistentVolume>::all(self.client.clone())
+            .get(name)
+            .await
+            .map_err(|e| api_error(&format!("PV {name}"), e))
+    }
+
+    /// A Secret's data as strings, from the PVC's own namespace only.
+    pub async fn secret(&self, namespace: &str, name: &str) -> Result<BTreeMap<String, String>> {
+        let s = Api::<Secret>::namespaced(self.client.clone(), namespace)
+            .get(name)
+            .await
+            .map_err(|e| api_error(&format!("Secret {namespace}/{name}"), e))?;
+        let mut out = BTreeMap::new();
+        for (k, v) in s.data.unwrap_or_default() {
+            let v = String::from_utf8(v.0).map_err(|_| {
+                Error::invalid(
+                    format!("annotation {SECRET_ANNOTATION}"),
+                    format!("key {k} of Secret {namespace}/{name} is not UTF-8 text"),
+                )
+            })?;
+            out.insert(k, v);
+        }
+        for (k, v) in s.string_data.unwrap_or_default() {
+            out.insert(k, v);
+        }
+        Ok(out)
+    }
+
+    /// Events on `pvc` for a pull, rate-limited to one progress event per
+    /// `every`; they carry bytes, rate and ETA, never a credential.
+    pub fn pull_events(&self, pvc: &PersistentVolumeClaim, every: Duration) -> PvcEvents {
+        PvcEvents {
+            recorder: Recorder::new(
+                self.client.clone(),
+                Reporter {
+                    controller: self.driver.clone(),
+                    instance: std::env::var("NODE_NAME").ok(),
+                },
+            ),
+            reference: pvc.object_ref(&()),
+            every,
+            last: Mutex::new(None),
+            handle: tokio::runtime::Handle::current(),
+        }
+    }
+}
+
+pub struct PvcEvents {
+    recorder: Recorder,
+    reference: ObjectReference,
+    every: Duration,
+    last: Mutex<Option<Instant>>,
+    handle: tokio::runtime::Handle,
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / 1048576.0)
+}
+
+impl PvcEvents {
+    fn emit(&self, type_: EventType, reason: &str, note: String) {
+        let (recorder, reference) = (self.recorder.clone(), self.reference.clone());
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: "Pull".into(),
+            secondary: None,
+        };
+        // Events are best effort: a slow API must not slow the pull.
+        self.handle.spawn(async move {
+            if let Err(e) = recorder.publish(&event, &reference).await {
+                tracing::debug!(error = %e, "could not record an event");
+            }
+        });
+    }
+}
+
+impl ProgressSink for PvcEvents {
+    fn started(&self, uri: &str, total: Option<u64>) {
+        let size = total.map(|t| format!(" ({})", mib(t))).unwrap_or_default();
+        self.emit(
+            EventType::Normal,
+            "PullStarted",
+            format!("pulling {uri}{size}"),
+        );
+    }
+
+    fn progress(&self, p: &Progress) {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|l| l.elapsed() < self.every) {
+            return;
+        }
+        *last = Some(Instant::now());
+        let of = p
+            .total
+            .map(|t| format!(" of {}", mib(t)))
+            .unwrap_or_default();
+        let eta = p
+            .eta
+            .map(|e| format!(", ETA {}s", e.as_secs()))
+            .unwrap_or_default();
+        self.emit(
+            EventType::Normal,
+            "PullProgress",
+            format!(
+                "{}{of} at {:.1} MiB/s{eta}",
+                mib(p.bytes),
+                p.rate_bytes_per_sec / 1048576.0
+            ),
+        );
+    }
+
+    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration) {
+        self.emit(
+            EventType::Normal,
+            "ModelSealed",
+            format!(
+                "{uri} at revision {revision}: {} verified and sealed in {:.1}s",
+                mib(bytes),
+                took.as_secs_f64()
+            ),
+        );
+    }
+
+    fn failed(&self, uri: &str, error: &str) {
+        self.emit(
+            EventType::Warning,
+            "PullFailed",
+            format!("pulling {uri} failed: {error}"),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pvc_uris() {
+        assert_eq!(
+            parse_pvc_uri("pvc://models/minilm/v1").unwrap(),
+            PvcUri {
+                namespace: None,
+                claim: "models".into(),
+                path: Some("minilm/v1".into())
+            }
+        );
+        assert_eq!(
+            parse_pvc_uri("pvc://team-a:models").unwrap(),
+            PvcUri {
+                namespace: Some("team-a".into()),
+                claim: "models".into(),
+                path: None
+            }
+        );
+        for bad in [
+            "pvc://",
+            "pvc://Models",
+            "pvc://a/../etc",
+            "pvc://a:/x",
+            "s3://x",
+        ] {
+            assert!(parse_pvc_uri(bad).is_err(), "{bad}");
+        }
+    }
+}
