@@ -19,11 +19,11 @@ use tonic::Code;
 
 const CHUNK_MIB: u64 = 8;
 
-/// The real model's directory, from scripts/deps/model.sh.
+/// The real model's directory, from tests/scripts/deps/model.sh.
 fn real_model() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/deps/model.sh");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/deps/model.sh");
         let out = std::process::Command::new("bash")
             .arg(script)
             .output()

@@ -19,11 +19,11 @@ use modelcache_csi::puller::unpack;
 use registry::{Registry, files_under};
 use sha2::{Digest, Sha256};
 
-/// The model directory printed by `scripts/deps/model.sh`.
+/// The model directory printed by `tests/scripts/deps/model.sh`.
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/deps/model.sh");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/deps/model.sh");
         let out = Command::new("bash")
             .arg(&script)
             .output()

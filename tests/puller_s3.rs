@@ -18,7 +18,7 @@ use modelcache_csi::puller::source::{RemoteFile, Source, Unpack};
 use sha2::{Digest, Sha256};
 
 fn model_dir() -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/deps/model.sh");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/deps/model.sh");
     let out = Command::new("bash")
         .arg(&script)
         .output()

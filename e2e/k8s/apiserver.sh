@@ -58,6 +58,13 @@ alive() {
     tr '\0' ' ' 2>/dev/null < "/proc/$pid/cmdline" | grep -qF -- "$dir/"
 }
 
+# running PID: the process exists and is not a zombie.
+running() {
+    local state
+    state=$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
+    [[ -n $state && $state != Z && $state != X ]]
+}
+
 # reap_wait PID: our servers are reparented to PID 1, which reaps them about
 # a second after they exit; wait (at most 5s) so that callers checking with
 # pgrep right after `stop` see nothing.
@@ -217,7 +224,10 @@ wait_http() { # wait_http DEADLINE PID NAME CURL_ARGS...
             sleep 0.2
             if alive "$pid" "$DIR"; then return 0; fi
         fi
-        if ! alive "$pid" "$DIR"; then
+        # Our own fresh child: only "gone" counts here. (alive would also fail
+        # in the instant between fork and exec, while the child's command
+        # line is still this script's, which names DIR without a slash.)
+        if ! running "$pid"; then
             log "$name exited during startup"
             return 1
         fi

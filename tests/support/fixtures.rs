@@ -38,16 +38,16 @@ use tokio::task::{JoinHandle, JoinSet};
 
 // ---------------------------------------------------------------- helpers
 
-/// The real all-MiniLM-L6-v2 model directory (fetched once by `scripts/deps/model.sh`).
+/// The real all-MiniLM-L6-v2 model directory (fetched once by `tests/scripts/deps/model.sh`).
 pub fn model_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/deps/model.sh");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/deps/model.sh");
         let out = Command::new("bash")
             .arg(&script)
             .output()
-            .expect("run scripts/deps/model.sh");
-        assert!(out.status.success(), "scripts/deps/model.sh failed");
+            .expect("run tests/scripts/deps/model.sh");
+        assert!(out.status.success(), "tests/scripts/deps/model.sh failed");
         PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
     })
     .clone()

@@ -2,7 +2,7 @@
 //! fresh temp dir, ready before `start` returns, killed on Drop.
 //!
 //! Include it with `#[path = "support/minio.rs"] mod minio;`. The binary
-//! comes from `$MODELCACHE_MINIO`, else from `scripts/deps/minio.sh` (which
+//! comes from `$MODELCACHE_MINIO`, else from `tests/scripts/deps/minio.sh` (which
 //! builds it once, cached). GET requests are counted from MinIO's own
 //! Prometheus v3 metrics, which are live (the v2 ones are cached for
 //! seconds): `minio_api_requests_total{name="GetObject"}` server-wide and
@@ -42,7 +42,7 @@ pub struct Minio {
     _dir: tempfile::TempDir,
 }
 
-/// The MinIO binary: `$MODELCACHE_MINIO`, or whatever `scripts/deps/minio.sh`
+/// The MinIO binary: `$MODELCACHE_MINIO`, or whatever `tests/scripts/deps/minio.sh`
 /// prints (building it on first use).
 pub fn binary() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
@@ -50,7 +50,7 @@ pub fn binary() -> PathBuf {
         if let Some(p) = std::env::var_os("MODELCACHE_MINIO") {
             return PathBuf::from(p);
         }
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/deps/minio.sh");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/deps/minio.sh");
         let out = Command::new("bash")
             .arg(&script)
             .stderr(Stdio::inherit())

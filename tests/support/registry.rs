@@ -1,5 +1,5 @@
 //! A real OCI registry for tests: Debian's docker-registry (CNCF
-//! distribution 2.8, installed by `scripts/deps/registry.sh`) serving plain
+//! distribution 2.8, installed by `tests/scripts/deps/registry.sh`) serving plain
 //! HTTP on 127.0.0.1 at a free port, with its config and storage in a temp
 //! dir, killed on Drop. It counts blob GETs from the registry's access log
 //! and pushes, with oci-client, ORAS-style artifacts, modelcar images,
@@ -86,7 +86,7 @@ fn registry_binary() -> PathBuf {
     if let Ok(p) = std::env::var("MODELCACHE_REGISTRY") {
         return PathBuf::from(p);
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/deps/registry.sh");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/deps/registry.sh");
     let out = Command::new("bash")
         .arg(&script)
         .stderr(Stdio::inherit())

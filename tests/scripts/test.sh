@@ -6,7 +6,7 @@ source "$(dirname "$0")/lib.sh"
 need_root
 cd "$ROOT"
 
-"$ROOT/scripts/install-test-deps.sh"
+"$ROOT/tests/scripts/install-test-deps.sh"
 command -v rustfmt >/dev/null && command -v cargo-clippy >/dev/null || rustup component add rustfmt clippy
 
 log "cargo fmt --check"
@@ -22,7 +22,7 @@ set +e
 unshare -m --propagation private cargo test --locked 2>&1 | tee target/cargo-test.log
 cargo_rc=${PIPESTATUS[0]}
 log "csi-sanity"
-"$ROOT/scripts/csi-sanity.sh" 2>&1 | tee target/csi-sanity.log
+"$ROOT/tests/scripts/csi-sanity.sh" 2>&1 | tee target/csi-sanity.log
 sanity_rc=${PIPESTATUS[0]}
 set -e
 

@@ -4,11 +4,11 @@
 # the controller and node services in separate processes. Every run lives in
 # its own private mount namespace and temp dir, so nothing outlives it.
 #
-# usage: scripts/csi-sanity.sh [BINARY]     (default: target/debug/modelcache-csi)
+# usage: tests/scripts/csi-sanity.sh [BINARY]     (default: target/debug/modelcache-csi)
 source "$(dirname "$0")/lib.sh"
 need_root
 BIN="$(realpath "${1:-$ROOT/target/debug/modelcache-csi}")"
-[ -x "$CSI_SANITY" ] || "$ROOT/scripts/install-test-deps.sh"
+[ -x "$CSI_SANITY" ] || "$ROOT/tests/scripts/install-test-deps.sh"
 OUT="${SANITY_OUT:-$ROOT/target/csi-sanity}"
 rm -rf "$OUT" && mkdir -p "$OUT"
 

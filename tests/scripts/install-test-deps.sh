@@ -6,6 +6,8 @@ source "$(dirname "$0")/lib.sh"
 need_root
 apt_install xfsprogs util-linux e2fsprogs openssl curl
 go_install "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_SANITY_VERSION" "$CSI_SANITY"
-"$ROOT/scripts/deps/registry.sh" >/dev/null
-"$ROOT/scripts/deps/minio.sh" >/dev/null
-"$ROOT/scripts/deps/model.sh" >/dev/null
+"$ROOT/tests/scripts/deps/registry.sh" >/dev/null
+"$ROOT/tests/scripts/deps/minio.sh" >/dev/null
+"$ROOT/tests/scripts/deps/model.sh" >/dev/null
+# etcd, kube-apiserver and kubectl for the tests against a real API server.
+bash "$ROOT/e2e/k8s/build.sh" etcd kube-apiserver kubectl >/dev/null

@@ -1,7 +1,7 @@
 # Shared helpers for the project's scripts. Source it; do not run it.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 TOOLS="${MODELCACHE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/modelcache-csi/tools}"
 CSI_SANITY_VERSION="v5.5.0"
 CSI_SANITY="$TOOLS/csi-sanity-$CSI_SANITY_VERSION/csi-sanity"
