@@ -514,7 +514,9 @@ async fn stalls_and_retry_after_are_survived() {
     // GETs on top of the planned ones, and the sealed weights are intact.
     let weights = model_file("model.safetensors");
     assert_eq!(files.gets("model.safetensors"), chunks(weights.1) + 2);
-    assert!(stalled_took >= Duration::from_secs(2), "{stalled_took:?}");
+    // The two stalled requests may run side by side on parallel
+    // connections: at least one stall timeout must have passed.
+    assert!(stalled_took >= Duration::from_secs(1), "{stalled_took:?}");
     assert_served(&d, &stalled, model()).await;
 
     assert_eq!(files.gets("busy/vocab.txt"), 3);

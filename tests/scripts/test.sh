@@ -19,7 +19,7 @@ cargo build --locked --all-targets
 # A private mount namespace: whatever a failing test leaves mounted dies with it.
 log "cargo test"
 set +e
-unshare -m --propagation private cargo test --locked 2>&1 | tee target/cargo-test.log
+unshare -m --propagation private cargo test --locked --no-fail-fast 2>&1 | tee target/cargo-test.log
 cargo_rc=${PIPESTATUS[0]}
 log "csi-sanity"
 "$ROOT/tests/scripts/csi-sanity.sh" 2>&1 | tee target/csi-sanity.log
