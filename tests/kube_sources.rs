@@ -166,6 +166,36 @@ async fn per_pvc_sources_and_pvc_claims() {
     let r = d.create(request("pvc-bad", "team", "bad", &[])).await;
     assert_code(r, Code::InvalidArgument, "modelcache.csi.io/source");
 
+    // A failed pull is narrated too, with its reason.
+    apply(
+        &api,
+        "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: broken\n  namespace: team\n  annotations: {modelcache.csi.io/source: \"file:///nonexistent/model\"}\nspec:\n  accessModes: [ReadOnlyMany]\n  resources: {requests: {storage: 1Gi}}\n",
+    );
+    let r = d.create(request("pvc-broken", "team", "broken", &[])).await;
+    assert_code(r, Code::NotFound, "/nonexistent/model");
+    let mut notes = String::new();
+    for _ in 0..50 {
+        let out = api.kubectl(&[
+            "-n",
+            "team",
+            "get",
+            "events.events.k8s.io",
+            "--field-selector",
+            "regarding.name=broken,reason=PullFailed",
+            "-o",
+            "jsonpath={.items[*].note}",
+        ]);
+        notes = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !notes.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        notes.contains("does not exist"),
+        "no PullFailed event: {notes:?}"
+    );
+
     // The PVC that asks for pvc:// sources below.
     apply(
         &api,

@@ -435,7 +435,13 @@ impl Provisioner {
                             Some(e) => e,
                             None => &NoProgress,
                         };
-                        let pulled = self.engine.pull(&root, source, sink).await?;
+                        let pulled = match self.engine.pull(&root, source, sink).await {
+                            Ok(p) => p,
+                            Err(e) => {
+                                sink.failed(&uri, &e.to_string());
+                                return Err(e);
+                            }
+                        };
                         rec.model = pulled.seal.origin.clone().into();
                         rec.revision = pulled.seal.revision.clone();
                         pulled.sid

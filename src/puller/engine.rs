@@ -86,6 +86,7 @@ pub trait ProgressSink: Send + Sync {
     fn started(&self, _uri: &str, _total: Option<u64>) {}
     fn progress(&self, _p: &Progress) {}
     fn sealed(&self, _uri: &str, _revision: &str, _bytes: u64, _took: Duration) {}
+    /// Called by the pull's caller, for every failure (resolving included).
     fn failed(&self, _uri: &str, _error: &str) {}
 }
 
@@ -274,7 +275,6 @@ impl Engine {
                 }
                 Err(e) => {
                     warn!(error = %e, "pull failed");
-                    sink.failed(&resolved.uri, &e.to_string());
                     Err(e)
                 }
             }
