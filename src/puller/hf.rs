@@ -125,21 +125,8 @@ impl HfSource {
             .or_else(|| std::env::var("HF_ENDPOINT").ok())
             .filter(|e| !e.trim().is_empty())
             .unwrap_or_else(|| DEFAULT_ENDPOINT.to_string());
-        let endpoint = Url::parse(endpoint.trim())
-            .ok()
-            .filter(|u| {
-                matches!(u.scheme(), "http" | "https")
-                    && u.host_str().is_some()
-                    && u.username().is_empty()
-                    && u.password().is_none()
-                    && u.query().is_none()
-            })
-            .ok_or_else(|| {
-                Error::invalid(
-                    format!("parameters.{ENDPOINT_PARAM}"),
-                    "must be an http(s) URL without credentials or query, like https://huggingface.co",
-                )
-            })?;
+        let endpoint =
+            super::http::service_url(&endpoint, ENDPOINT_PARAM, "https://huggingface.co")?;
         let token = opts
             .secrets
             .get(TOKEN_SECRET)

@@ -138,6 +138,26 @@ fn file_name(url: &Url) -> Result<String, String> {
     Ok(name)
 }
 
+/// A service's base URL (an endpoint parameter): http(s), with a host, and
+/// without credentials or a query, which would end up in logs.
+pub(crate) fn service_url(value: &str, param: &str, example: &str) -> Result<Url> {
+    Url::parse(value.trim())
+        .ok()
+        .filter(|u| {
+            matches!(u.scheme(), "http" | "https")
+                && u.host_str().is_some()
+                && u.username().is_empty()
+                && u.password().is_none()
+                && u.query().is_none()
+        })
+        .ok_or_else(|| {
+            Error::invalid(
+                format!("parameters.{param}"),
+                format!("must be an http(s) URL without credentials or query, like {example}"),
+            )
+        })
+}
+
 pub(crate) fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());

@@ -183,22 +183,11 @@ pub async fn resolve_artifact_uri(uri: &str, opts: &SourceOptions) -> Result<Str
                  http://model-registry-service.kubeflow.svc:8080 (or env MODEL_REGISTRY_URL)",
             )
         })?;
-    let base = Url::parse(base.trim())
-        .ok()
-        .filter(|u| {
-            matches!(u.scheme(), "http" | "https")
-                && u.host_str().is_some()
-                && u.username().is_empty()
-                && u.password().is_none()
-                && u.query().is_none()
-        })
-        .ok_or_else(|| {
-            Error::invalid(
-                format!("parameters.{URL_PARAM}"),
-                "must be an http(s) URL without credentials or query, \
-                 like http://model-registry-service.kubeflow.svc:8080",
-            )
-        })?;
+    let base = super::http::service_url(
+        &base,
+        URL_PARAM,
+        "http://model-registry-service.kubeflow.svc:8080",
+    )?;
     // host[:port] as KServe's storage initializer writes it in URIs.
     let authority = match (base.host_str(), base.port()) {
         (Some(h), Some(p)) => format!("{h}:{p}"),
