@@ -22,7 +22,10 @@
 #                    model.sh) and a synthetic one
 #   BENCH_SYNTH_GIB  synthetic model size, in 512 MiB files (default 2)
 #   BENCH_BIG_GIB    driver-only RSS run, in 2 GiB files (default 10; 0 skips)
-#   BENCH_CLIENTS    default "driver mc s5cmd aws aws-tuned"
+#   BENCH_BIG_CLIENTS who pulls the big model (default "driver"; add peers to
+#                    compare at that size)
+#   BENCH_CLIENTS    default "driver mc s5cmd aws aws-tuned"; "driver,FLAG,VALUE"
+#                    is the driver with extra flags (e.g. driver,--pull-chunk-mib,8)
 #   BENCH_DRIVER_ARGS extra flags for the driver (e.g. "--pull-connections 8")
 #   BENCH_AWS_TUNED  s3 settings of aws-tuned (default
 #                    "max_concurrent_requests=32 multipart_chunksize=32MB")
@@ -42,6 +45,7 @@ DATASETS="${BENCH_DATASETS:-real synth}"
 SYNTH_GIB="${BENCH_SYNTH_GIB:-2}"
 BIG_GIB="${BENCH_BIG_GIB:-10}"
 CLIENTS="${BENCH_CLIENTS:-driver mc s5cmd aws aws-tuned}"
+BIG_CLIENTS="${BENCH_BIG_CLIENTS:-driver}"
 DRIVER_ARGS="${BENCH_DRIVER_ARGS:-}"
 AWS_TUNED="${BENCH_AWS_TUNED:-max_concurrent_requests=32 multipart_chunksize=32MB}"
 RESULTS="${BENCH_RESULTS:-$ROOT/target/bench-pull}"
@@ -91,12 +95,13 @@ drop_caches() {
   if [ "$BENCH_DROP_CACHES" = 1 ]; then echo 3 >/proc/sys/vm/drop_caches; fi
 }
 
-median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
-
 TSV="$RESULTS/results.tsv"
-printf 'rep\tdataset\tclient\tbytes\tseconds\tsync_seconds\tpeak_rss_kib\tcpu_user\tcpu_sys\tminio_cpu\tload1\n' >"$TSV"
-record() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$TSV"; }
+printf 'rep\tdataset\tclient\tbytes\tseconds\tsync_seconds\tpeak_rss_kib\tcpu_user\tcpu_sys\tminio_cpu\tbusy_cpu\tload1\n' >"$TSV"
+record() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$TSV"; }
 load1() { cut -d' ' -f1 /proc/loadavg; }
+# CPU seconds the whole machine has been busy (user, nice, system, irq,
+# softirq): minus the bench's own, what other work took during a run.
+busy() { awk -v t="$(getconf CLK_TCK)" '$1 == "cpu" {printf "%.2f", ($2 + $3 + $4 + $7 + $8) / t}' /proc/stat; }
 
 # ---- the machine ----
 {
@@ -184,7 +189,8 @@ for ds in $DATASETS; do
     *) echo "unknown data set $ds" >&2; exit 2 ;;
   esac
 done
-bytes_of() { awk -F'\t' '{s+=$2} END {printf "%d\n", s}' "$WORK/$1.manifest"; }
+# %.0f: mawk's %d stops at 2^31.
+bytes_of() { awk -F'\t' '{s+=$2} END {printf "%.0f\n", s}' "$WORK/$1.manifest"; }
 
 # ---- the clients ----
 # Each run_* pulls data set $1 into a fresh place and sets SECS, RSS_KIB and
@@ -209,14 +215,14 @@ timed() {
 }
 
 N=0
-run_driver() {
+run_driver() { # data set, extra flags
   local ds="$1" state="$WORK/driver-state" sock="$WORK/csi.sock" out src seal
   N=$((N + 1))
   rm -rf "$state" "$sock"
   mkdir -p "$state"
-  # shellcheck disable=SC2086 # DRIVER_ARGS is a list of flags
+  # shellcheck disable=SC2086 # lists of flags
   RUST_LOG=info NO_COLOR=1 "$DRIVER" --endpoint "unix://$sock" --node-id bench \
-    --state-dir "$state" --backends local $DRIVER_ARGS >"$WORK/driver.log" 2>&1 &
+    --state-dir "$state" --backends local $DRIVER_ARGS $2 >"$WORK/driver.log" 2>&1 &
   DRIVER_PID=$!
   # The client waits for the socket, then times CreateVolume alone.
   out="$(BENCH_S3_ACCESS_KEY="$ACCESS_KEY" BENCH_S3_SECRET_KEY="$SECRET_KEY" "$CLIENT" create \
@@ -267,21 +273,23 @@ run_aws() { # data set, config file
 # Peers write through the page cache and return; `sync -f` after them is
 # timed separately (the driver's time already includes its fsyncs).
 pull() { # rep data set client
-  local rep="$1" ds="$2" client="$3" sync_secs=0 t0 load minio0 minio_cpu
+  local rep="$1" ds="$2" client="$3" sync_secs=0 t0 load minio0 minio_cpu busy0 busy_cpu
   rm -rf "$WORK/dest" "$WORK/driver-state"
   drop_caches
   load="$(load1)"
   minio0="$(cpu_of "$MINIO_PID")"
+  busy0="$(busy)"
   case "$client" in
-    driver) run_driver "$ds" ;;
+    driver | driver,*) run_driver "$ds" "$(tr ',' ' ' <<<"${client#driver}")" ;;
     mc) run_mc "$ds" ;;
     s5cmd) run_s5cmd "$ds" ;;
     aws) run_aws "$ds" "$AWS_DEFAULT_CONFIG" ;;
     aws-tuned) run_aws "$ds" "$AWS_TUNED_CONFIG" ;;
     *) echo "unknown client $client" >&2; return 2 ;;
   esac
+  busy_cpu="$(awk -v a="$busy0" -v b="$(busy)" 'BEGIN {printf "%.2f", b - a}')"
   minio_cpu="$(cpu_of "$MINIO_PID" | awk -v a="$minio0" '{split(a, b, " "); printf "%.2f", $1 + $2 - b[1] - b[2]}')"
-  if [ "$client" != driver ]; then
+  if [ "${client%%,*}" != driver ]; then
     t0="$(now)"
     sync -f "$DEST"
     sync_secs="$(since "$t0")"
@@ -293,24 +301,34 @@ pull() { # rep data set client
     return 1
   }
   record "$rep" "$ds" "$client" "$(bytes_of "$ds")" "$SECS" "$sync_secs" "$RSS_KIB" \
-    "$CPU_USER" "$CPU_SYS" "$minio_cpu" "$load"
+    "$CPU_USER" "$CPU_SYS" "$minio_cpu" "$busy_cpu" "$load"
   log "rep $rep $ds $client: ${SECS}s (+${sync_secs}s sync), peak RSS ${RSS_KIB} KiB," \
-    "CPU ${CPU_USER}u+${CPU_SYS}s, MinIO CPU ${minio_cpu}s, load $load"
+    "CPU ${CPU_USER}u+${CPU_SYS}s, MinIO CPU ${minio_cpu}s, machine busy ${busy_cpu}s, load $load"
   rm -rf "$WORK/dest" "$WORK/driver-state"
 }
 
 # ---- raw disk and hashing ----
 DISK_TSV="$RESULTS/disk.tsv"
 printf 'rep\tmode\tbytes\tseconds\tload1\n' >"$DISK_TSV"
+# direct: O_DIRECT, the device's speed. fsync: through the page cache, one
+# fsync at the end (dd conv=fsync). fsync-x4: four such writers at once, each
+# a quarter of the bytes, as the driver writes four files at once.
 disk() { # rep mode bytes
-  local count=$(($3 / (16 << 20))) flag t0 secs load
-  case "$2" in *direct) flag="oflag=direct" ;; *fsync) flag="conv=fsync" ;; esac
+  local count=$(($3 / (16 << 20))) flag t0 secs load writers=1 i pids=()
+  case "$2" in *direct) flag="oflag=direct" ;; *fsync*) flag="conv=fsync" ;; esac
+  case "$2" in *x4) writers=4 ;; esac
+  count=$((count / writers))
   drop_caches
   load="$(load1)"
   t0="$(now)"
-  dd if=/dev/zero of="$WORK/dd.out" bs=16M count="$count" "$flag" status=none
+  for i in $(seq 1 "$writers"); do
+    dd if=/dev/zero of="$WORK/dd.$i" bs=16M count="$count" "$flag" status=none &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
   secs="$(since "$t0")"
-  rm -f "$WORK/dd.out"
+  rm -f "$WORK"/dd.*
+  count=$((count * writers))
   printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$((count * (16 << 20)))" "$secs" "$load" >>"$DISK_TSV"
   log "rep $1 dd $2 $((count * 16)) MiB: ${secs}s"
 }
@@ -339,6 +357,7 @@ disk_bytes=$((SYNTH_GIB << 30))
 for rep in $(seq 1 "$REPS"); do
   disk "$rep" direct "$disk_bytes"
   disk "$rep" fsync "$disk_bytes"
+  disk "$rep" fsync-x4 "$disk_bytes"
   hashing "$rep"
   for ds in $DATASETS; do
     for client in $CLIENTS; do
@@ -347,13 +366,15 @@ for rep in $(seq 1 "$REPS"); do
   done
 done
 
-# ---- the driver alone on a big model: peak RSS ----
+# ---- a big model (by default the driver alone): peak RSS ----
 if [ "$BIG_GIB" -gt 0 ]; then
   "$MC" rm --quiet --recursive --force "bench/$BUCKET/synth/" >/dev/null 2>&1 || true
   log "generating and uploading a ${BIG_GIB} GiB synthetic model ($((BIG_GIB / 2)) x 2 GiB)"
   synth_upload big $((BIG_GIB / 2)) 2048
   for rep in $(seq 1 "$REPS"); do
-    pull "$rep" big driver
+    for client in $BIG_CLIENTS; do
+      pull "$rep" big "$client"
+    done
   done
   for rep in $(seq 1 "$REPS"); do
     disk "$rep" big-direct $((BIG_GIB << 30))
@@ -361,60 +382,77 @@ if [ "$BIG_GIB" -gt 0 ]; then
 fi
 
 # ---- summary ----
-python3 - "$TSV" "$DISK_TSV" "$SHA_TSV" "$RESULTS/machine.txt" >"$RESULTS/summary.md" <<'PY'
+python3 - "$TSV" "$DISK_TSV" "$SHA_TSV" "$RESULTS/machine.txt" "$(nproc)" >"$RESULTS/summary.md" <<'PY'
 import csv, statistics, sys
 runs = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
 disk = list(csv.DictReader(open(sys.argv[2]), delimiter="\t"))
 sha = list(csv.DictReader(open(sys.argv[3]), delimiter="\t"))
+cpus = int(sys.argv[5])
 med = statistics.median
 print("## Machine\n")
 print("```")
 print(open(sys.argv[4]).read().rstrip())
 print("```\n")
-print("## Raw disk write (dd, bs=16M, /dev/zero), median\n")
-print("| mode | MB/s (median) | runs MB/s |")
-print("|---|---|---|")
+print("## Raw disk write (dd bs=16M from /dev/zero, page cache dropped first)\n")
+print("| mode | size MiB | MB/s (median) | runs MB/s |")
+print("|---|---|---|---|")
 dd = {}
-for mode in sorted({d["mode"] for d in disk}):
-    rates = [int(d["bytes"]) / float(d["seconds"]) / 1e6 for d in disk if d["mode"] == mode]
+for mode in dict.fromkeys(d["mode"] for d in disk):
+    ds = [d for d in disk if d["mode"] == mode]
+    rates = [int(d["bytes"]) / float(d["seconds"]) / 1e6 for d in ds]
     dd[mode] = med(rates)
-    print(f"| {mode} | {dd[mode]:.0f} | {', '.join(f'{r:.0f}' for r in rates)} |")
-print("\n## sha256 on this CPU (1 GiB in memory), median MB/s\n")
+    print(f"| {mode} | {int(ds[0]['bytes']) >> 20} | {dd[mode]:.0f} | {', '.join(f'{r:.0f}' for r in rates)} |")
+print("\n## sha256 on this CPU (1 GiB in memory), median\n")
 print("| tool | MB/s |")
 print("|---|---|")
-for tool in sorted({s["tool"] for s in sha}, key=lambda t: [s["tool"] for s in sha].index(t)):
+for tool in dict.fromkeys(s["tool"] for s in sha):
     print(f"| {tool} | {med(float(s['mb_per_s']) for s in sha if s['tool'] == tool):.0f} |")
-print("\n## Pulls, median of each client's runs\n")
-print("MB/s = bytes / wall seconds / 1e6. Durable: peers' time plus `sync -f` after them;")
-print("the driver's time already includes its fsyncs and its sha256 of every byte.\n")
+print("\n## Pulls, medians\n")
+print("MB/s = bytes / wall seconds / 1e6. *Durable* adds the `sync -f` run after a peer;")
+print("the driver's time already includes its fsyncs and its sha256 of every byte, and it")
+print("returns only once the model is sealed. CPU = the client's user+system seconds per GB;")
+print(f"MinIO = the server's. CPU ceiling = what {cpus} idle cores could move at that cost.")
+print("Others = CPU the rest of the machine (other users' work) took during the run, as a")
+print(f"share of the {cpus} cores: the contention each number was measured under.\n")
 for ds in dict.fromkeys(r["dataset"] for r in runs):
     rows = [r for r in runs if r["dataset"] == ds]
     size = int(rows[0]["bytes"])
     print(f"### {ds}: {size / 1e6:.1f} MB\n")
-    print("| client | s (median) | MB/s | MB/s durable | peak RSS MiB | runs s | load1 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| client | s | MB/s | MB/s durable | peak RSS MiB | CPU s/GB | MinIO CPU s/GB "
+          "| CPU ceiling MB/s | runs s | others % |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     stat = {}
     for client in dict.fromkeys(r["client"] for r in rows):
         rs = [r for r in rows if r["client"] == client]
         s = med(float(r["seconds"]) for r in rs)
         sd = med(float(r["seconds"]) + float(r["sync_seconds"]) for r in rs)
         rss = med(int(r["peak_rss_kib"]) for r in rs) / 1024
+        cpu = med(float(r["cpu_user"]) + float(r["cpu_sys"]) for r in rs)
+        mcpu = med(float(r["minio_cpu"]) for r in rs)
+        ceiling = size / ((cpu + mcpu) / cpus) / 1e6 if cpu + mcpu > 0 else float("inf")
         stat[client] = (size / s / 1e6, size / sd / 1e6)
-        print(f"| {client} | {s:.2f} | {stat[client][0]:.0f} | {stat[client][1]:.0f} | {rss:.0f} | "
-              f"{', '.join(r['seconds'] for r in rs)} | {', '.join(r['load1'] for r in rs)} |")
+        each = ", ".join("%.2f" % float(r["seconds"]) for r in rs)
+        others = lambda r: max(0.0, float(r["busy_cpu"]) - float(r["cpu_user"])
+                               - float(r["cpu_sys"]) - float(r["minio_cpu"]))
+        loads = ", ".join("%.0f" % (100 * others(r) / cpus / float(r["seconds"])) for r in rs)
+        print(f"| {client} | {s:.2f} | {stat[client][0]:.0f} | {stat[client][1]:.0f} | {rss:.0f} "
+              f"| {cpu / size * 1e9:.2f} | {mcpu / size * 1e9:.2f} | {ceiling:.0f} "
+              f"| {each} | {loads} |")
     if "driver" in stat:
         d = stat["driver"][0]
-        peers = {c: v for c, v in stat.items() if c != "driver"}
+        peers = {c: v for c, v in stat.items() if not c.startswith("driver")}
         if peers:
-            print("\n| driver vs | ratio (as returned) | ratio (durable) |")
+            print("\n| driver vs | ratio, peer as returned | ratio, peer durable |")
             print("|---|---|---|")
             for c, (v, vd) in peers.items():
                 print(f"| {c} | {d / v:.2f}x | {d / vd:.2f}x |")
             best = max(peers, key=lambda c: peers[c][0])
-            print(f"\nFastest peer: {best}; driver/fastest = {d / peers[best][0]:.2f}x.")
-        for mode in ("direct", "fsync"):
-            if mode in dd:
-                print(f"Driver = {100 * d / dd[mode]:.0f}% of dd {mode} ({dd[mode]:.0f} MB/s).")
+            bestd = max(peers, key=lambda c: peers[c][1])
+            print(f"\nFastest peer as returned: {best}, driver/{best} = {d / peers[best][0]:.2f}x; "
+                  f"durable: {bestd}, driver/{bestd} = {d / peers[bestd][1]:.2f}x.")
+        for mode, v in dd.items():
+            if mode.startswith("big") == (ds == "big"):
+                print(f"Driver = {100 * d / v:.0f}% of dd {mode} ({v:.0f} MB/s).")
     print()
 PY
 cat "$RESULTS/summary.md"
