@@ -6,7 +6,7 @@
 #
 # stdout (shell-sourceable, one line per sidecar):
 #   CSI_PROVISIONER=<tools>/csi-provisioner-v6.4.0/csi-provisioner
-#   CSI_RESIZER=...  CSI_NODE_DRIVER_REGISTRAR=...  LIVENESSPROBE=...
+#   CSI_RESIZER=...
 #
 # Sources:
 #   - external-provisioner and external-resizer: their Go modules from the module
@@ -16,9 +16,9 @@
 #   - node-driver-registrar and livenessprobe are NOT built: their module
 #     paths have no /v2, and the module proxy here refuses every version of
 #     them (403 "not available"). Their source may not be vendored into this
-#     repository either. The e2e cluster therefore needs the driver to
-#     register with kubelet itself (the plugin-registration API) and to serve
-#     its own liveness; see e2e/README.md.
+#     repository either. The driver registers with kubelet itself (the
+#     plugin-registration API, --registration-dir) and serves its own
+#     /healthz, so neither is needed; see docs/kubernetes.md.
 #
 # Cache: ${MODELCACHE_TOOLS:-${XDG_CACHE_HOME:-~/.cache}/modelcache-csi/tools}/<name>-<version>/<name>
 # Builds run under `nice -n 19` with `-p 2` and share e2e/k8s/build.sh's lock.

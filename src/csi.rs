@@ -2,3 +2,9 @@
 #![allow(clippy::all, clippy::pedantic, missing_docs)]
 
 tonic::include_proto!("csi.v1");
+
+/// Kubelet's plugin-registration API, from proto/csi/kubelet/pluginregistration.proto.
+pub mod pluginregistration {
+    #![allow(clippy::all, clippy::pedantic, missing_docs)]
+    tonic::include_proto!("pluginregistration");
+}

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand};
 use modelcache_csi::cache::Backend;
 use modelcache_csi::config::Config;
+use modelcache_csi::node::registration::{self, Outcome, RegistrationState};
 use modelcache_csi::puller::engine::EngineConfig;
 use modelcache_csi::server::{self, Mode};
 
@@ -26,7 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve CSI (the default when no subcommand is given).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the driver in-process on a temp dir and show three cache volumes sharing one model.
     Demo(modelcache_csi::demo::DemoArgs),
     /// Clear selected-node from pending PVCs whose node has no running driver.
@@ -122,6 +123,14 @@ struct ServeArgs {
     /// Kubeconfig file for --kube-api.
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    /// Register with kubelet: serve its plugin-registration API on a socket
+    /// in this directory (kubelet's plugins_registry, as mounted here).
+    #[arg(long)]
+    registration_dir: Option<PathBuf>,
+    /// The CSI socket's path as kubelet sees it on the host, given to
+    /// kubelet at registration [default: /var/lib/kubelet/plugins/<driver-name>/csi.sock]
+    #[arg(long)]
+    kubelet_registration_path: Option<PathBuf>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -257,7 +266,7 @@ async fn main() -> anyhow::Result<()> {
             println!("sealed {volume_id}");
             Ok(())
         }
-        Some(Command::Serve(a)) => run_serve(a).await,
+        Some(Command::Serve(a)) => run_serve(*a).await,
         Some(Command::Rescheduler(a)) => run_rescheduler(a).await,
         None => run_serve(cli.serve).await,
     }
@@ -276,7 +285,11 @@ async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
         instance: std::env::var("POD_NAME").ok(),
     };
     if let Some(addr) = a.metrics_address {
-        tokio::spawn(modelcache_csi::metrics::serve(addr, Arc::new(|_| None)));
+        tokio::spawn(modelcache_csi::metrics::serve(
+            addr,
+            Arc::new(|_| None),
+            Arc::new(Vec::new),
+        ));
     }
     tokio::select! {
         _ = modelcache_csi::rescheduler::run(client, cfg, Default::default()) => Ok(()),
@@ -287,10 +300,23 @@ async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
 async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     init_logging(&a.log_format, "info");
     let cfg = Arc::new(config(&a)?);
+    let registration = registrar(&a, &cfg)?;
+    let reg_state = RegistrationState::default();
     if let Some(addr) = a.metrics_address {
         let caps = cfg.pull.capacity.clone();
-        let listener =
-            modelcache_csi::metrics::serve(addr, Arc::new(move |b| caps.get(&b).copied()));
+        let (health_cfg, health_reg) = (cfg.clone(), reg_state.clone());
+        let health = move || {
+            let mut p = modelcache_csi::identity::problems(&health_cfg);
+            if let Outcome::Rejected(e) = health_reg.get() {
+                p.push(format!("kubelet refused the plugin registration: {e}"));
+            }
+            p
+        };
+        let listener = modelcache_csi::metrics::serve(
+            addr,
+            Arc::new(move |b| caps.get(&b).copied()),
+            Arc::new(health),
+        );
         tokio::spawn(async move {
             if let Err(e) = listener.await {
                 tracing::error!(error = %e, "metrics endpoint failed");
@@ -300,5 +326,74 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     for p in modelcache_csi::identity::problems(&cfg) {
         tracing::warn!(problem = %p, "a backend is not usable; Probe will report not ready");
     }
-    server::serve(cfg, a.mode, &a.endpoint, shutdown_signal()).await
+    // The CSI socket is bound before kubelet can hear of it: kubelet calls
+    // NodeGetInfo on it as soon as it sees the registration socket.
+    let listener = server::bind(&server::socket_path(&a.endpoint)?)?;
+    // Sidecars hold their connections open, so a graceful shutdown alone
+    // would wait for them forever; in-flight calls get SHUTDOWN_GRACE, and
+    // an interrupted pull resumes on the provisioner's retry.
+    let signalled = Arc::new(tokio::sync::Notify::new());
+    let stop = {
+        let s = signalled.clone();
+        async move {
+            shutdown_signal().await;
+            s.notify_one();
+        }
+    };
+    let deadline = async move {
+        signalled.notified().await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+        tracing::warn!(grace = ?SHUTDOWN_GRACE, "calls still open after the shutdown grace; exiting");
+    };
+    let serving = server::serve_on(cfg, a.mode, listener, stop);
+    let socket = registration.as_ref().map(|r| r.socket());
+    let registering = async move {
+        match registration {
+            Some(reg) => registration::run(reg, reg_state).await,
+            None => std::future::pending().await,
+        }
+    };
+    let r = tokio::select! {
+        r = serving => r,
+        () = deadline => Ok(()),
+        r = registering => r,
+    };
+    if let Some(socket) = socket {
+        // Kubelet deregisters a plugin whose socket is gone; a stale
+        // socket would leave it calling a dead endpoint instead.
+        let _ = std::fs::remove_file(socket);
+    }
+    r
+}
+
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn registrar(a: &ServeArgs, cfg: &Config) -> anyhow::Result<Option<registration::Registrar>> {
+    let Some(dir) = &a.registration_dir else {
+        anyhow::ensure!(
+            a.kubelet_registration_path.is_none(),
+            "--kubelet-registration-path needs --registration-dir"
+        );
+        return Ok(None);
+    };
+    anyhow::ensure!(
+        matches!(a.mode, Mode::Node | Mode::All),
+        "--registration-dir registers the node service with kubelet: use it with --mode node or all"
+    );
+    let endpoint = a.kubelet_registration_path.clone().unwrap_or_else(|| {
+        PathBuf::from(format!(
+            "/var/lib/kubelet/plugins/{}/csi.sock",
+            cfg.driver_name
+        ))
+    });
+    anyhow::ensure!(
+        endpoint.is_absolute(),
+        "--kubelet-registration-path {} must be an absolute path on the host",
+        endpoint.display()
+    );
+    Ok(Some(registration::Registrar {
+        driver_name: cfg.driver_name.clone(),
+        registration_dir: dir.clone(),
+        kubelet_endpoint: endpoint,
+    }))
 }

@@ -258,15 +258,19 @@ pub fn scheme_of(uri: &str) -> String {
 
 /// Serves `/metrics` and `/healthz` until the process ends. A minimal
 /// HTTP/1.1 responder: one request per connection, nothing else.
+/// `health` lists what is wrong right now; `/healthz` is 200 only when it is
+/// empty, so a liveness probe restarts a driver that cannot work.
 pub async fn serve(
     addr: SocketAddr,
     capacity: Arc<dyn Fn(cache::Backend) -> Option<u64> + Send + Sync>,
+    health: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(%addr, "serving metrics");
     loop {
         let (mut sock, _) = listener.accept().await?;
         let capacity = capacity.clone();
+        let health = health.clone();
         tokio::spawn(async move {
             // Read the request head whole: clients may send it in pieces.
             let mut buf = Vec::new();
@@ -291,7 +295,20 @@ pub async fn serve(
                         body,
                     )
                 }
-                "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
+                "/healthz" => {
+                    let problems = tokio::task::spawn_blocking(move || health())
+                        .await
+                        .unwrap_or_else(|e| vec![format!("health check panicked: {e}")]);
+                    if problems.is_empty() {
+                        ("200 OK", "text/plain", "ok\n".to_string())
+                    } else {
+                        (
+                            "503 Service Unavailable",
+                            "text/plain",
+                            problems.join("\n") + "\n",
+                        )
+                    }
+                }
                 _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
             };
             let head = format!(

@@ -34,7 +34,8 @@ pub fn socket_path(endpoint: &str) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(p))
 }
 
-fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+/// Binds a Unix socket, replacing one a killed predecessor left.
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }

@@ -1,6 +1,7 @@
 //! CSI Node service: validate the request, lock the volume, call `ops`.
 
 pub mod ops;
+pub mod registration;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
