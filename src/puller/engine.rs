@@ -62,6 +62,10 @@ pub struct EngineConfig {
     pub progress_every: Duration,
     /// Bytes of pulled models a root may hold; None: the filesystem's size.
     pub capacity: BTreeMap<Backend, u64>,
+    /// Memory for write buffers, shared by every stream of every model:
+    /// each stream buffers `budget / (models x files x connections)`,
+    /// between 256 KiB and 4 MiB, before a write.
+    pub buffer_budget: u64,
 }
 
 impl Default for EngineConfig {
@@ -77,6 +81,7 @@ impl Default for EngineConfig {
             backoff_max: Duration::from_secs(30),
             progress_every: Duration::from_secs(10),
             capacity: BTreeMap::new(),
+            buffer_budget: 128 << 20,
         }
     }
 }
@@ -129,8 +134,11 @@ pub fn model_id(uri: &str, revision: &str) -> String {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct FileState {
     path: String,
-    /// Finished chunk indexes.
+    /// Finished chunk indexes, whose bytes are durable.
     done: BTreeSet<u64>,
+    /// The chunk size `done` counts in; another size starts over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    chunk_bytes: Option<u64>,
     /// Set once the whole file is verified and in place.
     sha256: Option<String>,
     size: Option<u64>,
@@ -167,6 +175,8 @@ struct Ctx {
     /// Bytes really downloaded by this process (resumed ones excluded).
     fetched: AtomicU64,
     state_lock: Mutex<()>,
+    /// Bytes a stream buffers before it writes them.
+    flush_at: usize,
 }
 
 fn state_path(work: &Work, path: &str) -> PathBuf {
@@ -352,9 +362,15 @@ impl Engine {
             bytes: AtomicU64::new(0),
             fetched: AtomicU64::new(0),
             state_lock: Mutex::new(()),
+            flush_at: flush_at(&self.cfg),
         });
 
-        let files = futures::stream::iter(resolved.files.iter().cloned().enumerate())
+        // Largest first: the biggest file bounds the pull, so it must not
+        // wait behind small ones. The seal's order does not depend on this.
+        let mut order: Vec<(usize, RemoteFile)> =
+            resolved.files.iter().cloned().enumerate().collect();
+        order.sort_by_key(|(_, f)| std::cmp::Reverse(f.size.unwrap_or(0)));
+        let files = futures::stream::iter(order)
             .map(|(i, f)| {
                 let ctx = ctx.clone();
                 let work = work.clone();
@@ -413,6 +429,12 @@ impl Engine {
         let seal = blocking(move || seal_work(&r, &s, &work2, entries, &uri, &rev)).await?;
         Ok((seal, ctx.fetched.load(Ordering::Relaxed)))
     }
+}
+
+/// Bytes one stream buffers: the budget shared by every stream that may run.
+fn flush_at(cfg: &EngineConfig) -> usize {
+    let streams = (cfg.models.max(1) * cfg.files.max(1) * cfg.connections.max(1)) as u64;
+    (cfg.buffer_budget / streams).clamp(256 << 10, 4 << 20) as usize
 }
 
 fn progress(uri: &str, bytes: u64, total: Option<u64>, elapsed: Duration) -> Progress {
@@ -714,8 +736,10 @@ fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
     out
 }
 
-/// Parallel ranges, each fsynced and recorded; a hasher follows the
-/// contiguous prefix of finished chunks.
+/// Parallel ranges written with positioned writes and hashed by a
+/// [`Frontier`]. A finished range is handed to a committer, which makes
+/// every range finished so far durable with one fdatasync and only then
+/// records them in `state/`; connections never wait for the disk.
 async fn ranged_download(
     ctx: &Arc<Ctx>,
     work: &Arc<Work>,
@@ -725,73 +749,48 @@ async fn ranged_download(
     size: u64,
     st: &mut FileState,
 ) -> Result<(u64, String)> {
-    let all = chunks(size, ctx.cfg.chunk_bytes);
-    let (done_tx, done_rx) = std::sync::mpsc::channel::<u64>();
+    let chunk = ctx.cfg.chunk_bytes.max(1);
+    // Chunk indexes mean nothing under another chunk size.
+    if st.chunk_bytes != Some(chunk) {
+        st.done.clear();
+        st.chunk_bytes = Some(chunk);
+    }
+    let all = chunks(size, chunk);
+    let frontier = Arc::new(Frontier::new());
     for i in &st.done {
-        let _ = done_tx.send(*i);
-        ctx.bytes
-            .fetch_add(all[*i as usize].1 - all[*i as usize].0, Ordering::Relaxed);
+        let (start, end) = all[*i as usize];
+        frontier.mark_written(start, end);
+        ctx.bytes.fetch_add(end - start, Ordering::Relaxed);
     }
     let hasher = {
-        let out = out.clone();
-        let all = all.clone();
-        let part = part.to_path_buf();
-        tokio::task::spawn_blocking(move || -> Result<String> {
-            let mut h = Sha256::new();
-            let mut finished = BTreeSet::new();
-            let mut buf = vec![0u8; 1 << 20];
-            for (i, (start, end)) in all.iter().enumerate() {
-                while !finished.contains(&(i as u64)) {
-                    match done_rx.recv() {
-                        Ok(n) => {
-                            finished.insert(n);
-                        }
-                        Err(_) => {
-                            return Err(Error::Internal(
-                                "download ended before every chunk finished".into(),
-                            ));
-                        }
-                    }
-                }
-                let mut pos = *start;
-                while pos < *end {
-                    let n = ((end - pos) as usize).min(buf.len());
-                    out.read_exact_at(&mut buf[..n], pos)
-                        .ctx("read back", &part)?;
-                    h.update(&buf[..n]);
-                    pos += n as u64;
-                }
-            }
-            Ok(hex::encode(h.finalize()))
-        })
+        let (f, out, part) = (frontier.clone(), out.clone(), part.to_path_buf());
+        tokio::task::spawn_blocking(move || f.read_back(&out, &part, size))
     };
-    let state = Arc::new(Mutex::new(st.clone()));
+    let (finished_tx, finished_rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
+    let committer = tokio::spawn(commit_ranges(
+        ctx.clone(),
+        work.clone(),
+        out.clone(),
+        part.to_path_buf(),
+        st.clone(),
+        finished_rx,
+    ));
     let missing: Vec<u64> = (0..all.len() as u64)
         .filter(|i| !st.done.contains(i))
         .collect();
-    let result: Result<()> = futures::stream::iter(missing)
+    let fetched: Result<()> = futures::stream::iter(missing)
         .map(|i| {
-            let (ctx, work, out, state, tx) = (
+            let (ctx, out, frontier, tx) = (
                 ctx.clone(),
-                work.clone(),
                 out.clone(),
-                state.clone(),
-                done_tx.clone(),
+                frontier.clone(),
+                finished_tx.clone(),
             );
             let file = file.clone();
             let (start, end) = all[i as usize];
             let part = part.to_path_buf();
             async move {
-                fetch_range(&ctx, &file, &out, &part, start, end).await?;
-                let (o, p) = (out.clone(), part.clone());
-                blocking(move || o.sync_data().ctx("sync", &p)).await?;
-                let snapshot = {
-                    let _g = ctx.state_lock.lock().unwrap_or_else(|p| p.into_inner());
-                    let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
-                    s.done.insert(i);
-                    s.clone()
-                };
-                blocking(move || save_state(&work, &snapshot)).await?;
+                fetch_range(&ctx, &file, &out, &part, start, end, &frontier).await?;
                 let _ = tx.send(i);
                 Ok(())
             }
@@ -799,20 +798,51 @@ async fn ranged_download(
         .buffer_unordered(ctx.cfg.connections.max(1))
         .try_collect()
         .await;
-    drop(done_tx);
-    *st = state.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    match result {
-        Ok(()) => {
-            let sha = hasher
-                .await
-                .map_err(|e| Error::Internal(format!("hasher failed: {e}")))??;
-            Ok((size, sha))
-        }
-        Err(e) => {
-            hasher.abort();
-            Err(e)
-        }
+    drop(finished_tx);
+    frontier.close();
+    // What was fetched is made durable and recorded even when another
+    // range failed: a retry resumes from it.
+    let committed = committer
+        .await
+        .map_err(|e| Error::Internal(format!("committer failed: {e}")))?;
+    if let Ok(s) = &committed {
+        *st = s.clone();
     }
+    fetched?;
+    committed?;
+    let sha = hasher
+        .await
+        .map_err(|e| Error::Internal(format!("hasher failed: {e}")))??;
+    Ok((size, sha))
+}
+
+/// Makes finished ranges durable in batches: waits for one, takes every
+/// other already finished, fdatasyncs once, then records them all. So
+/// `state/` only ever names ranges whose bytes are on disk.
+async fn commit_ranges(
+    ctx: Arc<Ctx>,
+    work: Arc<Work>,
+    out: Arc<File>,
+    part: PathBuf,
+    mut st: FileState,
+    mut finished: tokio::sync::mpsc::UnboundedReceiver<u64>,
+) -> Result<FileState> {
+    while let Some(first) = finished.recv().await {
+        let mut batch = vec![first];
+        while let Ok(i) = finished.try_recv() {
+            batch.push(i);
+        }
+        let (o, p) = (out.clone(), part.clone());
+        blocking(move || o.sync_data().ctx("sync", &p)).await?;
+        st.done.extend(batch);
+        let snapshot = {
+            let _g = ctx.state_lock.lock().unwrap_or_else(|p| p.into_inner());
+            st.clone()
+        };
+        let w = work.clone();
+        blocking(move || save_state(&w, &snapshot)).await?;
+    }
+    Ok(st)
 }
 
 /// Fetches `[start, end)` into `out`, resuming after the last byte written
@@ -824,11 +854,12 @@ async fn fetch_range(
     part: &Path,
     start: u64,
     end: u64,
+    frontier: &Arc<Frontier>,
 ) -> Result<()> {
     let mut pos = start;
     let mut attempt = 0u32;
     loop {
-        let r = stream_into(ctx, file, out, part, &mut pos, Some(end), None).await;
+        let r = stream_into(ctx, file, out, part, &mut pos, Some(end), frontier).await;
         match r {
             Ok(()) if pos == end => return Ok(()),
             Ok(()) => {
@@ -863,13 +894,18 @@ async fn whole_download(
     loop {
         out.set_len(0).ctx("truncate", part)?;
         let mut pos = 0;
-        let hasher = Arc::new(Mutex::new(Sha256::new()));
-        match stream_into(ctx, file, out, part, &mut pos, None, Some(hasher.clone())).await {
+        // One stream from byte 0 always leads: every byte is hashed inline.
+        let frontier = Arc::new(Frontier::new());
+        match stream_into(ctx, file, out, part, &mut pos, None, &frontier).await {
             Ok(()) if file.size.is_none_or(|s| s == pos) => {
                 let (o, p) = (out.clone(), part.to_path_buf());
-                blocking(move || o.sync_data().ctx("sync", &p)).await?;
-                let h = std::mem::take(&mut *hasher.lock().unwrap_or_else(|p| p.into_inner()));
-                return Ok((pos, hex::encode(h.finalize())));
+                let sha = blocking(move || {
+                    o.sync_data().ctx("sync", &p)?;
+                    frontier.close();
+                    frontier.read_back(&o, &p, pos)
+                })
+                .await?;
+                return Ok((pos, sha));
             }
             Ok(()) => {
                 let e = Error::Unavailable(format!(
@@ -901,7 +937,7 @@ async fn stream_into(
     part: &Path,
     pos: &mut u64,
     end: Option<u64>,
-    hasher: Option<Arc<Mutex<Sha256>>>,
+    frontier: &Arc<Frontier>,
 ) -> Result<()> {
     let len = end.map(|e| e - *pos);
     let mut stream =
@@ -915,14 +951,14 @@ async fn stream_into(
                 )));
             }
         };
-    let flush_at = 4 << 20;
+    let flush_at = ctx.flush_at;
     let mut buf: Vec<Bytes> = Vec::new();
     let mut buffered = 0usize;
     loop {
         let next = tokio::time::timeout(ctx.cfg.stall, stream.next()).await;
         let item = match next {
             Err(_) => {
-                flush(out, part, pos, &mut buf, &mut buffered, &hasher, ctx).await?;
+                flush(out, part, pos, &mut buf, &mut buffered, frontier, ctx).await?;
                 return Err(Error::Unavailable(format!(
                     "{} stalled: no bytes for {:?}",
                     file.path_or_locator(),
@@ -931,7 +967,7 @@ async fn stream_into(
             }
             Ok(None) => break,
             Ok(Some(Err(e))) => {
-                flush(out, part, pos, &mut buf, &mut buffered, &hasher, ctx).await?;
+                flush(out, part, pos, &mut buf, &mut buffered, frontier, ctx).await?;
                 return Err(e);
             }
             Ok(Some(Ok(b))) => b,
@@ -947,10 +983,10 @@ async fn stream_into(
         buffered += item.len();
         buf.push(item);
         if buffered >= flush_at {
-            flush(out, part, pos, &mut buf, &mut buffered, &hasher, ctx).await?;
+            flush(out, part, pos, &mut buf, &mut buffered, frontier, ctx).await?;
         }
     }
-    flush(out, part, pos, &mut buf, &mut buffered, &hasher, ctx).await
+    flush(out, part, pos, &mut buf, &mut buffered, frontier, ctx).await
 }
 
 async fn flush(
@@ -959,23 +995,21 @@ async fn flush(
     pos: &mut u64,
     buf: &mut Vec<Bytes>,
     buffered: &mut usize,
-    hasher: &Option<Arc<Mutex<Sha256>>>,
+    frontier: &Arc<Frontier>,
     ctx: &Ctx,
 ) -> Result<()> {
     if buf.is_empty() {
         return Ok(());
     }
     let chunks = std::mem::take(buf);
-    let (o, p, h, at) = (out.clone(), part.to_path_buf(), hasher.clone(), *pos);
+    let (o, p, f, at) = (out.clone(), part.to_path_buf(), frontier.clone(), *pos);
     let written = blocking(move || {
         let mut off = at;
         for c in &chunks {
             o.write_all_at(c, off).ctx("write", &p)?;
-            if let Some(h) = &h {
-                h.lock().unwrap_or_else(|p| p.into_inner()).update(c);
-            }
             off += c.len() as u64;
         }
+        f.wrote(at, &chunks);
         Ok(off - at)
     })
     .await?;
@@ -984,6 +1018,148 @@ async fn flush(
     ctx.bytes.fetch_add(written, Ordering::Relaxed);
     ctx.fetched.fetch_add(written, Ordering::Relaxed);
     Ok(())
+}
+
+/// The sha256 of one file whose ranges arrive in any order.
+///
+/// A writer whose bytes start exactly at the hashed frontier hashes them
+/// from memory, as it writes them (the leading range). Bytes written
+/// beyond the frontier are remembered, and `read_back` hashes them from the
+/// page cache once the frontier reaches them; after that catch-up, the range
+/// writing at the frontier leads again. So only out-of-order bytes are read
+/// back, and one pass of sha256 covers every byte exactly once, in order.
+struct Frontier {
+    state: Mutex<FrontierState>,
+    wake: std::sync::Condvar,
+}
+
+struct FrontierState {
+    /// None while a writer or the read-back is hashing outside the lock.
+    sha: Option<Sha256>,
+    /// Bytes `[0, hashed)` are in `sha`.
+    hashed: u64,
+    /// Written but not hashed, beyond `hashed`: start -> end, merged.
+    written: BTreeMap<u64, u64>,
+    /// No more bytes will be written.
+    closed: bool,
+}
+
+impl Frontier {
+    fn new() -> Frontier {
+        Frontier {
+            state: Mutex::new(FrontierState {
+                sha: Some(Sha256::new()),
+                hashed: 0,
+                written: BTreeMap::new(),
+                closed: false,
+            }),
+            wake: std::sync::Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FrontierState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records bytes already in the file (a resumed range): read back later.
+    fn mark_written(&self, start: u64, end: u64) {
+        insert_range(&mut self.lock().written, start, end);
+        self.wake.notify_all();
+    }
+
+    /// Called once `chunks` are written at `at`.
+    fn wrote(&self, at: u64, chunks: &[Bytes]) {
+        let n: u64 = chunks.iter().map(|c| c.len() as u64).sum();
+        let mut s = self.lock();
+        let leading = if s.hashed == at { s.sha.take() } else { None };
+        match leading {
+            Some(mut h) => {
+                // Hash outside the lock: other ranges keep writing meanwhile.
+                drop(s);
+                for c in chunks {
+                    h.update(c);
+                }
+                s = self.lock();
+                s.sha = Some(h);
+                s.hashed = at + n;
+            }
+            None => insert_range(&mut s.written, at, at + n),
+        }
+        drop(s);
+        self.wake.notify_all();
+    }
+
+    /// No more writes: `read_back` finishes what is left, then returns.
+    fn close(&self) {
+        self.lock().closed = true;
+        self.wake.notify_all();
+    }
+
+    /// Hashes from `out` the bytes that were written out of order, as the
+    /// frontier reaches them, until closed; then the sha256 of `[0, size)`.
+    fn read_back(&self, out: &File, part: &Path, size: u64) -> Result<String> {
+        let mut buf = vec![0u8; 1 << 20];
+        let mut s = self.lock();
+        loop {
+            let at = s.hashed;
+            let claim = match (s.sha.is_some(), s.written.get(&at).copied()) {
+                (true, Some(end)) => Some(end),
+                _ => None,
+            };
+            if let Some(end) = claim {
+                s.written.remove(&at);
+                let mut h = s.sha.take().expect("checked above");
+                drop(s);
+                let mut pos = at;
+                let mut read = Ok(());
+                while pos < end {
+                    let n = ((end - pos) as usize).min(buf.len());
+                    if let Err(e) = out.read_exact_at(&mut buf[..n], pos) {
+                        read = Err(e).ctx("read back", part);
+                        break;
+                    }
+                    h.update(&buf[..n]);
+                    pos += n as u64;
+                }
+                s = self.lock();
+                s.sha = Some(h);
+                s.hashed = pos;
+                read?;
+                continue;
+            }
+            // Closed with nothing at the frontier: done, or a gap that no
+            // writer will fill (the download failed).
+            if s.closed && (s.sha.is_some() || s.written.is_empty()) {
+                break;
+            }
+            s = self.wake.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        match s.sha.take() {
+            Some(h) if s.hashed == size && s.written.is_empty() => Ok(hex::encode(h.finalize())),
+            _ => Err(Error::Internal(format!(
+                "download of {} ended with {} of {size} bytes hashed",
+                part.display(),
+                s.hashed
+            ))),
+        }
+    }
+}
+
+/// Adds `[start, end)` to disjoint merged ranges.
+fn insert_range(ranges: &mut BTreeMap<u64, u64>, mut start: u64, mut end: u64) {
+    if start == end {
+        return;
+    }
+    if let Some((&s, &e)) = ranges.range(..=start).next_back()
+        && e == start
+    {
+        ranges.remove(&s);
+        start = s;
+    }
+    if let Some(e) = ranges.remove(&end) {
+        end = e;
+    }
+    ranges.insert(start, end);
 }
 
 /// Verifies sizes, writes the seal, and renames the work directory into
@@ -1096,6 +1272,82 @@ mod tests {
         assert_eq!(chunks(10, 4), vec![(0, 4), (4, 8), (8, 10)]);
         assert_eq!(chunks(8, 4), vec![(0, 4), (4, 8)]);
         assert!(chunks(0, 4).is_empty());
+    }
+
+    #[test]
+    fn written_ranges_merge() {
+        let mut r = BTreeMap::new();
+        insert_range(&mut r, 8, 12);
+        insert_range(&mut r, 0, 4);
+        insert_range(&mut r, 4, 8);
+        insert_range(&mut r, 20, 20);
+        insert_range(&mut r, 16, 20);
+        assert_eq!(r, BTreeMap::from([(0, 12), (16, 20)]));
+    }
+
+    /// Ranges written in any order hash to the file's sha256: the leading
+    /// range from memory, the rest read back once the frontier reaches them.
+    #[test]
+    fn the_frontier_hashes_every_byte_once_in_order() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("f.part");
+        let data: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        let want = hex::encode(Sha256::digest(&data));
+        let out = Arc::new(
+            OpenOptions::new()
+                .create(true)
+                .truncate(true)
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap(),
+        );
+        out.set_len(data.len() as u64).unwrap();
+        // Pieces of 1000 bytes in a scrambled order, plus a "resumed" range.
+        let f = Arc::new(Frontier::new());
+        f.mark_written(30_000, 32_000);
+        out.write_all_at(&data[30_000..32_000], 30_000).unwrap();
+        let reader = {
+            let (f, o, p) = (f.clone(), out.clone(), path.clone());
+            std::thread::spawn(move || f.read_back(&o, &p, 40_000))
+        };
+        let mut order: Vec<u64> = (0..40).filter(|i| !(30..32).contains(i)).collect();
+        order.sort_by_key(|i| (i * 17) % 40);
+        for i in order {
+            let (a, b) = (i as usize * 1000, (i as usize + 1) * 1000);
+            out.write_all_at(&data[a..b], a as u64).unwrap();
+            f.wrote(a as u64, &[Bytes::copy_from_slice(&data[a..b])]);
+        }
+        f.close();
+        assert_eq!(reader.join().unwrap().unwrap(), want);
+    }
+
+    #[test]
+    fn a_frontier_with_a_gap_fails_instead_of_hashing_a_hole() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("f.part");
+        let out = File::create(&path).unwrap();
+        let f = Frontier::new();
+        f.wrote(0, &[Bytes::from_static(b"abcd")]);
+        f.wrote(8, &[Bytes::from_static(b"ijkl")]);
+        f.close();
+        assert!(f.read_back(&out, &path, 12).is_err());
+    }
+
+    #[test]
+    fn write_buffers_share_one_budget() {
+        let cfg = EngineConfig::default();
+        assert_eq!(flush_at(&cfg), 4 << 20);
+        let many = EngineConfig {
+            connections: 16,
+            ..EngineConfig::default()
+        };
+        assert_eq!(flush_at(&many), 1 << 20);
+        let huge = EngineConfig {
+            connections: 1000,
+            ..EngineConfig::default()
+        };
+        assert_eq!(flush_at(&huge), 256 << 10);
     }
 
     #[test]
