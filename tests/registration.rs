@@ -191,3 +191,80 @@ async fn registration_flags_are_checked() {
         "{err}"
     );
 }
+
+/// One HPACK "literal header field without indexing, new name", no Huffman.
+fn literal(out: &mut Vec<u8>, name: &str, value: &str) {
+    assert!(name.len() < 127 && value.len() < 127);
+    out.push(0x00);
+    out.push(name.len() as u8);
+    out.extend_from_slice(name.as_bytes());
+    out.push(value.len() as u8);
+    out.extend_from_slice(value.as_bytes());
+}
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = (payload.len() as u32).to_be_bytes();
+    let mut f = vec![len[1], len[2], len[3], kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Kubelet (grpc-go dialing a bare path) sends the socket path as
+/// `:authority`; h2 alone resets such a stream with PROTOCOL_ERROR. The
+/// request here is written frame by frame, as kubelet's would arrive.
+#[tokio::test]
+async fn a_socket_path_authority_is_answered() {
+    use prost::Message;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let reg = tempfile::tempdir().unwrap();
+    let _d = Driver::start_with(&["--registration-dir", reg.path().to_str().unwrap()]).await;
+    let sock = reg.path().join("modelcache.csi.io-reg.sock");
+    wait_for_socket(&sock, 10).await;
+    let mut s = tokio::net::UnixStream::connect(&sock).await.unwrap();
+
+    let mut block = Vec::new();
+    literal(&mut block, ":method", "POST");
+    literal(&mut block, ":scheme", "http");
+    literal(
+        &mut block,
+        ":path",
+        "/pluginregistration.Registration/GetInfo",
+    );
+    literal(&mut block, ":authority", sock.to_str().unwrap());
+    literal(&mut block, "content-type", "application/grpc");
+    literal(&mut block, "te", "trailers");
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(frame(0x4, 0, 0, &[])); // SETTINGS
+    out.extend(frame(0x1, 0x4, 1, &block)); // HEADERS, END_HEADERS
+    out.extend(frame(0x0, 0x1, 1, &[0, 0, 0, 0, 0])); // DATA: an empty InfoRequest, END_STREAM
+    s.write_all(&out).await.unwrap();
+
+    let mut body = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut head = [0u8; 9];
+        tokio::time::timeout_at(deadline, s.read_exact(&mut head))
+            .await
+            .expect("an answer in time")
+            .expect("the connection stays open until the answer");
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let (kind, flags) = (head[3], head[4]);
+        let stream = u32::from_be_bytes([head[5] & 0x7f, head[6], head[7], head[8]]);
+        let mut payload = vec![0u8; len];
+        s.read_exact(&mut payload).await.unwrap();
+        match kind {
+            0x4 if flags & 0x1 == 0 => s.write_all(&frame(0x4, 0x1, 0, &[])).await.unwrap(),
+            0x3 => panic!("RST_STREAM {payload:?} on stream {stream}"),
+            0x7 => panic!("GOAWAY {payload:?}"),
+            0x0 if stream == 1 => body.extend_from_slice(&payload),
+            0x1 if stream == 1 && flags & 0x1 != 0 => break, // trailers
+            _ => {}
+        }
+    }
+    assert!(body.len() > 5, "no message in {body:?}");
+    let info = modelcache_csi::csi::pluginregistration::PluginInfo::decode(&body[5..]).unwrap();
+    assert_eq!(info.name, "modelcache.csi.io");
+    assert_eq!(info.r#type, "CSIPlugin");
+}

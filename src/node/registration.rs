@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
 use crate::csi::pluginregistration::registration_server::{Registration, RegistrationServer};
@@ -118,7 +117,7 @@ pub async fn run(reg: Registrar, state: RegistrationState) -> anyhow::Result<()>
         };
         tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(svc))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), gone(path.clone()))
+            .serve_with_incoming_shutdown(super::authority::incoming(listener), gone(path.clone()))
             .await?;
         tracing::warn!(socket = %path.display(), "registration socket removed; binding it again");
     }

@@ -1,0 +1,214 @@
+//! Makes kubelet's plugin-registration requests acceptable to h2.
+//!
+//! Kubelet's plugin watcher dials the registration socket with grpc-go and a
+//! bare path as the target, so its requests carry the socket path as the
+//! HTTP/2 `:authority`. h2, under tonic, rejects that as a malformed header
+//! and resets the stream with PROTOCOL_ERROR, so kubelet never registers
+//! the driver (kubernetes/kubernetes#108254, seen with kubelet v1.36 here).
+//!
+//! This shim sits between the socket and the gRPC server. It re-encodes
+//! each request header block, putting `:authority: localhost` in place of a
+//! value that is not a valid authority, which is what grpc-go itself sends
+//! for `unix://` targets. Every other frame, and the whole server-to-client
+//! direction, passes through byte for byte.
+
+use std::io;
+
+use loona_hpack::{Decoder, Encoder};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+const PREFACE_LEN: usize = 24;
+const FRAME_HEADERS: u8 = 0x1;
+const FRAME_CONTINUATION: u8 = 0x9;
+const FLAG_END_STREAM: u8 = 0x1;
+const FLAG_END_HEADERS: u8 = 0x4;
+const FLAG_PADDED: u8 = 0x8;
+const FLAG_PRIORITY: u8 = 0x20;
+/// SETTINGS_MAX_FRAME_SIZE's initial value; h2 never asks for less.
+const MAX_FRAME: usize = 16_384;
+/// A request header block larger than this is not kubelet's.
+const MAX_BLOCK: usize = 1 << 20;
+
+/// Connections accepted on `listener`, each relayed through the shim to
+/// the in-process end that the gRPC server reads.
+pub fn incoming(listener: UnixListener) -> ReceiverStream<io::Result<DuplexStream>> {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        loop {
+            let accepted = listener.accept().await;
+            let item = accepted.map(|(sock, _)| {
+                let (ours, theirs) = tokio::io::duplex(64 * 1024);
+                tokio::spawn(async move {
+                    if let Err(e) = relay(sock, ours).await {
+                        tracing::debug!(error = %e, "registration connection ended");
+                    }
+                });
+                theirs
+            });
+            if tx.send(item).await.is_err() {
+                return;
+            }
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+async fn relay(client: UnixStream, server: DuplexStream) -> io::Result<()> {
+    let (mut client_r, mut client_w) = client.into_split();
+    let (mut server_r, mut server_w) = tokio::io::split(server);
+    let up = async {
+        let r = rewrite_requests(&mut client_r, &mut server_w).await;
+        let _ = server_w.shutdown().await;
+        r
+    };
+    let down = async {
+        let r = tokio::io::copy(&mut server_r, &mut client_w).await;
+        let _ = client_w.shutdown().await;
+        r.map(|_| ())
+    };
+    let (a, b) = tokio::join!(up, down);
+    a.and(b)
+}
+
+/// A header block being collected from HEADERS and CONTINUATION frames.
+struct Block {
+    stream: [u8; 4],
+    end_stream: bool,
+    priority: Vec<u8>,
+    fragment: Vec<u8>,
+}
+
+fn bad(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.to_string())
+}
+
+/// Copies client-to-server HTTP/2, rewriting request header blocks.
+pub async fn rewrite_requests<R, W>(r: &mut R, w: &mut W) -> io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut preface = [0u8; PREFACE_LEN];
+    r.read_exact(&mut preface).await?;
+    w.write_all(&preface).await?;
+    let mut decoder = Decoder::new();
+    let mut encoder = Encoder::new();
+    let mut pending: Option<Block> = None;
+    loop {
+        let mut head = [0u8; 9];
+        match r.read_exact(&mut head).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let (kind, flags) = (head[3], head[4]);
+        let mut payload = vec![0u8; len];
+        r.read_exact(&mut payload).await?;
+        let stream = [head[5], head[6], head[7], head[8]];
+        match (kind, pending.as_mut()) {
+            (FRAME_HEADERS, None) => {
+                let mut p = &payload[..];
+                if flags & FLAG_PADDED != 0 {
+                    let (&pad, rest) =
+                        p.split_first().ok_or_else(|| bad("empty padded HEADERS"))?;
+                    p = rest
+                        .get(..rest.len().saturating_sub(pad as usize))
+                        .filter(|_| pad as usize <= rest.len())
+                        .ok_or_else(|| bad("HEADERS padding longer than the frame"))?;
+                }
+                let mut priority = Vec::new();
+                if flags & FLAG_PRIORITY != 0 {
+                    let (a, b) = p
+                        .split_at_checked(5)
+                        .ok_or_else(|| bad("HEADERS priority truncated"))?;
+                    priority = a.to_vec();
+                    p = b;
+                }
+                pending = Some(Block {
+                    stream,
+                    end_stream: flags & FLAG_END_STREAM != 0,
+                    priority,
+                    fragment: p.to_vec(),
+                });
+            }
+            (FRAME_CONTINUATION, Some(b)) if b.stream == stream => {
+                b.fragment.extend_from_slice(&payload);
+                if b.fragment.len() > MAX_BLOCK {
+                    return Err(bad("request header block too large"));
+                }
+            }
+            (_, Some(_)) => return Err(bad("header block interrupted by another frame")),
+            (_, None) => {
+                w.write_all(&head).await?;
+                w.write_all(&payload).await?;
+                w.flush().await?;
+                continue;
+            }
+        }
+        if flags & FLAG_END_HEADERS != 0 {
+            let b = pending.take().expect("a block is pending");
+            let block = reencode(&mut decoder, &mut encoder, &b.fragment)?;
+            write_headers(w, &b, &block).await?;
+        }
+    }
+}
+
+fn reencode(decoder: &mut Decoder, encoder: &mut Encoder, block: &[u8]) -> io::Result<Vec<u8>> {
+    let mut headers = decoder
+        .decode(block)
+        .map_err(|e| bad(&format!("cannot decode a request header block: {e:?}")))?;
+    for (name, value) in headers.iter_mut() {
+        if name.as_slice() == b":authority"
+            && http::uri::Authority::try_from(value.as_slice()).is_err()
+        {
+            tracing::debug!(authority = %String::from_utf8_lossy(value), "replacing an invalid :authority");
+            *value = b"localhost".to_vec();
+        }
+    }
+    Ok(encoder.encode(headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice()))))
+}
+
+async fn write_headers<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    b: &Block,
+    block: &[u8],
+) -> io::Result<()> {
+    let first_room = MAX_FRAME - b.priority.len();
+    let (first, mut rest) = block.split_at(block.len().min(first_room));
+    let mut flags = if b.end_stream { FLAG_END_STREAM } else { 0 };
+    if !b.priority.is_empty() {
+        flags |= FLAG_PRIORITY;
+    }
+    if rest.is_empty() {
+        flags |= FLAG_END_HEADERS;
+    }
+    let mut payload = b.priority.clone();
+    payload.extend_from_slice(first);
+    write_frame(w, FRAME_HEADERS, flags, b.stream, &payload).await?;
+    while !rest.is_empty() {
+        let (chunk, tail) = rest.split_at(rest.len().min(MAX_FRAME));
+        rest = tail;
+        let flags = if rest.is_empty() { FLAG_END_HEADERS } else { 0 };
+        write_frame(w, FRAME_CONTINUATION, flags, b.stream, chunk).await?;
+    }
+    w.flush().await
+}
+
+async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    kind: u8,
+    flags: u8,
+    stream: [u8; 4],
+    payload: &[u8],
+) -> io::Result<()> {
+    let len = (payload.len() as u32).to_be_bytes();
+    let head = [
+        len[1], len[2], len[3], kind, flags, stream[0], stream[1], stream[2], stream[3],
+    ];
+    w.write_all(&head).await?;
+    w.write_all(payload).await
+}
