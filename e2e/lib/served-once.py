@@ -1,0 +1,65 @@
+"""Checks MinIO's audit log (e2e/lib/audit-receiver.py) against the objects
+under a prefix: every object's bytes were sent exactly once, whether as one
+GET or as disjoint ranges that cover it. Prints one line per object and exits
+non-zero on any object fetched twice, partly, or not at all.
+
+    python3 served-once.py AUDIT_JSONL BUCKET PREFIX SIZES_FILE
+
+SIZES_FILE: lines "<key> <size>" for the objects that must have been served.
+"""
+
+import json
+import re
+import sys
+
+audit, bucket, prefix, sizes_file = sys.argv[1:5]
+sizes = {}
+for line in open(sizes_file):
+    key, size = line.split()
+    sizes[key] = int(size)
+
+ranges = {k: [] for k in sizes}
+stray = []
+for line in open(audit):
+    try:
+        e = json.loads(line)
+    except ValueError:
+        continue
+    api = e.get("api", {})
+    if api.get("name") != "GetObject" or api.get("bucket") != bucket:
+        continue
+    obj = api.get("object", "")
+    if not obj.startswith(prefix):
+        continue
+    code = api.get("statusCode")
+    if code not in (200, 206):
+        stray.append(f"{obj}: HTTP {code}")
+        continue
+    tx = int(api.get("tx", 0))
+    cr = e.get("responseHeader", {}).get("Content-Range", "")
+    m = re.match(r"bytes (\d+)-(\d+)/(\d+)", cr)
+    start, end = (int(m.group(1)), int(m.group(2)) + 1) if m else (0, tx)
+    if obj not in ranges:
+        stray.append(f"{obj}: not an object of the model")
+        continue
+    ranges[obj].append((start, end, tx))
+
+bad = 0
+for key in sorted(ranges):
+    rs = sorted(ranges[key])
+    sent = sum(r[2] for r in rs)
+    covered, pos, overlap = 0, 0, False
+    for start, end, _ in rs:
+        if start < pos:
+            overlap = True
+        covered += end - start
+        pos = max(pos, end)
+    ok = sent == sizes[key] and covered == sizes[key] and not overlap
+    bad += not ok
+    print(
+        f"{'ok ' if ok else 'BAD'} {key}: size {sizes[key]}, {len(rs)} GET(s), "
+        f"{sent} bytes sent{', overlapping ranges' if overlap else ''}"
+    )
+for s in stray:
+    print(f"note: {s}")
+sys.exit(1 if bad else 0)
