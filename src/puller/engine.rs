@@ -9,11 +9,14 @@
 //!   `kill -9` resumes from there. The seal is written last and the
 //!   directory renamed into place, so a half-written model is never visible.
 //!   Losing the rename to another puller is a success.
-//! - **Fast and bounded.** Large files are fetched as parallel ranges and
-//!   written with positioned writes. sha256 is computed by a hasher that
-//!   follows the contiguous prefix of finished ranges, reading them back
-//!   while they are still in the page cache. Memory is a few buffers per
-//!   connection, whatever the model's size.
+//! - **Fast and bounded.** Large files are fetched as parallel ranges,
+//!   largest file first, and written with positioned writes. sha256 is one
+//!   in-order pass: the range at the hashed frontier is hashed from memory
+//!   as it is written, and only bytes that arrived ahead of the frontier are
+//!   read back, from the page cache, once it reaches them. Finished ranges
+//!   are made durable in batches, one fdatasync each, off the connections'
+//!   path. Write buffers share one memory budget, whatever the model's size
+//!   or the number of connections.
 //! - **Patient.** Retryable failures back off exponentially with jitter and
 //!   honour Retry-After. A stream that yields nothing for `stall` is
 //!   dropped and its range resumed from the last byte written.

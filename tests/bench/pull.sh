@@ -25,7 +25,9 @@
 #   BENCH_BIG_CLIENTS who pulls the big model (default "driver"; add peers to
 #                    compare at that size)
 #   BENCH_CLIENTS    default "driver mc s5cmd aws aws-tuned"; "driver,FLAG,VALUE"
-#                    is the driver with extra flags (e.g. driver,--pull-chunk-mib,8)
+#                    is the driver with extra flags (e.g. driver,--pull-chunk-mib,8);
+#                    "driver@BINARY" another build of it (e.g. an older commit's
+#                    release binary), for before and after in one run
 #   BENCH_DRIVER_ARGS extra flags for the driver (e.g. "--pull-connections 8")
 #   BENCH_AWS_TUNED  s3 settings of aws-tuned (default
 #                    "max_concurrent_requests=32 multipart_chunksize=32MB")
@@ -215,13 +217,13 @@ timed() {
 }
 
 N=0
-run_driver() { # data set, extra flags
+run_driver() { # data set, extra flags, binary (default: this tree's)
   local ds="$1" state="$WORK/driver-state" sock="$WORK/csi.sock" out src seal
   N=$((N + 1))
   rm -rf "$state" "$sock"
   mkdir -p "$state"
   # shellcheck disable=SC2086 # lists of flags
-  RUST_LOG=info NO_COLOR=1 "$DRIVER" --endpoint "unix://$sock" --node-id bench \
+  RUST_LOG=info NO_COLOR=1 "${3:-$DRIVER}" --endpoint "unix://$sock" --node-id bench \
     --state-dir "$state" --backends local $DRIVER_ARGS $2 >"$WORK/driver.log" 2>&1 &
   DRIVER_PID=$!
   # The client waits for the socket, then times CreateVolume alone.
@@ -273,14 +275,20 @@ run_aws() { # data set, config file
 # Peers write through the page cache and return; `sync -f` after them is
 # timed separately (the driver's time already includes its fsyncs).
 pull() { # rep data set client
-  local rep="$1" ds="$2" client="$3" sync_secs=0 t0 load minio0 minio_cpu busy0 busy_cpu
+  local rep="$1" ds="$2" client="$3" sync_secs=0 t0 load minio0 minio_cpu busy0 busy_cpu flags bin
   rm -rf "$WORK/dest" "$WORK/driver-state"
   drop_caches
   load="$(load1)"
   minio0="$(cpu_of "$MINIO_PID")"
   busy0="$(busy)"
   case "$client" in
-    driver | driver,*) run_driver "$ds" "$(tr ',' ' ' <<<"${client#driver}")" ;;
+    driver | driver,* | driver@*)
+      flags="${client#driver}" bin=""
+      if [[ "$flags" == @* ]]; then
+        bin="${flags#@}" && bin="${bin%%,*}" && flags="${flags#@"$bin"}"
+      fi
+      run_driver "$ds" "$(tr ',' ' ' <<<"$flags")" "$bin"
+      ;;
     mc) run_mc "$ds" ;;
     s5cmd) run_s5cmd "$ds" ;;
     aws) run_aws "$ds" "$AWS_DEFAULT_CONFIG" ;;
@@ -289,7 +297,7 @@ pull() { # rep data set client
   esac
   busy_cpu="$(awk -v a="$busy0" -v b="$(busy)" 'BEGIN {printf "%.2f", b - a}')"
   minio_cpu="$(cpu_of "$MINIO_PID" | awk -v a="$minio0" '{split(a, b, " "); printf "%.2f", $1 + $2 - b[1] - b[2]}')"
-  if [ "${client%%,*}" != driver ]; then
+  if [[ "$client" != driver* ]]; then
     t0="$(now)"
     sync -f "$DEST"
     sync_secs="$(since "$t0")"
@@ -441,6 +449,9 @@ for ds in dict.fromkeys(r["dataset"] for r in runs):
     if "driver" in stat:
         d = stat["driver"][0]
         peers = {c: v for c, v in stat.items() if not c.startswith("driver")}
+        for c, (v, _) in stat.items():
+            if c.startswith("driver@"):
+                print(f"\ndriver/{c} = {d / v:.2f}x (this tree against another build).")
         if peers:
             print("\n| driver vs | ratio, peer as returned | ratio, peer durable |")
             print("|---|---|---|")
