@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's one test command: installs what it needs, checks formatting
 # and lints, runs unit and integration tests (real mounts, in a private mount
-# namespace), then csi-sanity against every backend.
+# namespace), csi-sanity against every backend, then the e2e suite on a
+# single-node Kubernetes cluster built from real binaries (e2e/up, e2e/run,
+# e2e/down). MODELCACHE_E2E=0 leaves the e2e suite out (reported as such).
 source "$(dirname "$0")/lib.sh"
 need_root
 cd "$ROOT"
@@ -24,16 +26,33 @@ cargo_rc=${PIPESTATUS[0]}
 log "csi-sanity"
 "$ROOT/tests/scripts/csi-sanity.sh" 2>&1 | tee target/csi-sanity.log
 sanity_rc=${PIPESTATUS[0]}
+e2e_rc=0
+: > target/e2e.log
+if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
+  log "e2e (e2e/up, e2e/run, e2e/down)"
+  if "$ROOT/e2e/up" > target/e2e-up.log 2>&1; then
+    E2E_DRIVER="$ROOT/target/debug/modelcache-csi" "$ROOT/e2e/run" 2>&1 | tee target/e2e.log
+    e2e_rc=${PIPESTATUS[0]}
+  else
+    e2e_rc=1
+    tail -n 40 target/e2e-up.log >&2
+    echo "e2e: 0 passed, 1 failed (e2e/up failed; see target/e2e-up.log)" >> target/e2e.log
+  fi
+  "$ROOT/e2e/down" >> target/e2e-up.log 2>&1 || { e2e_rc=1; echo "e2e/down left something behind" >&2; }
+else
+  echo "MODELCACHE_E2E=0: the e2e suite was NOT run" >&2
+fi
 set -e
 
 read -r passed failed < <(awk '
   /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   /Passed \| .* Failed/ { for (i = 1; i <= NF; i++) { if ($(i+1) == "Passed") p += $i; if ($(i+1) == "Failed") f += $i } }
-  END { print p + 0, f + 0 }' target/cargo-test.log target/csi-sanity.log)
+  /^e2e: [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
+  END { print p + 0, f + 0 }' target/cargo-test.log target/csi-sanity.log target/e2e.log)
 leaks=$(losetup -a | grep -c -E '/tmp/(\.tmp|mc-)' || true)
 if [ "$leaks" -gt 0 ]; then
   echo "leaked loop devices:" >&2; losetup -a >&2
 fi
 echo
 echo "summary: $passed passed, $failed failed"
-[ "$cargo_rc" -eq 0 ] && [ "$sanity_rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$leaks" -eq 0 ]
+[ "$cargo_rc" -eq 0 ] && [ "$sanity_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$leaks" -eq 0 ]
