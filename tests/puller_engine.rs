@@ -268,6 +268,59 @@ async fn an_interrupted_pull_resumes_without_refetching_finished_chunks() {
     );
 }
 
+/// A kill can land after a file was renamed into place but before its
+/// sha256 was recorded: its state then lists every chunk as done while the
+/// `.part` those chunks were written to is gone. The retry must fetch the
+/// file again, not seal a zero-filled one (seen in the e2e faults flow).
+#[tokio::test]
+async fn a_kill_between_rename_and_record_refetches_the_file() {
+    let t = tempfile::tempdir().unwrap();
+    let want = model(&t.path().join("m"), 8);
+    let root = root_at(&t.path().join("state"));
+    let cfg = EngineConfig {
+        connections: 1,
+        files: 1,
+        ..EngineConfig::default()
+    };
+    // Largest first: model.safetensors, then config.json (20 bytes) finish;
+    // the run dies in 1_Pooling/config.json.
+    let dying = Faulty::new(
+        &t.path().join("m"),
+        Faults {
+            die_after: Some((8 << 20) + 25),
+            ..Faults::default()
+        },
+    );
+    assert!(
+        engine(cfg.clone())
+            .pull(&root, dying, &NoProgress)
+            .await
+            .is_err()
+    );
+    // Put config.json's state back to the moment before its sha256 was
+    // recorded: chunks done, no sha256, the file already renamed into place.
+    let mut found = false;
+    for dir in std::fs::read_dir(root.sources_dir()).unwrap() {
+        let state = dir.unwrap().path().join("state");
+        for f in std::fs::read_dir(&state).into_iter().flatten() {
+            let f = f.unwrap().path();
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&f).unwrap()).unwrap();
+            if v["path"] == "config.json" {
+                assert!(v["sha256"].is_string(), "config.json finished first: {v}");
+                assert!(!v["done"].as_array().unwrap().is_empty(), "{v}");
+                v.as_object_mut().unwrap().remove("sha256");
+                std::fs::write(&f, serde_json::to_vec(&v).unwrap()).unwrap();
+                found = true;
+            }
+        }
+    }
+    assert!(found, "no state recorded for config.json");
+    let healthy = Faulty::new(&t.path().join("m"), Faults::default());
+    let p = engine(cfg).pull(&root, healthy, &NoProgress).await.unwrap();
+    assert_eq!(sealed_files(&root, &p.sid), want);
+}
+
 #[tokio::test]
 async fn twenty_concurrent_pulls_fetch_once() {
     let t = tempfile::tempdir().unwrap();

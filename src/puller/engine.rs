@@ -703,6 +703,12 @@ async fn download(
         fs::create_dir_all(parent).ctx("create", parent)?;
     }
     let ranged = ctx.source.ranges() && file.size.is_some();
+    // Chunks recorded as done describe `.part`. Without it (a kill between
+    // the rename into place and the state that records the sha256), they
+    // describe nothing, and trusting them would seal a zero-filled file.
+    if !part.exists() {
+        st.done.clear();
+    }
     let out = Arc::new(
         OpenOptions::new()
             .create(true)
