@@ -3,20 +3,8 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-
 use common::*;
 use tonic::Code;
-
-fn scrape(port: u16, path: &str) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect metrics");
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
 
 /// The value of the first sample whose line starts with `series`.
 fn value(text: &str, series: &str) -> Option<f64> {
@@ -24,14 +12,6 @@ fn value(text: &str, series: &str) -> Option<f64> {
         .find(|l| l.starts_with(series))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[tokio::test]
@@ -60,12 +40,12 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
         .await
         .unwrap();
 
-    let health = scrape(port, "/healthz");
+    let health = http_get(port, "/healthz");
     assert!(
         health.starts_with("HTTP/1.1 200") && health.ends_with("ok\n"),
         "{health}"
     );
-    let text = scrape(port, "/metrics");
+    let text = http_get(port, "/metrics");
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     let pulled = value(
         &text,
@@ -115,7 +95,7 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
 
     d.unpublish(&v1.volume_id, &target).await.unwrap();
     d.unstage(&v1.volume_id, &staging).await.unwrap();
-    let text = scrape(port, "/metrics");
+    let text = http_get(port, "/metrics");
     assert_eq!(
         value(&text, "modelcache_volumes{state=\"staged\"}"),
         Some(0.0),

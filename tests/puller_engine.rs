@@ -228,8 +228,16 @@ async fn a_corrupted_object_is_refused_and_nothing_is_sealed() {
     );
 }
 
-#[tokio::test]
-async fn an_interrupted_pull_resumes_without_refetching_finished_chunks() {
+/// An 8 MiB model pulled one file and one connection at a time by a run
+/// that dies for good once `die_after` bytes were served.
+async fn interrupted_pull(
+    die_after: u64,
+) -> (
+    tempfile::TempDir,
+    BTreeMap<String, String>,
+    Root,
+    EngineConfig,
+) {
     let t = tempfile::tempdir().unwrap();
     let want = model(&t.path().join("m"), 8);
     let root = root_at(&t.path().join("state"));
@@ -238,20 +246,26 @@ async fn an_interrupted_pull_resumes_without_refetching_finished_chunks() {
         files: 1,
         ..EngineConfig::default()
     };
-    // The first run dies for good after ~5 MiB.
     let dying = Faulty::new(
         &t.path().join("m"),
         Faults {
-            die_after: Some(5 << 20),
+            die_after: Some(die_after),
             ..Faults::default()
         },
     );
     assert!(
         engine(cfg.clone())
-            .pull(&root, dying.clone(), &NoProgress)
+            .pull(&root, dying, &NoProgress)
             .await
             .is_err()
     );
+    (t, want, root, cfg)
+}
+
+#[tokio::test]
+async fn an_interrupted_pull_resumes_without_refetching_finished_chunks() {
+    // The first run dies for good after ~5 MiB.
+    let (t, want, root, cfg) = interrupted_pull(5 << 20).await;
     assert!(visible_sources(&root).is_empty());
     // The retry only fetches what was not yet durable.
     let healthy = Faulty::new(&t.path().join("m"), Faults::default());
@@ -274,29 +288,9 @@ async fn an_interrupted_pull_resumes_without_refetching_finished_chunks() {
 /// file again, not seal a zero-filled one (seen in the e2e faults flow).
 #[tokio::test]
 async fn a_kill_between_rename_and_record_refetches_the_file() {
-    let t = tempfile::tempdir().unwrap();
-    let want = model(&t.path().join("m"), 8);
-    let root = root_at(&t.path().join("state"));
-    let cfg = EngineConfig {
-        connections: 1,
-        files: 1,
-        ..EngineConfig::default()
-    };
     // Largest first: model.safetensors, then config.json (20 bytes) finish;
     // the run dies in 1_Pooling/config.json.
-    let dying = Faulty::new(
-        &t.path().join("m"),
-        Faults {
-            die_after: Some((8 << 20) + 25),
-            ..Faults::default()
-        },
-    );
-    assert!(
-        engine(cfg.clone())
-            .pull(&root, dying, &NoProgress)
-            .await
-            .is_err()
-    );
+    let (t, want, root, cfg) = interrupted_pull((8 << 20) + 25).await;
     // Put config.json's state back to the moment before its sha256 was
     // recorded: chunks done, no sha256, the file already renamed into place.
     let mut found = false;

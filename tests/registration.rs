@@ -6,31 +6,12 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
 use modelcache_csi::csi::pluginregistration::registration_client::RegistrationClient;
 use modelcache_csi::csi::pluginregistration::{InfoRequest, RegistrationStatus};
-
-fn get(port: u16, path: &str) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect metrics");
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 async fn wait_for_socket(p: &Path, secs: u64) {
     let deadline = Instant::now() + Duration::from_secs(secs);
@@ -98,7 +79,7 @@ async fn registers_with_kubelet_and_reports_refusal_in_healthz() {
         })
         .await
         .expect("notify registered");
-    let h = get(port, "/healthz");
+    let h = http_get(port, "/healthz");
     assert!(h.starts_with("HTTP/1.1 200"), "{h}");
 
     kubelet(&sock)
@@ -109,7 +90,7 @@ async fn registers_with_kubelet_and_reports_refusal_in_healthz() {
         })
         .await
         .expect("notify refused");
-    let h = get(port, "/healthz");
+    let h = http_get(port, "/healthz");
     assert!(h.starts_with("HTTP/1.1 503"), "{h}");
     assert!(
         h.contains("kubelet refused the plugin registration: plugin version 9.9 not supported"),
@@ -126,7 +107,7 @@ async fn registers_with_kubelet_and_reports_refusal_in_healthz() {
         .await
         .expect("GetInfo after rebind");
     assert_eq!(info.into_inner().name, "modelcache.csi.io");
-    let h = get(port, "/healthz");
+    let h = http_get(port, "/healthz");
     assert!(h.starts_with("HTTP/1.1 200"), "{h}");
 
     let term = std::process::Command::new("kill")
@@ -144,13 +125,13 @@ async fn healthz_fails_when_a_backend_cannot_work() {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let d = Driver::start_with(&["--metrics-address", &addr]).await;
-    let h = get(port, "/healthz");
+    let h = http_get(port, "/healthz");
     assert!(h.starts_with("HTTP/1.1 200"), "{h}");
     // The local backend's root becomes a file: nothing can be created there.
     let root = d.state_dir.clone();
     std::fs::remove_dir_all(&root).unwrap();
     std::fs::write(&root, b"not a directory").unwrap();
-    let h = get(port, "/healthz");
+    let h = http_get(port, "/healthz");
     assert!(h.starts_with("HTTP/1.1 503"), "{h}");
     assert!(h.contains("is not writable"), "{h}");
     std::fs::remove_file(&root).unwrap();
