@@ -17,28 +17,31 @@ log "cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
 log "cargo build"
 cargo build --locked --all-targets
+# Logs and the binary live in cargo's target dir, wherever CARGO_TARGET_DIR puts it.
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+mkdir -p "$TARGET"
 
 # A private mount namespace: whatever a failing test leaves mounted dies with it.
 log "cargo test"
 set +e
-unshare -m --propagation private cargo test --locked --no-fail-fast 2>&1 | tee target/cargo-test.log
+unshare -m --propagation private cargo test --locked --no-fail-fast 2>&1 | tee "$TARGET/cargo-test.log"
 cargo_rc=${PIPESTATUS[0]}
 log "csi-sanity"
-"$ROOT/tests/scripts/csi-sanity.sh" 2>&1 | tee target/csi-sanity.log
+"$ROOT/tests/scripts/csi-sanity.sh" "$TARGET/debug/modelcache-csi" 2>&1 | tee "$TARGET/csi-sanity.log"
 sanity_rc=${PIPESTATUS[0]}
 e2e_rc=0
-: > target/e2e.log
+: > "$TARGET/e2e.log"
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   log "e2e (e2e/up, e2e/run, e2e/down)"
-  if "$ROOT/e2e/up" > target/e2e-up.log 2>&1; then
-    E2E_DRIVER="$ROOT/target/debug/modelcache-csi" "$ROOT/e2e/run" 2>&1 | tee target/e2e.log
+  if "$ROOT/e2e/up" > "$TARGET/e2e-up.log" 2>&1; then
+    E2E_DRIVER="$TARGET/debug/modelcache-csi" "$ROOT/e2e/run" 2>&1 | tee "$TARGET/e2e.log"
     e2e_rc=${PIPESTATUS[0]}
   else
     e2e_rc=1
-    tail -n 40 target/e2e-up.log >&2
-    echo "e2e: 0 passed, 1 failed (e2e/up failed; see target/e2e-up.log)" >> target/e2e.log
+    tail -n 40 "$TARGET/e2e-up.log" >&2
+    echo "e2e: 0 passed, 1 failed (e2e/up failed; see $TARGET/e2e-up.log)" >> "$TARGET/e2e.log"
   fi
-  "$ROOT/e2e/down" >> target/e2e-up.log 2>&1 || { e2e_rc=1; echo "e2e/down left something behind" >&2; }
+  "$ROOT/e2e/down" >> "$TARGET/e2e-up.log" 2>&1 || { e2e_rc=1; echo "e2e/down left something behind" >&2; }
 else
   echo "MODELCACHE_E2E=0: the e2e suite was NOT run" >&2
 fi
@@ -48,7 +51,7 @@ read -r passed failed < <(awk '
   /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   /Passed \| .* Failed/ { for (i = 1; i <= NF; i++) { if ($(i+1) == "Passed") p += $i; if ($(i+1) == "Failed") f += $i } }
   /^e2e: [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
-  END { print p + 0, f + 0 }' target/cargo-test.log target/csi-sanity.log target/e2e.log)
+  END { print p + 0, f + 0 }' "$TARGET/cargo-test.log" "$TARGET/csi-sanity.log" "$TARGET/e2e.log")
 leaks=$(losetup -a | grep -c -E '/tmp/(\.tmp|mc-)' || true)
 if [ "$leaks" -gt 0 ]; then
   echo "leaked loop devices:" >&2; losetup -a >&2
