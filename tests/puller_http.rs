@@ -480,3 +480,92 @@ async fn model_registry_resolves_to_the_artifact_uri() {
         "s3://models/minilm/v1"
     );
 }
+
+/// hfAllowPatterns and hfIgnorePatterns pick a subset of the repo, as
+/// huggingface_hub's allow_patterns and ignore_patterns do (`*` crosses `/`),
+/// and the subset is its own model: its URI carries the patterns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hf_patterns_pick_a_subset_that_is_its_own_model() {
+    let model = fixtures::model_dir();
+    let hub = HubServer::start(&model).await;
+    let endpoint = hub.endpoint();
+    let params = [
+        ("hfEndpoint", endpoint.as_str()),
+        ("hfAllowPatterns", " *.json, *.safetensors ,*.json"),
+        ("hfIgnorePatterns", "1_Pooling/*"),
+    ];
+    let r = HfSource::new("hf://org/minilm", &opts(&params, &[]))
+        .unwrap()
+        .resolve()
+        .await
+        .expect("resolve");
+    let want: Vec<String> = fixtures::tree_files(&model)
+        .into_iter()
+        .map(|(p, _)| p)
+        .filter(|p| {
+            (p.ends_with(".json") || p.ends_with(".safetensors")) && !p.starts_with("1_Pooling/")
+        })
+        .collect();
+    let mut got: Vec<String> = r.files.iter().map(|f| f.path.clone()).collect();
+    got.sort();
+    assert_eq!(got, want);
+    assert!(got.iter().any(|p| p == "model.safetensors"));
+    assert!(!got.iter().any(|p| p == "vocab.txt"));
+    assert_eq!(
+        r.uri,
+        "hf://org/minilm?allow=*.json,*.safetensors&ignore=1_Pooling/*"
+    );
+
+    // `*` crosses `/`: *.json alone keeps 1_Pooling/config.json.
+    let r = HfSource::new(
+        "hf://org/minilm",
+        &opts(
+            &[
+                ("hfEndpoint", endpoint.as_str()),
+                ("hfAllowPatterns", "*.json"),
+            ],
+            &[],
+        ),
+    )
+    .unwrap()
+    .resolve()
+    .await
+    .unwrap();
+    assert!(r.files.iter().any(|f| f.path == "1_Pooling/config.json"));
+
+    // A bad glob, and patterns that leave nothing, name the parameter.
+    let err = HfSource::new(
+        "hf://org/minilm",
+        &opts(
+            &[
+                ("hfEndpoint", endpoint.as_str()),
+                ("hfAllowPatterns", "model[.bin"),
+            ],
+            &[],
+        ),
+    )
+    .err()
+    .expect("a bad glob is refused");
+    assert!(
+        matches!(&err, Error::InvalidArgument { field, message } if field == "parameters.hfAllowPatterns" && message.contains("not a glob")),
+        "{err}"
+    );
+    let err = HfSource::new(
+        "hf://org/minilm",
+        &opts(
+            &[
+                ("hfEndpoint", endpoint.as_str()),
+                ("hfAllowPatterns", "*.gguf"),
+            ],
+            &[],
+        ),
+    )
+    .unwrap()
+    .resolve()
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidArgument { field, message } if field == "parameters.hfAllowPatterns" && message.contains("leave none")),
+        "{err}"
+    );
+}

@@ -18,16 +18,18 @@ pub const SOURCE: &str = "source";
 pub const ALLOW_CROSS_NAMESPACE: &str = "allowCrossNamespacePVC";
 
 /// Options handed to the model source; see `puller`.
-pub const SOURCE_OPTIONS: [&str; 6] = [
+pub const SOURCE_OPTIONS: [&str; 8] = [
     "s3Endpoint",
     "s3Region",
     "s3PathStyle",
     "ociPlainHTTP",
     "hfEndpoint",
+    "hfAllowPatterns",
+    "hfIgnorePatterns",
     "modelRegistryURL",
 ];
 
-const KNOWN: [&str; 14] = [
+const KNOWN: [&str; 16] = [
     BACKEND,
     ALLOW_CROSS_NAMESPACE,
     ROLE,
@@ -42,6 +44,8 @@ const KNOWN: [&str; 14] = [
     SOURCE_OPTIONS[3],
     SOURCE_OPTIONS[4],
     SOURCE_OPTIONS[5],
+    SOURCE_OPTIONS[6],
+    SOURCE_OPTIONS[7],
 ];
 
 /// external-provisioner adds these (PVC name, namespace, PV name) with
@@ -205,7 +209,7 @@ impl Params {
                 (p.source.is_some(), SOURCE),
                 (
                     !p.source_options.is_empty(),
-                    "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, modelRegistryURL",
+                    "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, hfAllowPatterns, hfIgnorePatterns, modelRegistryURL",
                 ),
             ] {
                 if set {

@@ -25,6 +25,10 @@ pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 pub const DEFAULT_REVISION: &str = "main";
 /// StorageClass parameter naming a Hub mirror; else env `HF_ENDPOINT`.
 pub const ENDPOINT_PARAM: &str = "hfEndpoint";
+/// Comma-separated globs: only matching files are pulled (all when unset).
+pub const ALLOW_PARAM: &str = "hfAllowPatterns";
+/// Comma-separated globs: matching files are left out.
+pub const IGNORE_PARAM: &str = "hfIgnorePatterns";
 /// Secret with a Hub access token; else env `HF_TOKEN`.
 pub const TOKEN_SECRET: &str = "hfToken";
 /// Tree pages followed before giving up (the Hub sends ~1000 entries a page).
@@ -113,6 +117,82 @@ pub struct HfSource {
     endpoint: Url,
     uri: HfUri,
     token: Option<String>,
+    filter: Filter,
+}
+
+/// Which of a repo's files to pull. `*` crosses `/`, as in huggingface_hub's
+/// allow_patterns and ignore_patterns (fnmatch), so `*.json` also matches
+/// `1_Pooling/config.json`.
+#[derive(Default)]
+struct Filter {
+    allow: Vec<String>,
+    ignore: Vec<String>,
+    allow_set: Option<globset::GlobSet>,
+    ignore_set: Option<globset::GlobSet>,
+}
+
+impl Filter {
+    fn new(params: &std::collections::BTreeMap<String, String>) -> Result<Filter> {
+        let list = |key: &str| -> Result<(Vec<String>, Option<globset::GlobSet>)> {
+            let mut pats: Vec<String> = params
+                .get(key)
+                .map(|v| {
+                    v.split(',')
+                        .map(|p| p.trim().to_string())
+                        .filter(|p| !p.is_empty())
+                        .collect()
+                })
+                .unwrap_or_default();
+            if pats.is_empty() {
+                return Ok((pats, None));
+            }
+            pats.sort();
+            pats.dedup();
+            let mut b = globset::GlobSetBuilder::new();
+            for p in &pats {
+                let g = globset::Glob::new(p).map_err(|e| {
+                    Error::invalid(
+                        format!("parameters.{key}"),
+                        format!("{p:?} is not a glob ({e}); give comma-separated globs such as *.safetensors,*.json"),
+                    )
+                })?;
+                b.add(g);
+            }
+            let set = b
+                .build()
+                .map_err(|e| Error::invalid(format!("parameters.{key}"), e.to_string()))?;
+            Ok((pats, Some(set)))
+        };
+        let (allow, allow_set) = list(ALLOW_PARAM)?;
+        let (ignore, ignore_set) = list(IGNORE_PARAM)?;
+        Ok(Filter {
+            allow,
+            ignore,
+            allow_set,
+            ignore_set,
+        })
+    }
+
+    fn keeps(&self, path: &str) -> bool {
+        self.allow_set.as_ref().is_none_or(|s| s.is_match(path))
+            && !self.ignore_set.as_ref().is_some_and(|s| s.is_match(path))
+    }
+
+    /// Part of the model's identity: another subset of a repo is another model.
+    fn suffix(&self) -> String {
+        let mut q = Vec::new();
+        if !self.allow.is_empty() {
+            q.push(format!("allow={}", self.allow.join(",")));
+        }
+        if !self.ignore.is_empty() {
+            q.push(format!("ignore={}", self.ignore.join(",")));
+        }
+        if q.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", q.join("&"))
+        }
+    }
 }
 
 impl HfSource {
@@ -139,6 +219,7 @@ impl HfSource {
             endpoint,
             uri,
             token,
+            filter: Filter::new(&opts.params)?,
         })
     }
 
@@ -286,6 +367,18 @@ impl Source for HfSource {
             None => tree.keys().cloned().collect(),
         };
         names.sort();
+        let listed = names.len();
+        names.retain(|n| self.filter.keeps(n));
+        if names.is_empty() && listed > 0 {
+            return Err(Error::invalid(
+                format!("parameters.{ALLOW_PARAM}"),
+                format!(
+                    "{what}: {ALLOW_PARAM} {:?} and {IGNORE_PARAM} {:?} leave none of the repo's {listed} files",
+                    self.filter.allow.join(","),
+                    self.filter.ignore.join(",")
+                ),
+            ));
+        }
         let mut files = Vec::with_capacity(names.len());
         for name in names {
             let entry = tree.get(&name).ok_or_else(|| {
@@ -313,7 +406,7 @@ impl Source for HfSource {
         }
         Ok(Resolved {
             // Without the revision: @main and @<its sha> share one cache entry.
-            uri: format!("hf://{}", self.uri.repo),
+            uri: format!("hf://{}{}", self.uri.repo, self.filter.suffix()),
             revision: sha,
             files,
         })
