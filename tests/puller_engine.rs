@@ -30,6 +30,10 @@ struct Faults {
     stalls: AtomicUsize,
     /// The first N reads answer Retry-After.
     retry_after: AtomicUsize,
+    /// Claim a wrong sha256 for this one file only.
+    wrong_sha_of: Option<&'static str>,
+    /// Each piece of model.safetensors is served this late.
+    slow_big: Option<Duration>,
 }
 
 struct Faulty {
@@ -54,8 +58,8 @@ impl Faulty {
 impl Source for Faulty {
     async fn resolve(&self) -> Result<Resolved> {
         let mut r = self.inner.resolve().await?;
-        if self.faults.wrong_sha {
-            for f in &mut r.files {
+        for f in &mut r.files {
+            if self.faults.wrong_sha || self.faults.wrong_sha_of == Some(f.path.as_str()) {
                 f.sha256 = Some("00".repeat(32));
             }
         }
@@ -87,12 +91,19 @@ impl Source for Faulty {
             .is_ok();
         let served = self.served.clone();
         let die_after = self.faults.die_after;
+        let slow = self
+            .faults
+            .slow_big
+            .filter(|_| file.path == "model.safetensors");
         let inner = self.inner.read(file, offset, len).await?;
         let s = inner.enumerate().then(move |(i, item)| {
             let served = served.clone();
             async move {
                 if stall && i > 0 {
                     futures::future::pending::<()>().await;
+                }
+                if let Some(d) = slow {
+                    tokio::time::sleep(d).await;
                 }
                 let b = item?;
                 let total = served.fetch_add(b.len() as u64, Ordering::SeqCst) + b.len() as u64;
@@ -313,6 +324,41 @@ async fn a_kill_between_rename_and_record_refetches_the_file() {
     let healthy = Faulty::new(&t.path().join("m"), Faults::default());
     let p = engine(cfg).pull(&root, healthy, &NoProgress).await.unwrap();
     assert_eq!(sealed_files(&root, &p.sid), want);
+}
+
+/// When one file fails verification the pull ends at once, dropping the
+/// other files' downloads mid-way. Their hasher threads must end too: a
+/// stuck one leaked a thread per failed pull and hung runtime shutdown.
+#[test]
+fn a_failed_pull_leaves_no_hasher_thread_behind() {
+    let t = tempfile::tempdir().unwrap();
+    model(&t.path().join("m"), 8);
+    let root = root_at(&t.path().join("state"));
+    let src = Faulty::new(
+        &t.path().join("m"),
+        Faults {
+            wrong_sha_of: Some("config.json"),
+            slow_big: Some(Duration::from_millis(20)),
+            ..Faults::default()
+        },
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let Err(err) = rt.block_on(engine(EngineConfig::default()).pull(&root, src, &NoProgress))
+    else {
+        panic!("a wrong sha256 must fail the pull");
+    };
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    let start = std::time::Instant::now();
+    rt.shutdown_timeout(Duration::from_secs(5));
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "a blocking task was still running {:?} after the pull failed",
+        start.elapsed()
+    );
 }
 
 #[tokio::test]

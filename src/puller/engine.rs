@@ -775,6 +775,9 @@ async fn ranged_download(
         let (f, out, part) = (frontier.clone(), out.clone(), part.to_path_buf());
         tokio::task::spawn_blocking(move || f.read_back(&out, &part, size))
     };
+    // This future is dropped mid-way when another file of the pull fails;
+    // the hasher thread must then stop waiting for writers that are gone.
+    let _close = CloseOnDrop(frontier.clone());
     let (finished_tx, finished_rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
     let committer = tokio::spawn(commit_ranges(
         ctx.clone(),
@@ -1151,6 +1154,15 @@ impl Frontier {
                 s.hashed
             ))),
         }
+    }
+}
+
+/// Closes a [`Frontier`] however its download ends, cancellation included.
+struct CloseOnDrop(Arc<Frontier>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
     }
 }
 
