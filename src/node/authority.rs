@@ -38,7 +38,12 @@ pub fn incoming(listener: UnixListener) -> ReceiverStream<io::Result<DuplexStrea
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         loop {
-            let accepted = listener.accept().await;
+            // The server going away (socket rebound) ends this loop and
+            // closes the old listener.
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                () = tx.closed() => return,
+            };
             let item = accepted.map(|(sock, _)| {
                 let (ours, theirs) = tokio::io::duplex(64 * 1024);
                 tokio::spawn(async move {
