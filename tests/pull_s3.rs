@@ -247,13 +247,9 @@ async fn a_pull_killed_mid_download_resumes_and_never_shows_a_partial_model() {
         .await
         .expect("retried CreateVolume");
     let resumed_gets = s3.get_object_count() - gets_before;
-    // Chunks 0 and 1 were durable before the kill: they must not be fetched
-    // again, so 62 range requests remain. The S3 client may retry one request
-    // once on its own (a pooled connection the server closed, src/puller/s3.rs),
-    // and MinIO counts the failed attempt too: one such retry is allowed. A
-    // retry that resumed nothing would need 64 or more.
+    // Chunks 0 and 1 were durable before the kill: they must not be fetched again.
     assert!(
-        resumed_gets <= 63,
+        resumed_gets <= 62,
         "the retry fetched {resumed_gets} of 64 chunks: nothing was resumed"
     );
     let data = d

@@ -264,20 +264,41 @@ impl Minio {
 
     /// GetObject requests the server has answered, over all buckets.
     pub fn get_object_count(&self) -> u64 {
-        self.metric(
-            "/minio/metrics/v3/api/requests",
-            "minio_api_requests_total{",
-            &[r#"name="GetObject""#],
-        )
+        self.settled(|| {
+            self.metric(
+                "/minio/metrics/v3/api/requests",
+                "minio_api_requests_total{",
+                &[r#"name="GetObject""#],
+            )
+        })
     }
 
     /// GetObject requests the server has answered for one bucket.
     pub fn get_object_count_in(&self, bucket: &str) -> u64 {
-        self.metric(
-            &format!("/minio/metrics/v3/bucket/api/{bucket}"),
-            "minio_bucket_api_total{",
-            &[r#"name="GetObject""#, &format!(r#"bucket="{bucket}""#)],
-        )
+        self.settled(|| {
+            self.metric(
+                &format!("/minio/metrics/v3/bucket/api/{bucket}"),
+                "minio_bucket_api_total{",
+                &[r#"name="GetObject""#, &format!(r#"bucket="{bucket}""#)],
+            )
+        })
+    }
+
+    /// MinIO counts a request when its handler returns, which can be just
+    /// after the client has every byte (or has gone, killed mid-request).
+    /// A count is taken once it stops moving, so each request lands on the
+    /// side of the measurement it belongs to.
+    fn settled(&self, read: impl Fn() -> u64) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut last = read();
+        loop {
+            std::thread::sleep(Duration::from_millis(150));
+            let now = read();
+            if now == last || Instant::now() > deadline {
+                return now;
+            }
+            last = now;
+        }
     }
 
     /// Sums the samples of `series` whose labels contain all of `labels`
