@@ -154,31 +154,11 @@ pub fn mounts_under(dir: &Path) -> anyhow::Result<usize> {
     Ok(mountinfo::mounts_under(&table, dir).len())
 }
 
-/// Unmounts everything at or below `dir`, deepest first; detaches lazily
-/// what is busy. Returns how many mounts were removed.
+/// Unmounts everything at or below `dir`; how many mounts were removed.
 pub fn sweep_mounts(dir: &Path) -> anyhow::Result<usize> {
-    let mut removed = 0;
-    // Stacked mounts need several passes; the bound stops a mount that keeps coming back.
-    for _ in 0..16 {
-        let table = mountinfo::read_table()?;
-        let here: Vec<PathBuf> = mountinfo::mounts_under(&table, dir)
-            .into_iter()
-            .map(|m| m.mount_point.clone())
-            .collect();
-        if here.is_empty() {
-            break;
-        }
-        for m in here {
-            let gone = match mount::unmount(&m) {
-                Ok(done) => done,
-                Err(_) => {
-                    mount::unmount_lazy(&m).with_context(|| format!("unmount {}", m.display()))?
-                }
-            };
-            removed += usize::from(gone);
-        }
-    }
-    Ok(removed)
+    Ok(mount::sweep_under(dir)
+        .with_context(|| format!("unmount what is under {}", dir.display()))?
+        .len())
 }
 
 /// Bytes a tree occupies on disk, as `du -sx` counts them: allocated blocks,

@@ -205,6 +205,30 @@ pub fn unmount_lazy(dst: &Path) -> io::Result<bool> {
     unmount_with(dst, MntFlags::MNT_DETACH)
 }
 
+/// Unmounts everything at or below `dir`, deepest first, detaching lazily
+/// what is busy: scratch-space teardown for the demo and the tests, never
+/// for volumes. Returns the mount points removed.
+pub fn sweep_under(dir: &Path) -> io::Result<Vec<std::path::PathBuf>> {
+    let mut removed = Vec::new();
+    // Stacked mounts need several passes; the bound stops a mount that keeps coming back.
+    for _ in 0..16 {
+        let table = read_table()?;
+        let here: Vec<std::path::PathBuf> = mounts_under(&table, dir)
+            .into_iter()
+            .map(|m| m.mount_point.clone())
+            .collect();
+        if here.is_empty() {
+            break;
+        }
+        for m in here {
+            if unmount(&m).or_else(|_| unmount_lazy(&m))? {
+                removed.push(m);
+            }
+        }
+    }
+    Ok(removed)
+}
+
 fn unmount_with(dst: &Path, flags: MntFlags) -> io::Result<bool> {
     tracing::debug!(dst = %dst.display(), ?flags, "unmount");
     match umount2(dst, flags) {

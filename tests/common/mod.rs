@@ -373,21 +373,9 @@ async fn connect(child: &mut Child, socket: &Path, log: &Path) -> Result<Client,
 /// under it. Returns what it had to clean, for the failure report.
 pub fn clean_up(dir: &Path) -> Vec<String> {
     let mut cleaned = Vec::new();
-    for _ in 0..16 {
-        let table = mount::read_table().unwrap_or_default();
-        let under: Vec<PathBuf> = mount::mounts_under(&table, dir)
-            .into_iter()
-            .map(|m| m.mount_point.clone())
-            .collect();
-        if under.is_empty() {
-            break;
-        }
-        for m in under {
-            if let Err(e) = mount::unmount_lazy(&m) {
-                eprintln!("unmount {}: {e}", m.display());
-            }
-            cleaned.push(format!("mount {}", m.display()));
-        }
+    match mount::sweep_under(dir) {
+        Ok(removed) => cleaned.extend(removed.iter().map(|m| format!("mount {}", m.display()))),
+        Err(e) => eprintln!("unmount under {}: {e}", dir.display()),
     }
     for (dev, backing) in loop_devices_under(dir) {
         if let Err(e) = loopdev::detach(&dev) {
