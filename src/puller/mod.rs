@@ -7,6 +7,7 @@
 //! resolves a URI and serves byte ranges. Nothing here logs or stores a
 //! credential.
 
+mod direct;
 pub mod engine;
 pub mod file;
 pub mod hf;
