@@ -199,6 +199,19 @@ mod tests {
             .unwrap();
         out.sync_data().unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), data);
+        // On ext4 and XFS the aligned part must really have gone direct: a
+        // silent fallback (a misaligned buffer, say) would pass the above.
+        let fs = nix::sys::statfs::statfs(t.path())
+            .unwrap()
+            .filesystem_type();
+        if [
+            nix::sys::statfs::EXT4_SUPER_MAGIC,
+            nix::sys::statfs::XFS_SUPER_MAGIC,
+        ]
+        .contains(&fs)
+        {
+            assert!(out.direct.is_some() && out.direct_ok.load(Ordering::Relaxed));
+        }
     }
 
     #[test]
