@@ -208,6 +208,56 @@ async fn pulls_verifies_and_seals_byte_for_byte() {
     assert_eq!(src.reads.load(Ordering::SeqCst), reads);
 }
 
+/// A single large file behind slow connections keeps all its connections
+/// busy, even with a reorder window far smaller than the ranges in flight:
+/// the bytes that run ahead are hashed from disk instead of holding the
+/// connections back, and the seal is still byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_large_file_keeps_every_connection_busy() {
+    let t = tempfile::tempdir().unwrap();
+    let want = model(&t.path().join("m"), 16);
+    let timed = |connections: usize, state: &str| {
+        let root = root_at(&t.path().join(state));
+        // 40 ms per 1 MiB piece, per connection: 16 pieces in series take
+        // at least 640 ms.
+        let src = Faulty::new(
+            &t.path().join("m"),
+            Faults {
+                slow_big: Some(Duration::from_millis(40)),
+                ..Faults::default()
+            },
+        );
+        async move {
+            // 256 KiB windows: 1 MiB of reorder window per file, against
+            // 12 MiB that three connections ahead of the frontier fetch.
+            let cfg = EngineConfig {
+                connections,
+                buffer_budget: 1 << 20,
+                ..fast(EngineConfig::default())
+            };
+            let cfg = EngineConfig {
+                chunk_bytes: 4 << 20,
+                ..cfg
+            };
+            let start = std::time::Instant::now();
+            let p = Engine::new(cfg, modelcache_csi::puller::extract_layer)
+                .pull(&root, src, &NoProgress)
+                .await
+                .unwrap();
+            (start.elapsed(), sealed_files(&root, &p.sid))
+        }
+    };
+    let (one, one_files) = timed(1, "one").await;
+    let (four, four_files) = timed(4, "four").await;
+    assert_eq!(one_files, want);
+    assert_eq!(four_files, want);
+    assert!(one >= Duration::from_millis(640), "{one:?}");
+    assert!(
+        four.as_secs_f64() < 0.5 * one.as_secs_f64(),
+        "4 connections took {four:?}, 1 took {one:?}: the file's connections waited for each other"
+    );
+}
+
 #[tokio::test]
 async fn a_corrupted_object_is_refused_and_nothing_is_sealed() {
     let t = tempfile::tempdir().unwrap();

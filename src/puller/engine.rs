@@ -16,8 +16,9 @@
 //!   the range at the hashed frontier is hashed as it is written, and a
 //!   buffer that arrives ahead of it is held, up to a small per-file
 //!   reorder window, until the frontier reaches it. A range that would run
-//!   further ahead waits, so nothing written is ever read back except
-//!   ranges resumed from an earlier run. Finished ranges are made durable
+//!   further ahead waits while enough other streams keep the pull moving;
+//!   otherwise its bytes are read back from disk later, so a single large
+//!   file still gets all its connections. Finished ranges are made durable
 //!   in batches, one fdatasync each, off the connections' path. Buffers
 //!   share one memory budget, whatever the model's size or the number of
 //!   connections.
@@ -186,12 +187,59 @@ struct Ctx {
     state_lock: Mutex<()>,
     /// Bytes a stream buffers before it writes them.
     flush_at: usize,
+    flow: Arc<Flow>,
 }
 
 impl Ctx {
     /// A frontier for one file, with its reorder window.
     fn frontier(&self) -> Arc<Frontier> {
-        Arc::new(Frontier::new(self.flush_at, self.cfg.connections.max(1)))
+        Arc::new(Frontier::new(
+            self.flush_at,
+            self.cfg.connections.max(1),
+            self.flow.clone(),
+        ))
+    }
+}
+
+/// The streams of one pull that are transferring rather than waiting for a
+/// reorder window. Waiting costs nothing while others keep the pull
+/// moving (the bytes stay in memory and are hashed from there); when too
+/// few would, a stream writes on, and its bytes are read back from disk
+/// instead: a single large file behind a slow link keeps every connection.
+struct Flow {
+    moving: std::sync::atomic::AtomicUsize,
+    /// Fewest streams that must keep moving.
+    floor: usize,
+    /// Bytes written ahead of a full reorder window, hashed from disk.
+    spilled: AtomicU64,
+}
+
+impl Flow {
+    fn new(floor: usize) -> Flow {
+        Flow {
+            moving: std::sync::atomic::AtomicUsize::new(0),
+            floor,
+            spilled: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts a stream as moving for as long as the guard lives.
+    fn enter(self: &Arc<Self>) -> Moving {
+        self.moving.fetch_add(1, Ordering::SeqCst);
+        Moving(self.clone())
+    }
+
+    /// Whether one of the moving streams may stop and wait.
+    fn may_pause(&self) -> bool {
+        self.moving.load(Ordering::SeqCst) > self.floor
+    }
+}
+
+struct Moving(Arc<Flow>);
+
+impl Drop for Moving {
+    fn drop(&mut self) {
+        self.0.moving.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -379,6 +427,7 @@ impl Engine {
             fetched: AtomicU64::new(0),
             state_lock: Mutex::new(()),
             flush_at: flush_at(&self.cfg),
+            flow: Arc::new(Flow::new(self.cfg.connections.max(1))),
         });
 
         // Largest first: the biggest file bounds the pull, so it must not
@@ -443,6 +492,13 @@ impl Engine {
         );
         let work2 = work.clone();
         let seal = blocking(move || seal_work(&r, &s, &work2, entries, &uri, &rev)).await?;
+        let spilled = ctx.flow.spilled.load(Ordering::Relaxed);
+        if spilled > 0 {
+            info!(
+                spilled_bytes = spilled,
+                "bytes that ran ahead of a full reorder window were hashed from disk"
+            );
+        }
         Ok((seal, ctx.fetched.load(Ordering::Relaxed)))
     }
 }
@@ -971,6 +1027,7 @@ async fn stream_into(
                 )));
             }
         };
+    let _moving = ctx.flow.enter();
     let mut win = frontier.take_window();
     loop {
         let next = tokio::time::timeout(ctx.cfg.stall, stream.next()).await;
@@ -1045,10 +1102,11 @@ async fn flush(
 /// A window written beyond it is held, in memory, until the frontier
 /// reaches it; `read_back` hashes held windows then. At most `spares`
 /// windows are held per file: a writer further ahead waits until the
-/// frontier catches up or a held window is hashed. That cannot deadlock:
-/// the range at the frontier is always being fetched, and its writer never
-/// waits. Ranges already on disk (resumed from an earlier run) are read
-/// back from the file.
+/// frontier catches up or a held window is hashed, if the [`Flow`] lets it;
+/// else its bytes are *spilled*, left on disk to be read back. Waiting
+/// cannot deadlock: the range at the frontier is always being fetched, and
+/// its writer never waits. Ranges already on disk (spilled, or resumed
+/// from an earlier run) are read back from the file.
 struct Frontier {
     state: Mutex<FrontierState>,
     wake: std::sync::Condvar,
@@ -1056,6 +1114,7 @@ struct Frontier {
     window: usize,
     /// Windows this file may hold ahead of the frontier.
     spares: usize,
+    flow: Arc<Flow>,
 }
 
 struct FrontierState {
@@ -1065,7 +1124,8 @@ struct FrontierState {
     hashed: u64,
     /// Ahead of the frontier, in memory: offset -> window.
     held: BTreeMap<u64, Window>,
-    /// Ahead of the frontier, on disk (resumed): start -> end, merged.
+    /// Ahead of the frontier, on disk (spilled or resumed): start -> end,
+    /// merged.
     written: BTreeMap<u64, u64>,
     /// Emptied windows, for reuse.
     free: Vec<Window>,
@@ -1074,7 +1134,7 @@ struct FrontierState {
 }
 
 impl Frontier {
-    fn new(window: usize, spares: usize) -> Frontier {
+    fn new(window: usize, spares: usize, flow: Arc<Flow>) -> Frontier {
         Frontier {
             state: Mutex::new(FrontierState {
                 sha: Some(Sha256::new()),
@@ -1087,6 +1147,7 @@ impl Frontier {
             wake: std::sync::Condvar::new(),
             window,
             spares,
+            flow,
         }
     }
 
@@ -1121,8 +1182,9 @@ impl Frontier {
     }
 
     /// Takes the window just written at `at`: hashes it if it is at the
-    /// frontier, else holds it, waiting for room if the reorder window is
-    /// full. Returns an empty window for the writer to go on with.
+    /// frontier, else holds it; if the reorder window is full, waits for
+    /// room while the flow allows, else spills it. Returns an empty window
+    /// for the writer to go on with.
     fn hand_over(&self, at: u64, mut w: Window) -> Window {
         let n = w.len() as u64;
         let mut s = self.lock();
@@ -1153,7 +1215,23 @@ impl Frontier {
                 self.wake.notify_all();
                 return spare;
             }
-            s = self.wait(s);
+            if !self.flow.may_pause() {
+                insert_range(&mut s.written, at, at + n);
+                drop(s);
+                self.flow.spilled.fetch_add(n, Ordering::Relaxed);
+                self.wake.notify_all();
+                w.clear();
+                return w;
+            }
+            // Paused, this stream no longer counts as moving; it looks
+            // again now and then, since others may stop or end meanwhile.
+            self.flow.moving.fetch_sub(1, Ordering::SeqCst);
+            s = self
+                .wake
+                .wait_timeout(s, Duration::from_millis(20))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            self.flow.moving.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -1389,8 +1467,9 @@ mod tests {
 
     /// Four writers, each taking every fourth piece in order as the
     /// connections of one file do, plus a range resumed from disk: the
-    /// frontier hashes every byte once, in order, from memory, holding no
-    /// more than its reorder window, and never deadlocks.
+    /// frontier hashes every byte once, in order, holding no more than its
+    /// reorder window, and never deadlocks, whether writers ahead of a full
+    /// window wait (floor 0) or spill to disk (floor 8).
     #[test]
     fn the_frontier_hashes_every_byte_once_in_order() {
         let t = tempfile::tempdir().unwrap();
@@ -1409,8 +1488,9 @@ mod tests {
         out.set_len(data.len() as u64).unwrap();
         out.write_all_at(&data[30_000..32_000], 30_000).unwrap();
         let data = Arc::new(data);
-        for spares in [1, 2, 5] {
-            let f = Arc::new(Frontier::new(1000, spares));
+        for (spares, floor) in [(1, 0), (2, 0), (5, 0), (1, 8), (2, 8)] {
+            let flow = Arc::new(Flow::new(floor));
+            let f = Arc::new(Frontier::new(1000, spares, flow.clone()));
             f.mark_written(30_000, 32_000);
             let reader = {
                 let (f, o, p) = (f.clone(), out.clone(), path.clone());
@@ -1418,11 +1498,13 @@ mod tests {
             };
             let writers: Vec<_> = (0..4u64)
                 .map(|k| {
-                    let (f, data) = (f.clone(), data.clone());
+                    let (f, data, out, flow) = (f.clone(), data.clone(), out.clone(), flow.clone());
                     std::thread::spawn(move || {
+                        let _moving = flow.enter();
                         let mut held_max = 0;
                         for i in (k..40).step_by(4).filter(|i| !(30..32).contains(i)) {
                             let (a, b) = (i as usize * 1000, (i as usize + 1) * 1000);
+                            out.write_all_at(&data[a..b], a as u64).unwrap();
                             let back = f.hand_over(a as u64, window(&data[a..b]));
                             assert!(back.is_empty());
                             held_max = held_max.max(f.lock().held.len());
@@ -1435,7 +1517,17 @@ mod tests {
                 assert!(w.join().unwrap() <= spares);
             }
             f.close();
-            assert_eq!(reader.join().unwrap().unwrap(), want, "spares {spares}");
+            assert_eq!(
+                reader.join().unwrap().unwrap(),
+                want,
+                "spares {spares}, floor {floor}"
+            );
+            let spilled = flow.spilled.load(Ordering::Relaxed);
+            if floor == 0 {
+                assert_eq!(spilled, 0, "writers may wait: nothing is spilled");
+            } else {
+                assert!(spilled > 0, "writers may not wait: something is spilled");
+            }
         }
     }
 
@@ -1444,7 +1536,7 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         let path = t.path().join("f.part");
         let out = File::create(&path).unwrap();
-        let f = Frontier::new(4, 1);
+        let f = Frontier::new(4, 1, Arc::new(Flow::new(0)));
         f.hand_over(0, window(b"abcd"));
         f.hand_over(8, window(b"ijkl"));
         f.close();
@@ -1455,11 +1547,15 @@ mod tests {
     /// as when another file of the pull fails.
     #[test]
     fn closing_releases_a_waiting_writer() {
-        let f = Arc::new(Frontier::new(4, 1));
+        let flow = Arc::new(Flow::new(0));
+        let f = Arc::new(Frontier::new(4, 1, flow.clone()));
         f.hand_over(8, window(b"ijkl"));
         let waiting = {
             let f = f.clone();
-            std::thread::spawn(move || f.hand_over(12, window(b"mnop")))
+            std::thread::spawn(move || {
+                let _moving = flow.enter();
+                f.hand_over(12, window(b"mnop"))
+            })
         };
         std::thread::sleep(Duration::from_millis(50));
         assert!(!waiting.is_finished());
