@@ -99,6 +99,7 @@ drop_caches() {
 
 TSV="$RESULTS/results.tsv"
 printf 'rep\tdataset\tclient\tbytes\tseconds\tsync_seconds\tpeak_rss_kib\tcpu_user\tcpu_sys\tminio_cpu\tbusy_cpu\tload1\n' >"$TSV"
+printf 'dataset\tbinary\tflags\tspilled_bytes\n' >"$RESULTS/spilled.tsv"
 record() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$TSV"; }
 load1() { cut -d' ' -f1 /proc/loadavg; }
 # CPU seconds the whole machine has been busy (user, nice, system, irq,
@@ -236,6 +237,10 @@ run_driver() { # data set, extra flags, binary (default: this tree's)
   kill "$DRIVER_PID"
   wait "$DRIVER_PID" || true
   DRIVER_PID=""
+  # Bytes that ran ahead of a full reorder window and were hashed from disk.
+  printf '%s\t%s\t%s\t%s\n' "$ds" "${3:-driver}" "$2" \
+    "$(grep -o 'spilled_bytes=[0-9]*' "$WORK/driver.log" | cut -d= -f2 | tail -1 || true)" \
+    >>"$RESULTS/spilled.tsv"
   SECS="$(jq -r .seconds <<<"$out")"
   src="$(jq -r .source <<<"$out")"
   seal="$(find "$state" -path "*/$src/seal.json")"
