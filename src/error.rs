@@ -58,6 +58,12 @@ impl Error {
         }
     }
 
+    /// A full filesystem (or quota), as opposed to any other failure.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, Error::Io { source, .. }
+            if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)))
+    }
+
     /// Wraps an OS error with the operation and the path it concerned.
     pub fn io(what: &str, path: &Path, source: io::Error) -> Self {
         Error::Io {

@@ -372,6 +372,53 @@ async fn an_oci_modelcar_is_unpacked_and_served_from_its_models_dir() {
     assert_eq!(sealed_sources(&d).len(), 1);
 }
 
+/// The xfs backend sizes a pull's image from the bytes it fetches. A gzip
+/// layer of 360 MiB of zeros is well under a megabyte, so its image starts
+/// at the 300 MiB minimum, which the layer overflows: the image grows and
+/// the layer unpacks again, and the model is served whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_larger_than_its_xfs_image_grows_the_image() {
+    let reg = Registry::start().await;
+    let zeros = vec![0u8; 360 << 20];
+    let config = b"{\"hidden_size\": 384}".to_vec();
+    let want: Vec<FileSum> = vec![
+        (
+            "models/config.json".into(),
+            config.len() as u64,
+            hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&config)),
+        ),
+        (
+            "models/weights.bin".into(),
+            zeros.len() as u64,
+            hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&zeros)),
+        ),
+    ];
+    let layer = registry::tar_gz(&[
+        registry::Entry::Dir("models".into()),
+        registry::Entry::File("models/config.json".into(), config),
+        registry::Entry::File("models/weights.bin".into(), zeros),
+    ]);
+    let pushed = reg
+        .push_image("models/zeros:v1", vec![layer], "amd64")
+        .await;
+    assert!(pushed.layers[0].size < 4 << 20, "{:?}", pushed.layers);
+    let d = driver(&[]).await;
+    let uri = reg.uri("models/zeros:v1");
+    let v = created(
+        d.create(create_req(
+            "pvc-zeros",
+            &[
+                ("backend", "xfs"),
+                ("source", uri.as_str()),
+                ("ociPlainHTTP", "true"),
+            ],
+            READER,
+        ))
+        .await,
+    );
+    assert_served(&d, &v, &want).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_pulls_have_clear_codes_and_seal_nothing() {
     let dir = fixtures::model_dir();

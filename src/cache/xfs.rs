@@ -127,3 +127,49 @@ pub fn scan_image(image: &Path, tmp_root: &Path) -> Result<Tree> {
 pub fn make_readonly(image: &Path) -> Result<()> {
     fs::set_permissions(image, fs::Permissions::from_mode(0o444)).ctx("chmod", image)
 }
+
+/// Grows the image mounted read-write at `mnt` to `size` bytes, online:
+/// the sparse file first, then its loop device, then the filesystem. A
+/// pull sizes its image from the bytes it will fetch; compressed layers
+/// can unpack to more than that.
+pub fn grow_mounted(image: &Path, mnt: &Path, size: u64) -> Result<()> {
+    let growfs = tool_path("xfs_growfs").ok_or_else(|| {
+        Error::FailedPrecondition(
+            "growing an xfs image needs xfs_growfs on the controller; install xfsprogs".into(),
+        )
+    })?;
+    let devs: Vec<PathBuf> = mount::loopdev::devices_backed_by(image)
+        .ctx("find the loop device of", image)?
+        .into_iter()
+        .filter_map(|(dev, ro)| (!ro).then_some(dev))
+        .collect();
+    if devs.is_empty() {
+        return Err(Error::Internal(format!(
+            "{} has no writable loop device to grow",
+            image.display()
+        )));
+    }
+    let f = OpenOptions::new()
+        .write(true)
+        .open(image)
+        .ctx("open image", image)?;
+    if f.metadata().ctx("stat", image)?.len() < size {
+        f.set_len(size).ctx("grow image", image)?;
+    }
+    for dev in &devs {
+        mount::loopdev::refresh_capacity(dev).ctx("resize loop device of", image)?;
+    }
+    let out = Command::new(&growfs)
+        .arg("-d")
+        .arg(mnt)
+        .output()
+        .ctx("run xfs_growfs on", mnt)?;
+    if !out.status.success() {
+        return Err(Error::Internal(format!(
+            "xfs_growfs {} failed: {}",
+            mnt.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}

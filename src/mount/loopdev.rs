@@ -80,6 +80,16 @@ mod ioctl {
     nix::ioctl_write_ptr_bad!(loop_configure, 0x4C0A, LoopConfig);
     nix::ioctl_read_bad!(loop_get_status64, 0x4C05, LoopInfo64);
     nix::ioctl_none_bad!(loop_clr_fd, 0x4C01);
+    nix::ioctl_none_bad!(loop_set_capacity, 0x4C07);
+}
+
+/// Makes `dev` take the current size of its backing file, after it grew.
+pub fn refresh_capacity(dev: &Path) -> io::Result<()> {
+    let device = open_device(dev, false)?;
+    // SAFETY: plain ioctl on an fd we own.
+    unsafe { ioctl::loop_set_capacity(device.as_raw_fd()) }
+        .map(drop)
+        .map_err(|e| with_context(e, format_args!("LOOP_SET_CAPACITY on {}", dev.display())))
 }
 
 /// An attached loop device, held open. While it is open, autoclear cannot detach the device, so

@@ -737,7 +737,7 @@ fn unpack_layers(
             work.data.join(&subdir)
         };
         fs::create_dir_all(&target).ctx("create", &target)?;
-        let mut files = extract(&blob, compression, &target)?;
+        let mut files = extract_growing(work, extract, &blob, compression, &target)?;
         if !subdir.is_empty() {
             for f in &mut files {
                 f.path = format!("{subdir}/{}", f.path);
@@ -751,6 +751,59 @@ fn unpack_layers(
     }
     super::unpack::merge(&work.data, lists)
 }
+
+/// Times an xfs image may grow for one layer: 2^8 times its first size.
+const MAX_GROWTH: u32 = 8;
+
+/// Unpacks one layer. On the xfs backend the image was sized from the
+/// compressed bytes, so a layer can unpack to more than it holds: then the
+/// image grows (doubling, as far as the disk under it allows) and the
+/// layer is unpacked again from the start, which replaces every file the
+/// failed attempt wrote.
+fn extract_growing(
+    work: &Work,
+    extract: Extract,
+    blob: &Path,
+    compression: Compression,
+    target: &Path,
+) -> Result<Vec<FileEntry>> {
+    let mut grown = 0;
+    loop {
+        let err = match extract(blob, compression, target) {
+            Err(e) if e.is_no_space() && grown < MAX_GROWTH => e,
+            r => return r,
+        };
+        let Some(mnt) = &work.mounted else {
+            return Err(err);
+        };
+        let image = work.dir.join("image.xfs");
+        let size = fs::metadata(&image).ctx("stat", &image)?.len();
+        let vfs = nix::sys::statvfs::statvfs(&work.dir)
+            .map_err(|e| Error::io("statfs", &work.dir, e.into()))?;
+        // Leave the disk under the image some room of its own: a loop
+        // device whose backing file cannot grow fails writes with EIO.
+        let free =
+            (vfs.blocks_available() as u64 * vfs.fragment_size() as u64).saturating_sub(RESERVE);
+        let growth = size.min(free);
+        if growth < RESERVE {
+            return Err(Error::ResourceExhausted(format!(
+                "layer {} unpacks to more than its {size}-byte image holds, and {} has no room to grow it ({free} bytes free beyond a {RESERVE}-byte reserve): {err}",
+                blob.display(),
+                work.dir.display()
+            )));
+        }
+        warn!(
+            image_bytes = size,
+            grow_to = size + growth,
+            "a layer unpacks to more than its image holds; growing the image"
+        );
+        cache::xfs::grow_mounted(&image, mnt, size + growth)?;
+        grown += 1;
+    }
+}
+
+/// Disk kept free under a growing image.
+const RESERVE: u64 = 64 << 20;
 
 impl RemoteFile {
     fn path_or_locator(&self) -> &str {
