@@ -40,7 +40,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 use tracing::{Instrument, info, info_span, warn};
 
-use super::direct::{PartFile, Window};
+use super::direct::{ALIGN, PartFile, Window};
 use super::source::{Compression, RemoteFile, Resolved, Source, Unpack};
 use crate::cache::manifest::{self, FileEntry, LinkEntry, Tree};
 use crate::cache::{self, Backend, Root, Seal};
@@ -191,10 +191,14 @@ struct Ctx {
 }
 
 impl Ctx {
-    /// A frontier for one file, with its reorder window.
-    fn frontier(&self) -> Arc<Frontier> {
+    /// A frontier for one file of `size` bytes, with its reorder window;
+    /// a small file's buffers are no larger than the file.
+    fn frontier(&self, size: Option<u64>) -> Arc<Frontier> {
+        let window = size.map_or(self.flush_at, |s| {
+            (s as usize).clamp(1, self.flush_at).div_ceil(ALIGN) * ALIGN
+        });
         Arc::new(Frontier::new(
-            self.flush_at,
+            window,
             self.cfg.connections.max(1),
             self.flow.clone(),
         ))
@@ -435,13 +439,31 @@ impl Engine {
         let mut order: Vec<(usize, RemoteFile)> =
             resolved.files.iter().cloned().enumerate().collect();
         order.sort_by_key(|(_, f)| std::cmp::Reverse(f.size.unwrap_or(0)));
+        // Streams, not files, are what a pull runs at once: a file of one
+        // range is one stream, a larger one up to `connections`. So small
+        // files, which are bound by round trips and fsyncs, not bytes, run
+        // many at a time, and large ones as before. The semaphore is fair:
+        // a large file waiting for its streams holds back the files after it.
+        let connections = self.cfg.connections.max(1);
+        let budget = self.cfg.files.max(1) * connections;
+        let streams = Arc::new(Semaphore::new(budget));
         let files = futures::stream::iter(order)
             .map(|(i, f)| {
-                let ctx = ctx.clone();
-                let work = work.clone();
-                async move { fetch_file(ctx, work, i, f).await }
+                let (ctx, work, streams) = (ctx.clone(), work.clone(), streams.clone());
+                let need = if f.size.is_some_and(|s| s <= ctx.cfg.chunk_bytes) {
+                    1
+                } else {
+                    connections
+                };
+                async move {
+                    let _streams = streams
+                        .acquire_many_owned(need as u32)
+                        .await
+                        .map_err(|_| Error::Internal("pull is shutting down".into()))?;
+                    fetch_file(ctx, work, i, f).await
+                }
             })
-            .buffer_unordered(self.cfg.files.max(1));
+            .buffer_unordered(budget);
         let mut files = std::pin::pin!(files);
         let mut results = Vec::new();
         let start = Instant::now();
@@ -509,7 +531,7 @@ impl Engine {
 fn flush_at(cfg: &EngineConfig) -> usize {
     let buffers = (cfg.models.max(1) * cfg.files.max(1) * cfg.connections.max(1) * 2) as u64;
     let n = (cfg.buffer_budget / buffers).clamp(256 << 10, 4 << 20) as usize;
-    n / super::direct::ALIGN * super::direct::ALIGN
+    n / ALIGN * ALIGN
 }
 
 fn progress(uri: &str, bytes: u64, total: Option<u64>, elapsed: Duration) -> Progress {
@@ -834,7 +856,10 @@ async fn download(
     if !part.exists() {
         st.done.clear();
     }
-    let out = Arc::new(PartFile::open(&part, !ranged, ranged)?);
+    // O_DIRECT pays for itself on large files; a small one would only
+    // cost a second descriptor.
+    let direct = ranged && file.size.is_some_and(|s| s >= ctx.flush_at as u64);
+    let out = Arc::new(PartFile::open(&part, !ranged, direct)?);
     let (size, sha) = if let (true, Some(size)) = (ranged, file.size) {
         out.reserve(size, &part)?;
         ranged_download(ctx, work, file, &out, &part, size, st).await?
@@ -882,7 +907,7 @@ async fn ranged_download(
         st.chunk_bytes = Some(chunk);
     }
     let all = chunks(size, chunk);
-    let frontier = ctx.frontier();
+    let frontier = ctx.frontier(Some(size));
     for i in &st.done {
         let (start, end) = all[*i as usize];
         frontier.mark_written(start, end);
@@ -902,6 +927,7 @@ async fn ranged_download(
         out.clone(),
         part.to_path_buf(),
         st.clone(),
+        all.len() > 1,
         finished_rx,
     ));
     let missing: Vec<u64> = (0..all.len() as u64)
@@ -947,13 +973,15 @@ async fn ranged_download(
 
 /// Makes finished ranges durable in batches: waits for one, takes every
 /// other already finished, fdatasyncs once, then records them all. So
-/// `state/` only ever names ranges whose bytes are on disk.
+/// `state/` only ever names ranges whose bytes are on disk. A file of one
+/// range is not recorded per range: its sha256 record follows at once.
 async fn commit_ranges(
     ctx: Arc<Ctx>,
     work: Arc<Work>,
     out: Arc<PartFile>,
     part: PathBuf,
     mut st: FileState,
+    record: bool,
     mut finished: tokio::sync::mpsc::UnboundedReceiver<u64>,
 ) -> Result<FileState> {
     while let Some(first) = finished.recv().await {
@@ -964,6 +992,9 @@ async fn commit_ranges(
         let (o, p) = (out.clone(), part.clone());
         blocking(move || o.sync_data().ctx("sync", &p)).await?;
         st.done.extend(batch);
+        if !record {
+            continue;
+        }
         let snapshot = {
             let _g = ctx.state_lock.lock().unwrap_or_else(|p| p.into_inner());
             st.clone()
@@ -1024,7 +1055,7 @@ async fn whole_download(
         out.set_len(0).ctx("truncate", part)?;
         let mut pos = 0;
         // One stream from byte 0 always leads: every byte is hashed inline.
-        let frontier = ctx.frontier();
+        let frontier = ctx.frontier(file.size);
         match stream_into(ctx, file, out, part, &mut pos, None, &frontier).await {
             Ok(()) if file.size.is_none_or(|s| s == pos) => {
                 let (o, p) = (out.clone(), part.to_path_buf());

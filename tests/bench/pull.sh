@@ -21,6 +21,8 @@
 #   BENCH_DATASETS   default "real synth": the real model (tests/scripts/deps/
 #                    model.sh) and a synthetic one
 #   BENCH_SYNTH_GIB  synthetic model size, in 512 MiB files (default 2)
+#   BENCH_MANY_FILES files of the "many" data set (1–65 KiB each, in 10
+#                    directories; default 500); add "many" to BENCH_DATASETS
 #   BENCH_BIG_GIB    driver-only RSS run, in 2 GiB files (default 10; 0 skips)
 #   BENCH_BIG_CLIENTS who pulls the big model (default "driver"; add peers to
 #                    compare at that size)
@@ -45,6 +47,7 @@ BENCH_MINIO_DIR="${BENCH_MINIO_DIR:-/dev/shm}"
 REPS="${BENCH_REPS:-3}"
 DATASETS="${BENCH_DATASETS:-real synth}"
 SYNTH_GIB="${BENCH_SYNTH_GIB:-2}"
+MANY_FILES="${BENCH_MANY_FILES:-500}"
 BIG_GIB="${BENCH_BIG_GIB:-10}"
 CLIENTS="${BENCH_CLIENTS:-driver mc s5cmd aws aws-tuned}"
 BIG_CLIENTS="${BENCH_BIG_CLIENTS:-driver}"
@@ -188,6 +191,19 @@ for ds in $DATASETS; do
     synth)
       log "generating and uploading a ${SYNTH_GIB} GiB synthetic model ($((SYNTH_GIB * 2)) x 512 MiB)"
       synth_upload synth $((SYNTH_GIB * 2)) 512
+      ;;
+    many)
+      log "generating and uploading $MANY_FILES small files"
+      stage="$MDATA/stage-many"
+      mkdir -p "$stage"
+      for i in $(seq 1 "$MANY_FILES"); do
+        d="$stage/part-$((i % 10))"
+        mkdir -p "$d"
+        random_bytes "many-$i" $(((i * 7919) % 65536 + 1024)) >"$d/file-$i.bin"
+      done
+      manifest_of "$stage" >"$WORK/many.manifest"
+      "$MC" cp --quiet --recursive "$stage/" "bench/$BUCKET/many/" >/dev/null
+      rm -rf "$stage"
       ;;
     *) echo "unknown data set $ds" >&2; exit 2 ;;
   esac
