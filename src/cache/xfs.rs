@@ -80,20 +80,27 @@ pub fn create_image(image: &Path, size: u64) -> Result<()> {
 /// UUID that is already mounted (only readers pass nouuid), so copies that
 /// kept their original's UUID could not be written or sealed side by side.
 pub fn new_uuid(image: &Path) -> Result<()> {
-    let admin = tool_path("xfs_admin").ok_or_else(|| {
-        Error::FailedPrecondition(
-            "backend xfs needs xfs_admin on the controller; install xfsprogs".into(),
-        )
+    run_tool("xfs_admin", &["-U", "generate"], image)
+}
+
+/// Runs an xfsprogs tool with `args` on `target`; a failure carries its
+/// stderr.
+fn run_tool(name: &str, args: &[&str], target: &Path) -> Result<()> {
+    let tool = tool_path(name).ok_or_else(|| {
+        Error::FailedPrecondition(format!(
+            "backend xfs needs {name} on the controller; install xfsprogs"
+        ))
     })?;
-    let out = Command::new(&admin)
-        .args(["-U", "generate"])
-        .arg(image)
+    let out = Command::new(&tool)
+        .args(args)
+        .arg(target)
         .output()
-        .ctx("run xfs_admin on", image)?;
+        .ctx(&format!("run {name} on"), target)?;
     if !out.status.success() {
         return Err(Error::Internal(format!(
-            "xfs_admin -U generate {} failed: {}",
-            image.display(),
+            "{name} {} {} failed: {}",
+            args.join(" "),
+            target.display(),
             String::from_utf8_lossy(&out.stderr).trim()
         )));
     }
@@ -133,11 +140,6 @@ pub fn make_readonly(image: &Path) -> Result<()> {
 /// pull sizes its image from the bytes it will fetch; compressed layers
 /// can unpack to more than that.
 pub fn grow_mounted(image: &Path, mnt: &Path, size: u64) -> Result<()> {
-    let growfs = tool_path("xfs_growfs").ok_or_else(|| {
-        Error::FailedPrecondition(
-            "growing an xfs image needs xfs_growfs on the controller; install xfsprogs".into(),
-        )
-    })?;
     let devs: Vec<PathBuf> = mount::loopdev::devices_backed_by(image)
         .ctx("find the loop device of", image)?
         .into_iter()
@@ -159,17 +161,5 @@ pub fn grow_mounted(image: &Path, mnt: &Path, size: u64) -> Result<()> {
     for dev in &devs {
         mount::loopdev::refresh_capacity(dev).ctx("resize loop device of", image)?;
     }
-    let out = Command::new(&growfs)
-        .arg("-d")
-        .arg(mnt)
-        .output()
-        .ctx("run xfs_growfs on", mnt)?;
-    if !out.status.success() {
-        return Err(Error::Internal(format!(
-            "xfs_growfs {} failed: {}",
-            mnt.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(())
+    run_tool("xfs_growfs", &["-d"], mnt)
 }
