@@ -142,6 +142,17 @@ impl Window {
         }
     }
 
+    /// A window with no room, allocating nothing: a placeholder while the
+    /// real one is away being written.
+    pub fn empty() -> Window {
+        Window {
+            buf: Vec::new(),
+            start: 0,
+            cap: 0,
+            len: 0,
+        }
+    }
+
     /// Copies in what fits; returns the rest.
     pub fn fill<'a>(&mut self, data: &'a [u8]) -> &'a [u8] {
         let n = (self.cap - self.len).min(data.len());

@@ -1165,7 +1165,7 @@ async fn flush(
     if win.is_empty() {
         return Ok(());
     }
-    let w = std::mem::replace(win, Window::new(0));
+    let w = std::mem::replace(win, Window::empty());
     let n = w.len() as u64;
     let (o, p, f, at) = (out.clone(), part.to_path_buf(), frontier.clone(), *pos);
     *win = blocking(move || {
