@@ -25,6 +25,10 @@ pub struct Config {
     /// PVC events): a kubeconfig, or in-cluster when None and enabled.
     pub kube_api: bool,
     pub kubeconfig: Option<std::path::PathBuf>,
+    /// Networks a tenant's pull may not reach unless its StorageClass names
+    /// the host (the cluster's service and pod ranges); loopback and
+    /// link-local are always closed to tenants.
+    pub tenant_blocked_networks: Vec<ipnet::IpNet>,
 }
 
 impl Config {
@@ -50,6 +54,7 @@ impl Default for Config {
             evict_idle: None,
             kube_api: false,
             kubeconfig: None,
+            tenant_blocked_networks: Vec::new(),
         }
     }
 }

@@ -25,6 +25,10 @@ pub enum Error {
     /// The caller skipped a step, or the object is not in a state that allows the call.
     #[error("{0}")]
     FailedPrecondition(String),
+    /// The caller may not have this: a source outside what the StorageClass
+    /// allows, a network the pull may not reach.
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error("{0}")]
     ResourceExhausted(String),
     #[error("{0}")]
@@ -93,6 +97,7 @@ impl From<Error> for tonic::Status {
             Error::AlreadyExists(_) => Code::AlreadyExists,
             Error::Aborted(_) => Code::Aborted,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::PermissionDenied(_) => Code::PermissionDenied,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::OutOfRange(_) => Code::OutOfRange,
             Error::Unavailable(_) | Error::RetryAfter { .. } => Code::Unavailable,

@@ -26,6 +26,9 @@ pub const PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
 /// Annotations a user sets on a PVC.
 pub const SOURCE_ANNOTATION: &str = "modelcache.csi.io/source";
 pub const SECRET_ANNOTATION: &str = "modelcache.csi.io/source-secret";
+/// An admin's annotation on a block PV: its filesystem may be mounted by
+/// the node's kernel (read-only) for `pvc://` sources.
+pub const TRUSTED_FILESYSTEM_ANNOTATION: &str = "modelcache.csi.io/trusted-filesystem";
 
 /// `pvc://[namespace:]claim[/path]`: a claim (in the requesting PVC's
 /// namespace unless one is given) and a directory inside its volume.
@@ -182,6 +185,13 @@ impl PvcEvents {
                 tracing::debug!(error = %e, "could not record an event");
             }
         });
+    }
+}
+
+impl PvcEvents {
+    /// A source the PVC named was refused before any pull.
+    pub fn refused(&self, error: &str) {
+        self.emit(EventType::Warning, "SourceRefused", error.to_string());
     }
 }
 

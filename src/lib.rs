@@ -16,7 +16,8 @@ pub mod metrics; // Prometheus metrics and the /metrics, /healthz endpoint
 pub mod mount; // mounts, the mount table, loop devices, safe subpaths
 pub mod node; // CSI Node service: stage, publish, stats
 pub mod puller; // model URIs fetched and sealed by the driver
-pub mod rescheduler;
+pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
 pub mod rpc; // the edge of every handler: required fields, logging, status
 pub mod server; // binding the endpoint and serving
-pub mod state; // atomic, durable JSON records // clears selected-node from PVCs stuck on nodes without the driver
+pub mod state; // atomic, durable JSON records
+pub mod trust; // what a tenant may name as a source, and the network its pull may reach

@@ -131,6 +131,11 @@ struct ServeArgs {
     /// kubelet at registration [default: /var/lib/kubelet/plugins/<driver-name>/csi.sock]
     #[arg(long)]
     kubelet_registration_path: Option<PathBuf>,
+    /// Networks a PVC-named source may not reach unless its StorageClass's
+    /// allowedSources names the host: the cluster's service and pod CIDRs
+    /// (comma-separated). Loopback and link-local are always closed.
+    #[arg(long, value_delimiter = ',')]
+    tenant_blocked_networks: Vec<ipnet::IpNet>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -194,6 +199,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
             }
         },
         kubeconfig: a.kubeconfig.clone(),
+        tenant_blocked_networks: a.tenant_blocked_networks.clone(),
         evict_idle: a
             .evict_idle_minutes
             .map(|m| std::time::Duration::from_secs(m * 60)),

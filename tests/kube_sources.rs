@@ -102,12 +102,14 @@ async fn per_pvc_sources_and_pvc_claims() {
         ),
     );
     let class_source = format!("file://{}", class_model.display());
+    // PVCs may name their own source only within what the class allows.
+    let allowed = format!("file://{}/", d.dir.display());
     let v = d
         .create(request(
             "pvc-a",
             "team",
             "minilm",
-            &[("source", &class_source)],
+            &[("source", &class_source), ("allowedSources", &allowed)],
         ))
         .await
         .expect("create from the PVC annotation");
@@ -156,7 +158,14 @@ async fn per_pvc_sources_and_pvc_claims() {
             model.display()
         ),
     );
-    let r = d.create(request("pvc-s", "team", "secretive", &[])).await;
+    let r = d
+        .create(request(
+            "pvc-s",
+            "team",
+            "secretive",
+            &[("allowedSources", &allowed)],
+        ))
+        .await;
     assert_code(r, Code::NotFound, "Secret team/creds");
     // A malformed annotation names the annotation.
     apply(
@@ -171,7 +180,14 @@ async fn per_pvc_sources_and_pvc_claims() {
         &api,
         "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: broken\n  namespace: team\n  annotations: {modelcache.csi.io/source: \"file:///nonexistent/model\"}\nspec:\n  accessModes: [ReadOnlyMany]\n  resources: {requests: {storage: 1Gi}}\n",
     );
-    let r = d.create(request("pvc-broken", "team", "broken", &[])).await;
+    let r = d
+        .create(request(
+            "pvc-broken",
+            "team",
+            "broken",
+            &[("allowedSources", "file:///nonexistent/")],
+        ))
+        .await;
     assert_code(r, Code::NotFound, "/nonexistent/model");
     let mut notes = String::new();
     for _ in 0..50 {
@@ -308,6 +324,33 @@ async fn per_pvc_sources_and_pvc_claims() {
             dev.display()
         ),
     );
+    // Its users can still write the device: the node's kernel mounts it only
+    // once an admin vouches for it.
+    let r = d
+        .create(request(
+            "pvc-block-untrusted",
+            "team",
+            "reader",
+            &[("source", "pvc://blockclaim")],
+        ))
+        .await;
+    assert_code(
+        r,
+        Code::PermissionDenied,
+        "modelcache.csi.io/trusted-filesystem",
+    );
+    assert!(mounts_below(&d.dir).iter().all(|m| m.fs_type != "xfs"));
+    let out = api.kubectl(&[
+        "annotate",
+        "pv",
+        "pv-block",
+        "modelcache.csi.io/trusted-filesystem=true",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v = d
         .create(request(
             "pvc-block",
@@ -316,7 +359,7 @@ async fn per_pvc_sources_and_pvc_claims() {
             &[("source", "pvc://blockclaim")],
         ))
         .await
-        .expect("pvc:// of a block XFS PV");
+        .expect("pvc:// of a block XFS PV an admin trusts");
     let (staging, target) = read_through(&d, &v.volume_id, "block").await;
     assert_model(&target, &bm);
     let m = single_mount(&staging);

@@ -31,6 +31,7 @@ fn opts(params: &[(&str, &str)], secrets: &[(&str, &str)]) -> SourceOptions {
     SourceOptions {
         params: map(params),
         secrets: map(secrets),
+        ..SourceOptions::default()
     }
 }
 

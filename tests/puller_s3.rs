@@ -31,6 +31,7 @@ fn options(minio: &Minio) -> SourceOptions {
     SourceOptions {
         params: minio.params(),
         secrets: minio.secrets(),
+        ..SourceOptions::default()
     }
 }
 

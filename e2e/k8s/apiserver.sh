@@ -15,6 +15,7 @@
 #       admin         group system:masters                       ADMIN_TOKEN
 #       rescheduler   no groups (only system:authenticated)      RESCHEDULER_TOKEN
 #       csi-controller, csi-node: likewise, no groups            CSI_CONTROLLER_TOKEN, CSI_NODE_TOKEN
+#       tenant        likewise: a namespace user once a test binds it  TENANT_TOKEN
 #     Grant them what they need with RBAC objects in the test itself.
 #   - DIR/kubeconfig: one cluster, a user and a context per identity,
 #     current-context admin (`kubectl --context rescheduler ...` for the others);
@@ -329,6 +330,7 @@ start_once() {
         echo "RESCHEDULER_TOKEN=${TOKENS[rescheduler]}"
         echo "CSI_CONTROLLER_TOKEN=${TOKENS[csi-controller]}"
         echo "CSI_NODE_TOKEN=${TOKENS[csi-node]}"
+        echo "TENANT_TOKEN=${TOKENS[tenant]}"
         echo "ETCD_URL=$etcd_url"
         echo "ETCD_PID=$etcd_pid"
         echo "APISERVER_PID=$api_pid"
@@ -362,6 +364,7 @@ start() {
     TOKENS[rescheduler]=$(token)
     TOKENS[csi-controller]=$(token)
     TOKENS[csi-node]=$(token)
+    TOKENS[tenant]=$(token)
     # token,user,uid[,"group1,group2"]; users without groups get only
     # system:authenticated (discovery), so RBAC tests start from nothing.
     {
@@ -369,6 +372,7 @@ start() {
         echo "${TOKENS[rescheduler]},rescheduler,rescheduler"
         echo "${TOKENS[csi-controller]},csi-controller,csi-controller"
         echo "${TOKENS[csi-node]},csi-node,csi-node"
+        echo "${TOKENS[tenant]},tenant,tenant"
     } > "$DIR/tokens.csv"
     chmod 600 "$DIR/tokens.csv"
 

@@ -16,6 +16,7 @@ pub const SUB_PATH: &str = "subPath";
 pub const VERIFY: &str = "verify";
 pub const SOURCE: &str = "source";
 pub const ALLOW_CROSS_NAMESPACE: &str = "allowCrossNamespacePVC";
+pub use crate::trust::ALLOWED_SOURCES;
 
 /// Options handed to the model source; see `puller`.
 pub const SOURCE_OPTIONS: [&str; 8] = [
@@ -29,8 +30,9 @@ pub const SOURCE_OPTIONS: [&str; 8] = [
     "modelRegistryURL",
 ];
 
-const KNOWN: [&str; 16] = [
+const KNOWN: [&str; 17] = [
     BACKEND,
+    ALLOWED_SOURCES,
     ALLOW_CROSS_NAMESPACE,
     ROLE,
     SHARED_PATH,
@@ -73,6 +75,8 @@ pub struct Params {
     pub source_options: BTreeMap<String, String>,
     /// `pvc://` may name a claim in another namespace.
     pub allow_cross_namespace: bool,
+    /// What a PVC's own source annotation may name; None: nothing.
+    pub allowed_sources: Option<crate::trust::AllowedSources>,
 }
 
 fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
@@ -145,6 +149,12 @@ impl Params {
                         .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
                     p.sub_path = Some(value.trim_end_matches('/').to_string());
                 }
+                ALLOWED_SOURCES => {
+                    p.allowed_sources = Some(
+                        crate::trust::AllowedSources::parse(value)
+                            .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?,
+                    );
+                }
                 ALLOW_CROSS_NAMESPACE => {
                     p.allow_cross_namespace =
                         one_of(key, value, &[("true", true), ("false", false)])?;
@@ -207,6 +217,7 @@ impl Params {
                 (p.sub_path.is_some(), SUB_PATH),
                 (p.verify.is_some(), VERIFY),
                 (p.source.is_some(), SOURCE),
+                (p.allowed_sources.is_some(), ALLOWED_SOURCES),
                 (
                     !p.source_options.is_empty(),
                     "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, hfAllowPatterns, hfIgnorePatterns, modelRegistryURL",
@@ -298,6 +309,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("cache volumes"), "{e}");
+    }
+
+    #[test]
+    fn allowed_sources_is_parsed_and_checked() {
+        let p = Params::parse(&map(&[("allowedSources", "hf://, s3://models/")])).unwrap();
+        let a = p.allowed_sources.unwrap();
+        assert!(a.permits("hf://org/repo").is_ok());
+        assert!(a.permits("file:///etc").is_err());
+        let e = Params::parse(&map(&[("allowedSources", "ftp://x")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("parameters.allowedSources"), "{e}");
+        let e = Params::parse(&map(&[("role", "source"), ("allowedSources", "hf://")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("parameters.allowedSources"), "{e}");
     }
 
     #[test]

@@ -17,6 +17,7 @@ use crate::kubeapi::{self, KubeApi};
 use crate::lock::KeyedMutex;
 use crate::puller::engine::{Engine, NoProgress, ProgressSink};
 use crate::puller::{self, SourceOptions};
+use crate::trust::Tenant;
 use kube::ResourceExt;
 
 use super::params::{ImageLocation, Params};
@@ -200,12 +201,43 @@ impl Provisioner {
             (Some(k), Some(ns), Some(name)) => Some((ns.clone(), k.pvc(ns, name).await?)),
             _ => None,
         };
+        // A source the PVC names is the tenant's choice: bounded by the
+        // class's allowedSources, pulled through the egress guard, and with
+        // the PVC's own secret only, never the class's or the driver's.
+        let mut tenant = None;
+        let events = match (&self.kube, &pvc) {
+            (Some(k), Some((_, claim))) => {
+                Some(k.pull_events(claim, std::time::Duration::from_secs(10)))
+            }
+            _ => None,
+        };
         if let (Some((ns, claim)), Some(k)) = (&pvc, &self.kube) {
             if let Some(src) = claim.annotations().get(kubeapi::SOURCE_ANNOTATION) {
-                puller::validate_uri(src).map_err(|m| {
-                    Error::invalid(format!("PVC annotation {}", kubeapi::SOURCE_ANNOTATION), m)
-                })?;
+                let field = format!("PVC annotation {}", kubeapi::SOURCE_ANNOTATION);
+                let admitted = match puller::validate_uri(src) {
+                    Err(m) => Err(Error::invalid(&field, m)),
+                    Ok(()) => {
+                        Tenant::admit(
+                            &field,
+                            src,
+                            params.allowed_sources.as_ref(),
+                            &params.source_options,
+                            &self.cfg.tenant_blocked_networks,
+                        )
+                        .await
+                    }
+                };
+                match admitted {
+                    Ok(t) => tenant = Some(t),
+                    Err(e) => {
+                        if let Some(ev) = &events {
+                            ev.refused(&e.to_string());
+                        }
+                        return Err(e);
+                    }
+                }
                 params.source = Some(src.clone());
+                secrets.clear();
             }
             if let Some(secret) = claim.annotations().get(kubeapi::SECRET_ANNOTATION) {
                 secrets.extend(k.secret(ns, secret).await?);
@@ -423,17 +455,18 @@ impl Provisioner {
                         let opts = SourceOptions {
                             params: params.source_options.clone(),
                             secrets: secrets.clone(),
-                        };
-                        let source = puller::open(&uri, &opts).await?;
-                        let events = match (&self.kube, &pvc) {
-                            (Some(k), Some((_, claim))) => {
-                                Some(k.pull_events(claim, std::time::Duration::from_secs(10)))
-                            }
-                            _ => None,
+                            tenant: tenant.clone(),
                         };
                         let sink: &dyn ProgressSink = match &events {
                             Some(e) => e,
                             None => &NoProgress,
+                        };
+                        let source = match puller::open(&uri, &opts).await {
+                            Ok(s) => s,
+                            Err(e) => {
+                                sink.failed(&uri, &e.to_string());
+                                return Err(e);
+                            }
                         };
                         let pulled = match self.engine.pull(&root, source, sink).await {
                             Ok(p) => p,
@@ -735,7 +768,18 @@ impl Provisioner {
         let block = spec.volume_mode.as_deref() == Some("Block");
         let local_path = spec.local.as_ref().map(|l| l.path.clone());
         let host_path = spec.host_path.as_ref().map(|h| h.path.clone());
+        let trusted = pv
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(kubeapi::TRUSTED_FILESYSTEM_ANNOTATION))
+            .is_some_and(|v| v == "true");
         match (local_path.or(host_path), block) {
+            (Some(_), true) if !trusted => Err(Error::PermissionDenied(format!(
+                "{uri}: PV {pv_name} is a block device whose filesystem its users can write;                  the node's kernel mounts only filesystems the driver sealed itself or an admin                  vouched for. An admin may annotate the PV {}: \"true\" once its content is \
+                 trusted and no longer written",
+                kubeapi::TRUSTED_FILESYSTEM_ANNOTATION
+            ))),
             (Some(device), true) => {
                 if u.path.is_some() {
                     return Err(Error::invalid(

@@ -303,7 +303,12 @@ impl Engine {
         if resolved.files.is_empty() {
             return Err(Error::NotFound(format!("{} has no files", resolved.uri)));
         }
-        let sid = model_id(&resolved.uri, &resolved.revision);
+        let scope = source.key_scope();
+        let sid = if scope.is_empty() {
+            model_id(&resolved.uri, &resolved.revision)
+        } else {
+            model_id(&format!("{}\0{scope}", resolved.uri), &resolved.revision)
+        };
         let span =
             info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
         let scheme = crate::metrics::scheme_of(&resolved.uri);

@@ -211,11 +211,11 @@ impl HfSource {
             .secrets
             .get(TOKEN_SECRET)
             .cloned()
-            .or_else(|| std::env::var("HF_TOKEN").ok())
+            .or_else(|| opts.admin_env("HF_TOKEN"))
             .map(|t| t.trim().to_string())
             .filter(|t| !t.is_empty());
         Ok(HfSource {
-            client: http::client()?,
+            client: http::client(opts.proxy())?,
             endpoint,
             uri,
             token,
@@ -446,6 +446,10 @@ impl Source for HfSource {
         )
         .await?;
         Ok(body.stream)
+    }
+
+    fn key_scope(&self) -> String {
+        self.endpoint.to_string()
     }
 }
 

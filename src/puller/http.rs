@@ -189,10 +189,17 @@ pub(crate) fn redact(url: &Url) -> String {
     u.to_string()
 }
 
-/// The client every HTTP-based source uses.
-pub(crate) fn client() -> Result<Client> {
-    Client::builder()
-        .user_agent(concat!("modelcache-csi/", env!("CARGO_PKG_VERSION")))
+/// The client every HTTP-based source uses; a tenant's goes through the
+/// egress guard at `proxy`.
+pub(crate) fn client(proxy: Option<&str>) -> Result<Client> {
+    let mut b = Client::builder();
+    if let Some(p) = proxy {
+        b = b.proxy(
+            reqwest::Proxy::all(p)
+                .map_err(|e| Error::Internal(format!("configuring the egress guard: {e}")))?,
+        );
+    }
+    b.user_agent(concat!("modelcache-csi/", env!("CARGO_PKG_VERSION")))
         .connect_timeout(CONNECT_TIMEOUT)
         // Follows redirects (CDNs, the Hub's LFS storage); reqwest drops the
         // Authorization header when a redirect leaves the origin.
@@ -700,7 +707,7 @@ impl HttpSource {
             );
         }
         Ok(HttpSource {
-            client: client()?,
+            client: client(opts.proxy())?,
             uri,
             token,
             ranges: AtomicBool::new(false),
@@ -963,6 +970,12 @@ impl Source for HttpSource {
     /// later ignores a Range header.
     fn ranges(&self) -> bool {
         self.ranges.load(Ordering::Relaxed)
+    }
+
+    /// The query selects the object (a signed URL, `?version=`), so it is
+    /// part of the key, though never of the shown URI.
+    fn key_scope(&self) -> String {
+        self.uri.url.query().unwrap_or_default().to_string()
     }
 }
 

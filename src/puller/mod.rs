@@ -24,7 +24,8 @@ use std::sync::Arc;
 
 use crate::cache::manifest::FileEntry;
 use crate::error::{Error, Result};
-use source::{Compression, Source};
+use crate::trust::Tenant;
+use source::{Compression, Resolved, Source};
 
 /// Every model URI form, for error messages.
 pub const ACCEPTED_FORMS: &str = "s3://bucket/prefix, https://host/path/file (or .../manifest.json#manifest), \
@@ -38,6 +39,26 @@ pub const ACCEPTED_FORMS: &str = "s3://bucket/prefix, https://host/path/file (or
 pub struct SourceOptions {
     pub params: BTreeMap<String, String>,
     pub secrets: BTreeMap<String, String>,
+    /// Set when a tenant named the source: no credential of the driver's
+    /// environment or instance is used, and every connection goes through
+    /// the egress guard.
+    pub tenant: Option<Arc<Tenant>>,
+}
+
+impl SourceOptions {
+    /// The egress guard's proxy URL for a tenant's pull.
+    pub(crate) fn proxy(&self) -> Option<&str> {
+        self.tenant.as_ref().map(|t| t.guard.proxy_url())
+    }
+
+    /// A credential from the driver's environment, which only sources an
+    /// admin chose may use.
+    pub(crate) fn admin_env(&self, key: &str) -> Option<String> {
+        if self.tenant.is_some() {
+            return None;
+        }
+        std::env::var(key).ok()
+    }
 }
 
 impl std::fmt::Debug for SourceOptions {
@@ -45,6 +66,7 @@ impl std::fmt::Debug for SourceOptions {
         f.debug_struct("SourceOptions")
             .field("params", &self.params)
             .field("secrets", &self.secrets.keys().collect::<Vec<_>>())
+            .field("tenant", &self.tenant.is_some())
             .finish()
     }
 }
@@ -72,12 +94,18 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
     validate_uri(uri).map_err(|m| Error::invalid("parameters.source", m))?;
     let scheme = uri.split_once("://").map(|(s, _)| s).unwrap_or_default();
     let uri = if scheme == "model-registry" {
-        registry::resolve_artifact_uri(uri, opts).await?
+        let artifact = registry::resolve_artifact_uri(uri, opts)
+            .await
+            .map_err(|e| explain(opts, e))?;
+        if let Some(t) = &opts.tenant {
+            t.recheck("the model registry's artifact URI", &artifact)?;
+        }
+        artifact
     } else {
         uri.to_string()
     };
     let uri = uri.as_str();
-    Ok(match uri.split_once("://").map(|(s, _)| s) {
+    let source: Arc<dyn Source> = match uri.split_once("://").map(|(s, _)| s) {
         Some("file") => Arc::new(file::FileSource::new(uri)?),
         Some("s3") => Arc::new(s3::new(uri, opts)?),
         Some("http" | "https") => Arc::new(http::HttpSource::new(uri, opts)?),
@@ -91,7 +119,64 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
                 ),
             ));
         }
+    };
+    Ok(match &opts.tenant {
+        Some(t) => Arc::new(Guarded {
+            inner: source,
+            tenant: t.clone(),
+        }),
+        None => source,
     })
+}
+
+fn explain(opts: &SourceOptions, e: Error) -> Error {
+    match &opts.tenant {
+        Some(t) => t.guard.explain(e),
+        None => e,
+    }
+}
+
+/// A tenant's source: a request the egress guard refused fails with the
+/// guard's reason (PermissionDenied, never retried) instead of a proxy error.
+struct Guarded {
+    inner: Arc<dyn Source>,
+    tenant: Arc<Tenant>,
+}
+
+#[async_trait::async_trait]
+impl Source for Guarded {
+    async fn resolve(&self) -> Result<Resolved> {
+        self.inner
+            .resolve()
+            .await
+            .map_err(|e| self.tenant.guard.explain(e))
+    }
+
+    async fn read(
+        &self,
+        file: &source::RemoteFile,
+        offset: u64,
+        len: Option<u64>,
+    ) -> Result<futures::stream::BoxStream<'static, Result<bytes::Bytes>>> {
+        use futures::StreamExt;
+        let tenant = self.tenant.clone();
+        let stream = self
+            .inner
+            .read(file, offset, len)
+            .await
+            .map_err(|e| self.tenant.guard.explain(e))?;
+        Ok(stream
+            .map(move |r| r.map_err(|e| tenant.guard.explain(e)))
+            .boxed())
+    }
+
+    fn ranges(&self) -> bool {
+        self.inner.ranges()
+    }
+
+    fn key_scope(&self) -> String {
+        self.inner.key_scope()
+    }
 }
 
 /// Unpacks a verified layer blob into the model.

@@ -174,6 +174,7 @@ pub struct OciSource {
     reference: Reference,
     client: Client,
     auth: RegistryAuth,
+    plain_http: bool,
 }
 
 impl std::fmt::Debug for OciSource {
@@ -230,6 +231,9 @@ impl OciSource {
             // Per read, not per request: a slow but moving layer is fine;
             // the engine's watchdog handles stalls longer than this.
             read_timeout: Some(Duration::from_secs(60)),
+            // A tenant's pull, blob redirects included, goes through the guard.
+            https_proxy: opts.proxy().map(str::to_string),
+            http_proxy: opts.proxy().map(str::to_string),
             ..ClientConfig::default()
         };
         let client = Client::try_from(config)
@@ -239,6 +243,7 @@ impl OciSource {
             uri,
             client,
             auth,
+            plain_http,
         })
     }
 }
@@ -292,6 +297,15 @@ impl Source for OciSource {
             BlobResponse::Full(s) => (s.stream, offset),
         };
         Ok(window(body, skip, len, what))
+    }
+
+    /// The same registry name over plain http is another server.
+    fn key_scope(&self) -> String {
+        if self.plain_http {
+            "http".into()
+        } else {
+            String::new()
+        }
     }
 }
 

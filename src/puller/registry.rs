@@ -217,7 +217,7 @@ pub async fn resolve_artifact_uri(uri: &str, opts: &SourceOptions) -> Result<Str
         .map(|t| t.trim().to_string())
         .filter(|t| !t.is_empty());
     let reg = Registry {
-        client: http::client()?,
+        client: http::client(opts.proxy())?,
         base,
         token,
     };

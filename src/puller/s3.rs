@@ -126,6 +126,8 @@ pub fn parse(uri: &str) -> Result<S3Uri, String> {
 pub struct S3Source {
     uri: S3Uri,
     store: AmazonS3,
+    /// The endpoint, when not AWS's own: part of the cache key.
+    endpoint: String,
     /// Each object's metadata as the last `resolve` listed it, by key: what
     /// `read` pins its GETs to.
     pins: Mutex<HashMap<String, ObjectMeta>>,
@@ -141,15 +143,16 @@ impl std::fmt::Debug for S3Source {
 /// parameters and the secrets.
 pub fn new(uri: &str, opts: &SourceOptions) -> Result<S3Source> {
     let parsed = parse(uri).map_err(|m| Error::invalid("parameters.source", m))?;
-    let store = build_store(&parsed.bucket, opts)?;
+    let (store, endpoint) = build_store(&parsed.bucket, opts)?;
     Ok(S3Source {
         uri: parsed,
         store,
+        endpoint,
         pins: Mutex::new(HashMap::new()),
     })
 }
 
-fn build_store(bucket: &str, opts: &SourceOptions) -> Result<AmazonS3> {
+fn build_store(bucket: &str, opts: &SourceOptions) -> Result<(AmazonS3, String)> {
     let params = &opts.params;
     // The driver's AWS_* environment fills whatever the StorageClass leaves
     // out (region, endpoint, and the credential chain: env keys, web
@@ -199,6 +202,10 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<AmazonS3> {
     };
     builder = builder.with_virtual_hosted_style_request(!path_style);
     let mut allow_http = false;
+    let scope = endpoint
+        .as_ref()
+        .map(|e| format!("{e} path_style={path_style}"))
+        .unwrap_or_default();
     if let Some(endpoint) = endpoint {
         allow_http = endpoint.scheme() == "http";
         // object_store expects a virtual-hosted endpoint to name the bucket.
@@ -236,6 +243,9 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<AmazonS3> {
             // Overrides every credential the environment may hold.
             builder = builder.with_credentials(Arc::new(StaticCredentialProvider::new(credential)));
         }
+        // A tenant's pull never signs with the driver's environment keys,
+        // web identity or instance role: unsigned, or the PVC's own secret.
+        (None, None) if opts.tenant.is_some() => builder = builder.with_skip_signature(true),
         (None, None) => {}
         _ => {
             return Err(Error::invalid(
@@ -247,7 +257,11 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<AmazonS3> {
         }
     }
 
-    let client = ClientOptions::new()
+    let mut client = ClientOptions::new();
+    if let Some(proxy) = opts.proxy() {
+        client = client.with_proxy_url(proxy);
+    }
+    let client = client
         .with_allow_http(allow_http)
         .with_timeout_disabled()
         .with_connect_timeout(CONNECT_TIMEOUT)
@@ -263,14 +277,15 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<AmazonS3> {
             base: 2.0,
         },
     };
-    builder
+    let store = builder
         .with_client_options(client)
         .with_retry(retry)
         .build()
         .map_err(|e| {
             // Builder errors name options, never their secret values.
             Error::invalid("parameters", format!("cannot configure S3 access: {e}"))
-        })
+        })?;
+    Ok((store, scope))
 }
 
 fn parse_endpoint(endpoint: &str) -> Result<url::Url> {
@@ -529,6 +544,10 @@ impl Source for S3Source {
             .into_stream()
             .map_err(move |e| map_err(&target, "read", e))
             .boxed())
+    }
+
+    fn key_scope(&self) -> String {
+        self.endpoint.clone()
     }
 }
 

@@ -89,4 +89,12 @@ pub trait Source: Send + Sync {
     fn ranges(&self) -> bool {
         true
     }
+
+    /// What else, beyond `Resolved::uri` and the revision, decides which
+    /// bytes this source serves (its endpoint, a URL's query): part of the
+    /// cache key, so a class pointing at another server can never seal
+    /// bytes under the key of a real model. Never shown; may hold secrets.
+    fn key_scope(&self) -> String {
+        String::new()
+    }
 }

@@ -44,6 +44,7 @@ pub struct Driver {
     pub socket: PathBuf,
     pub client: Client,
     extra_args: Vec<String>,
+    env: Vec<(String, String)>,
     log: PathBuf,
     child: Child,
     // Dropped last, after `Drop::drop` has unmounted everything under it.
@@ -58,6 +59,12 @@ impl Driver {
 
     /// Starts the driver with extra command-line arguments.
     pub async fn start_with(extra_args: &[&str]) -> Driver {
+        Driver::start_with_env(extra_args, &[]).await
+    }
+
+    /// Starts the driver with extra arguments and environment variables
+    /// (the credentials an admin gives the driver's pod, say).
+    pub async fn start_with_env(extra_args: &[&str], env: &[(&str, &str)]) -> Driver {
         let tmp = tempfile::Builder::new()
             .prefix("mc-test-")
             .tempdir()
@@ -69,7 +76,11 @@ impl Driver {
         let socket = dir.join("csi.sock");
         let log = dir.join("driver.log");
         let extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
-        let mut child = spawn(&socket, &state_dir, &shared_dir, &log, &extra_args);
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let mut child = spawn(&socket, &state_dir, &shared_dir, &log, &extra_args, &env);
         let client = match connect(&mut child, &socket, &log).await {
             Ok(c) => c,
             Err(e) => {
@@ -85,6 +96,7 @@ impl Driver {
             socket,
             client,
             extra_args,
+            env,
             log,
             child,
             _tmp: tmp,
@@ -110,6 +122,7 @@ impl Driver {
             &self.shared_dir,
             &self.log,
             &self.extra_args,
+            &self.env,
         );
         match connect(&mut self.child, &self.socket, &self.log).await {
             Ok(c) => self.client = c,
@@ -322,6 +335,7 @@ fn spawn(
     shared_dir: &Path,
     log: &Path,
     extra_args: &[String],
+    env: &[(String, String)],
 ) -> Child {
     let log_file = fs::OpenOptions::new()
         .create(true)
@@ -337,6 +351,7 @@ fn spawn(
         .arg("--shared-path")
         .arg(shared_dir)
         .args(extra_args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .env("RUST_LOG", "modelcache_csi=debug,info")
         .env("NO_COLOR", "1")
         .stdin(Stdio::null())

@@ -460,7 +460,11 @@ fn reason(status: u16) -> &'static str {
 
 /// Counts of requests by (method, decoded path).
 #[derive(Default)]
-struct Hits(Mutex<HashMap<(String, String), usize>>);
+struct Hits(
+    Mutex<HashMap<(String, String), usize>>,
+    /// Every request head, in order: what a credential test inspects.
+    Mutex<Vec<Request>>,
+);
 
 impl Hits {
     fn add(&self, req: &Request) {
@@ -470,6 +474,11 @@ impl Hits {
             .unwrap()
             .entry((req.method.clone(), req.path()))
             .or_default() += 1;
+        self.1.lock().unwrap().push(req.clone());
+    }
+
+    fn requests(&self) -> Vec<Request> {
+        self.1.lock().unwrap().clone()
     }
 
     fn get(&self, method: &str, path: &str) -> usize {
@@ -495,6 +504,8 @@ struct FileKnobs {
     /// Path -> stalled GETs still to send; a stalled path not here stalls every GET.
     stalls_left: HashMap<String, usize>,
     docs: HashMap<String, Arc<Vec<u8>>>,
+    /// Path -> Location of a 302.
+    redirects: HashMap<String, String>,
     ignore_ranges: bool,
     no_validators: bool,
 }
@@ -541,6 +552,18 @@ impl FileServer {
 
     pub fn heads(&self, path: &str) -> usize {
         self.state.hits.get("HEAD", path)
+    }
+
+    /// Every request received so far.
+    pub fn requests(&self) -> Vec<Request> {
+        self.state.hits.requests()
+    }
+
+    /// Answers `path` with a 302 to `location`.
+    pub fn redirect(&self, path: &str, location: &str) {
+        self.knobs()
+            .redirects
+            .insert(path.trim_start_matches('/').into(), location.into());
     }
 
     fn knobs(&self) -> std::sync::MutexGuard<'_, FileKnobs> {
@@ -629,6 +652,9 @@ fn serve_file(state: &FileState, req: &Request) -> Reply {
     let k = &mut *guard;
     if k.not_found.contains(&path) {
         return Reply::new(404);
+    }
+    if let Some(to) = k.redirects.get(&path) {
+        return Reply::new(302).header("Location", to.clone());
     }
     let busy = match k.unavailable.get_mut(&path) {
         Some(entry) if entry.0 > 0 => Some(entry),
@@ -762,6 +788,11 @@ impl HubServer {
     /// GETs of a decoded path, like `org/minilm/resolve/<sha>/config.json`.
     pub fn gets(&self, path: &str) -> usize {
         self.state.hits.get("GET", path)
+    }
+
+    /// Every request received so far.
+    pub fn requests(&self) -> Vec<Request> {
+        self.state.hits.requests()
     }
 }
 

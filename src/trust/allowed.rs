@@ -1,0 +1,285 @@
+//! `allowedSources`: the URI prefixes a StorageClass lets its PVCs name.
+//!
+//! A prefix matches on URI structure, never on raw text: the scheme must be
+//! equal, the authority (host, bucket, org, registry) equal as a whole, and
+//! the path must continue at a boundary, so `s3://models/llama` admits
+//! `s3://models/llama/7b` but not `s3://models/llama-evil`, and
+//! `https://cdn.example.com` never admits `https://cdn.example.com.evil.net`
+//! or `https://cdn.example.com@evil.net`. A tenant URI with user info or a
+//! dot segment is refused before any matching, so no spelling of a path can
+//! climb out of an allowed prefix.
+
+use std::fmt;
+
+/// Schemes a prefix may name; `pvc` and `file` only when named explicitly.
+const SCHEMES: [&str; 8] = [
+    "s3",
+    "http",
+    "https",
+    "oci",
+    "hf",
+    "model-registry",
+    "pvc",
+    "file",
+];
+
+/// One `scheme://[authority[/path]]` prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Prefix {
+    raw: String,
+    scheme: String,
+    /// None: any authority (the prefix was just `scheme://`).
+    authority: Option<String>,
+    /// Starts with '/' or is empty.
+    path: String,
+}
+
+/// The parsed `allowedSources` parameter.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AllowedSources {
+    prefixes: Vec<Prefix>,
+}
+
+/// A URI split at its structure: what a prefix is matched against.
+struct Parts<'a> {
+    scheme: &'a str,
+    authority: &'a str,
+    /// From the first '/' after the authority (query and fragment included).
+    rest: &'a str,
+}
+
+fn split(uri: &str) -> Option<Parts<'_>> {
+    let (scheme, after) = uri.split_once("://")?;
+    let end = after.find(['/', '?', '#']).unwrap_or(after.len());
+    Some(Parts {
+        scheme,
+        authority: &after[..end],
+        rest: &after[end..],
+    })
+}
+
+impl AllowedSources {
+    /// Parses a comma-separated list of prefixes; an error says which entry
+    /// is wrong and what is accepted.
+    pub fn parse(value: &str) -> Result<AllowedSources, String> {
+        let mut prefixes = Vec::new();
+        for raw in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let parts = split(raw).ok_or_else(|| {
+                format!("{raw:?} is not a URI prefix like hf:// or s3://bucket/models/")
+            })?;
+            let scheme = parts.scheme.to_ascii_lowercase();
+            if !SCHEMES.contains(&scheme.as_str()) {
+                return Err(format!(
+                    "{raw:?}: scheme {:?} is not a model source scheme (accepted: {})",
+                    parts.scheme,
+                    SCHEMES.join(", ")
+                ));
+            }
+            if parts.authority.contains('@') {
+                return Err(format!("{raw:?} must not carry user info"));
+            }
+            if has_dot_segment(parts.rest) || raw.chars().any(char::is_control) {
+                return Err(format!(
+                    "{raw:?} has a '.' or '..' segment or a control character"
+                ));
+            }
+            if parts.rest.contains(['?', '#']) {
+                return Err(format!("{raw:?}: a prefix cannot have a query or fragment"));
+            }
+            let authority = match (parts.authority.is_empty(), parts.rest.is_empty()) {
+                // `scheme://`: any authority; `file:///x` has an empty one.
+                (true, true) => None,
+                _ => Some(parts.authority.to_ascii_lowercase()),
+            };
+            prefixes.push(Prefix {
+                raw: raw.to_string(),
+                scheme,
+                authority,
+                path: parts.rest.to_string(),
+            });
+        }
+        if prefixes.is_empty() {
+            return Err("lists no prefix; give comma-separated URI prefixes like \
+                 hf://,s3://models/,oci://registry.example.com/"
+                .into());
+        }
+        Ok(AllowedSources { prefixes })
+    }
+
+    /// Whether a tenant may name `uri`; the error says why not and lists
+    /// what is allowed.
+    pub fn permits(&self, uri: &str) -> Result<(), String> {
+        refuse_hostile_form(uri)?;
+        let parts = split(uri).ok_or_else(|| format!("{uri:?} is not a model URI"))?;
+        let scheme = parts.scheme.to_ascii_lowercase();
+        let authority = parts.authority.to_ascii_lowercase();
+        let ok = self.prefixes.iter().any(|p| {
+            p.scheme == scheme
+                && match &p.authority {
+                    None => true,
+                    Some(a) => *a == authority && path_within(&p.path, parts.rest),
+                }
+        });
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} is outside the sources this StorageClass allows ({self})",
+                shown(uri)
+            ))
+        }
+    }
+
+    /// The hosts (`host` or `host:port`) that prefixes name explicitly:
+    /// the only ones a tenant's pull may reach on loopback, link-local or
+    /// cluster addresses.
+    pub fn named_hosts(&self) -> Vec<String> {
+        self.prefixes
+            .iter()
+            .filter(|p| matches!(p.scheme.as_str(), "http" | "https" | "oci"))
+            .filter_map(|p| p.authority.clone())
+            .filter(|a| !a.is_empty())
+            .collect()
+    }
+}
+
+impl fmt::Display for AllowedSources {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let raw: Vec<_> = self.prefixes.iter().map(|p| p.raw.as_str()).collect();
+        f.write_str(&raw.join(","))
+    }
+}
+
+/// The URI without query or fragment, which may carry secrets.
+fn shown(uri: &str) -> &str {
+    let end = uri.find(['?', '#']).unwrap_or(uri.len());
+    &uri[..end]
+}
+
+/// `rest` continues `prefix` at a path boundary.
+fn path_within(prefix: &str, rest: &str) -> bool {
+    if prefix.is_empty() || prefix == "/" {
+        return true;
+    }
+    let Some(tail) = rest.strip_prefix(prefix) else {
+        return false;
+    };
+    prefix.ends_with('/') || tail.is_empty() || tail.starts_with(['/', '@', ':', '?', '#'])
+}
+
+/// A '.' or '..' path segment, literal or percent-encoded, or a backslash.
+fn has_dot_segment(rest: &str) -> bool {
+    let path = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+    path.split('/').any(|seg| {
+        let decoded = percent_encoding::percent_decode_str(seg).decode_utf8_lossy();
+        decoded == "." || decoded == ".." || decoded.contains(['\\', '/'])
+    })
+}
+
+/// What no tenant URI may look like, whatever the prefixes say.
+fn refuse_hostile_form(uri: &str) -> Result<(), String> {
+    if uri.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err("a source URI must not contain control characters or spaces".into());
+    }
+    let parts = split(uri).ok_or_else(|| format!("{uri:?} is not a model URI"))?;
+    if parts.authority.contains('@') {
+        return Err(format!(
+            "{}: user info in a source URI is refused; credentials go in the PVC's source secret",
+            parts.scheme
+        ));
+    }
+    if has_dot_segment(parts.rest) {
+        return Err(format!(
+            "{} has a '.' or '..' path segment (or a backslash); name the path directly",
+            shown(uri)
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allowed(list: &str) -> AllowedSources {
+        AllowedSources::parse(list).unwrap()
+    }
+
+    #[test]
+    fn prefixes_match_on_structure() {
+        let a = allowed(
+            "hf://, s3://models/llama, oci://registry.example.com, https://cdn.example.com/m/",
+        );
+        for ok in [
+            "hf://org/repo",
+            "hf://org/repo@main",
+            "s3://models/llama",
+            "s3://models/llama/7b",
+            "oci://registry.example.com/repo:tag",
+            "oci://REGISTRY.example.com/repo@sha256:00",
+            "https://cdn.example.com/m/model.safetensors",
+            "https://cdn.example.com/m/x.json?sig=1#manifest",
+        ] {
+            assert_eq!(a.permits(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "s3://models/llama-evil/x",
+            "s3://models/other",
+            "s3://models2/llama",
+            "oci://registry.example.com.evil.net/repo",
+            "oci://registry.example.com:5000/repo",
+            "https://cdn.example.com@evil.net/m/x",
+            "https://cdn.example.com/m2/x",
+            "https://cdn.example.com/m/../secret/x",
+            "https://cdn.example.com/m/%2e%2e/secret/x",
+            "https://cdn.example.com/m/a\\..\\b",
+            "http://cdn.example.com/m/x",
+            "file:///var/lib/kubelet/pki",
+            "pvc://other:claim",
+            "model-registry://m/1",
+        ] {
+            assert!(a.permits(bad).is_err(), "{bad} was permitted");
+        }
+    }
+
+    #[test]
+    fn file_and_pvc_only_when_named() {
+        let a = allowed("file:///models/");
+        assert_eq!(a.permits("file:///models/bert"), Ok(()));
+        assert!(a.permits("file:///models/../etc").is_err());
+        assert!(a.permits("file:///modelsx/bert").is_err());
+        assert!(a.permits("file:///etc/shadow").is_err());
+        assert!(allowed("hf://").permits("file:///models/bert").is_err());
+        let a = allowed("pvc://team-a:weights/");
+        assert_eq!(a.permits("pvc://team-a:weights/bert"), Ok(()));
+        assert!(a.permits("pvc://team-b:weights/bert").is_err());
+    }
+
+    #[test]
+    fn bad_lists_name_the_entry() {
+        for (list, word) in [
+            ("", "no prefix"),
+            ("gopher://x", "gopher"),
+            ("hf", "not a URI prefix"),
+            ("https://u:p@host/", "user info"),
+            ("https://host/a/../b", "'..'"),
+        ] {
+            let e = AllowedSources::parse(list).unwrap_err();
+            assert!(e.contains(word), "{list}: {e}");
+        }
+    }
+
+    #[test]
+    fn named_hosts_are_explicit_network_hosts() {
+        let a = allowed("hf://, s3://models/, http://127.0.0.1:9000/m/, oci://reg.local:5000");
+        assert_eq!(a.named_hosts(), vec!["127.0.0.1:9000", "reg.local:5000"]);
+    }
+
+    #[test]
+    fn refusals_never_show_a_query() {
+        let e = allowed("hf://")
+            .permits("https://h/x?X-Amz-Signature=secret")
+            .unwrap_err();
+        assert!(!e.contains("secret"), "{e}");
+    }
+}

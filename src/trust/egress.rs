@@ -1,0 +1,455 @@
+//! The egress guard: every connection a tenant-named pull makes goes through
+//! an in-process HTTP proxy on loopback, which resolves the target itself
+//! and connects only to addresses the pull's policy allows.
+//!
+//! Checking names before a request is not enough: a redirect, a `#manifest`
+//! entry, a registry's blob redirect or a DNS answer that changes between
+//! the check and the connect (rebinding) all reach addresses no check saw.
+//! Here the check and the connect are one step on the resolved address, and
+//! every client library we use (reqwest, object_store, oci-client) honours
+//! a proxy, so no code path can bypass it. The proxy never serves anyone
+//! without the per-process token, and it must never be used for sources an
+//! admin chose (they reach what the admin decided).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use ipnet::IpNet;
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::error::{Error, Result};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why an address is closed to tenants, or None when it is open.
+pub fn closed_reason(ip: IpAddr, cluster: &[IpNet]) -> Option<String> {
+    // ::ffff:127.0.0.1 is loopback too.
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    };
+    let reason = match ip {
+        IpAddr::V4(v4) if v4.is_loopback() => "loopback",
+        IpAddr::V6(v6) if v6.is_loopback() => "loopback",
+        IpAddr::V4(v4) if v4.is_link_local() => "link-local (where cloud metadata lives)",
+        IpAddr::V6(v6) if v6.is_unicast_link_local() => "link-local",
+        IpAddr::V4(v4) if v4.is_unspecified() || v4.octets()[0] == 0 => "unspecified",
+        IpAddr::V6(v6) if v6.is_unspecified() => "unspecified",
+        IpAddr::V4(v4) if v4.is_multicast() || v4.is_broadcast() => "multicast or broadcast",
+        IpAddr::V6(v6) if v6.is_multicast() => "multicast",
+        _ => {
+            let net = cluster.iter().find(|n| n.contains(&ip))?;
+            return Some(format!(
+                "in the cluster network {net} (--tenant-blocked-networks)"
+            ));
+        }
+    };
+    Some(reason.to_string())
+}
+
+/// What one tenant pull may reach.
+#[derive(Debug)]
+pub struct Policy {
+    /// `host` or `host:port`, lowercase: named by the StorageClass (an
+    /// allowedSources prefix or an endpoint parameter), so reachable even
+    /// on closed addresses.
+    admitted: Vec<String>,
+    cluster: Vec<IpNet>,
+    /// The first refusal, so the pull fails with it instead of a proxy error.
+    refusal: Mutex<Option<String>>,
+}
+
+impl Policy {
+    pub fn new(admitted: Vec<String>, cluster: Vec<IpNet>) -> Policy {
+        Policy {
+            admitted: admitted
+                .into_iter()
+                .map(|h| h.to_ascii_lowercase())
+                .collect(),
+            cluster,
+            refusal: Mutex::new(None),
+        }
+    }
+
+    fn admits(&self, host: &str, port: u16) -> bool {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        self.admitted.iter().any(|a| {
+            let a = a.as_str();
+            a == host
+                || a == format!("{host}:{port}")
+                || a == format!("[{host}]:{port}")
+                || a.trim_start_matches('[').trim_end_matches(']') == host
+        })
+    }
+
+    /// Resolves `host` and returns the addresses to connect to, or why not.
+    pub async fn resolve(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> std::result::Result<Vec<SocketAddr>, String> {
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let addrs: Vec<SocketAddr> = match bare.parse::<IpAddr>() {
+            Ok(ip) => vec![SocketAddr::new(ip, port)],
+            Err(_) => tokio::net::lookup_host((bare, port))
+                .await
+                .map_err(|e| format!("cannot resolve {bare}: {e}"))?
+                .collect(),
+        };
+        if self.admits(host, port) {
+            return Ok(addrs);
+        }
+        // Every address must be open: a mixed answer is how rebinding hides.
+        for a in &addrs {
+            if let Some(why) = closed_reason(a.ip(), &self.cluster) {
+                return Err(format!(
+                    "{bare}:{port} resolves to {}, which is {why}; a PVC's source may not reach it \
+                     unless the StorageClass's allowedSources names that host explicitly",
+                    a.ip()
+                ));
+            }
+        }
+        if addrs.is_empty() {
+            return Err(format!("{bare} resolves to no address"));
+        }
+        Ok(addrs)
+    }
+
+    fn refuse(&self, why: &str) {
+        let mut r = self.refusal.lock().unwrap_or_else(|p| p.into_inner());
+        r.get_or_insert_with(|| why.to_string());
+    }
+
+    /// The refusal that made a request fail, if any.
+    pub fn refusal(&self) -> Option<String> {
+        self.refusal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// A policy registered with the proxy; unregistered on drop.
+#[derive(Debug)]
+pub struct Guard {
+    id: String,
+    pub policy: Arc<Policy>,
+    url: String,
+}
+
+impl Guard {
+    /// Starts the proxy if needed and registers `policy` with it.
+    pub async fn new(policy: Policy) -> Result<Guard> {
+        let proxy = proxy().await?;
+        let policy = Arc::new(policy);
+        let id = format!("p{}", uuid::Uuid::new_v4().simple());
+        proxy
+            .policies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), Arc::downgrade(&policy));
+        let url = format!("http://{id}:{}@{}", proxy.token, proxy.addr);
+        Ok(Guard { id, policy, url })
+    }
+
+    /// The proxy URL, credentials included: for client configuration only,
+    /// never for a log line.
+    pub fn proxy_url(&self) -> &str {
+        &self.url
+    }
+
+    /// An error of a request through this guard, replaced by the refusal
+    /// that caused it: a tenant gets told why, and the engine does not
+    /// retry what will never be allowed.
+    pub fn explain(&self, err: Error) -> Error {
+        match self.policy.refusal() {
+            Some(why) => Error::PermissionDenied(why),
+            None => err,
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(p) = PROXY.get() {
+            p.policies
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.id);
+        }
+    }
+}
+
+struct Proxy {
+    addr: SocketAddr,
+    token: String,
+    policies: Mutex<HashMap<String, Weak<Policy>>>,
+}
+
+static PROXY: OnceLock<Proxy> = OnceLock::new();
+static STARTING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn proxy() -> Result<&'static Proxy> {
+    if let Some(p) = PROXY.get() {
+        return Ok(p);
+    }
+    let _g = STARTING.lock().await;
+    if let Some(p) = PROXY.get() {
+        return Ok(p);
+    }
+    let listener = TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .map_err(|e| Error::Internal(format!("binding the egress guard on loopback: {e}")))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::Internal(format!("egress guard address: {e}")))?;
+    let p = PROXY.get_or_init(|| Proxy {
+        addr,
+        token: uuid::Uuid::new_v4().simple().to_string(),
+        policies: Mutex::new(HashMap::new()),
+    });
+    tokio::spawn(serve(listener, p));
+    Ok(p)
+}
+
+async fn serve(listener: TcpListener, proxy: &'static Proxy) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "egress guard: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| handle(proxy, req));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "egress guard connection ended");
+            }
+        });
+    }
+}
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+fn reply(status: StatusCode, text: String) -> Response<Body> {
+    let mut r = Response::new(
+        Full::new(Bytes::from(text))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *r.status_mut() = status;
+    r
+}
+
+/// The policy named by the request's Proxy-Authorization, if the token fits.
+fn policy_of(proxy: &Proxy, req: &Request<Incoming>) -> Option<Arc<Policy>> {
+    let value = req
+        .headers()
+        .get(hyper::header::PROXY_AUTHORIZATION)?
+        .to_str()
+        .ok()?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(value.strip_prefix("Basic ")?)
+        .ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let (id, token) = text.split_once(':')?;
+    if token != proxy.token {
+        return None;
+    }
+    proxy
+        .policies
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(id)?
+        .upgrade()
+}
+
+async fn handle(
+    proxy: &'static Proxy,
+    req: Request<Incoming>,
+) -> std::result::Result<Response<Body>, hyper::Error> {
+    let Some(policy) = policy_of(proxy, &req) else {
+        return Ok(reply(
+            StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            "the egress guard serves only the driver's own pulls".into(),
+        ));
+    };
+    let (host, port) = match target(&req) {
+        Some(t) => t,
+        None => {
+            return Ok(reply(
+                StatusCode::BAD_REQUEST,
+                "the egress guard needs CONNECT host:port or an absolute http:// URI".into(),
+            ));
+        }
+    };
+    let addrs = match policy.resolve(&host, port).await {
+        Ok(a) => a,
+        Err(why) => {
+            tracing::warn!(host = %host, port, reason = %why, "egress refused");
+            policy.refuse(&why);
+            return Ok(reply(StatusCode::FORBIDDEN, why));
+        }
+    };
+    let upstream = match connect(&addrs).await {
+        Ok(s) => s,
+        Err(e) => {
+            return Ok(reply(
+                StatusCode::BAD_GATEWAY,
+                format!("connecting to {host}:{port}: {e}"),
+            ));
+        }
+    };
+    if req.method() == Method::CONNECT {
+        tokio::spawn(async move {
+            match hyper::upgrade::on(req).await {
+                Ok(up) => {
+                    let mut client = TokioIo::new(up);
+                    let mut upstream = upstream;
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                }
+                Err(e) => tracing::debug!(error = %e, "egress guard: upgrade failed"),
+            }
+        });
+        return Ok(Response::new(
+            Full::new(Bytes::new())
+                .map_err(|never| match never {})
+                .boxed(),
+        ));
+    }
+    forward(req, upstream, &host, port).await
+}
+
+/// `CONNECT host:port`, or the host and port of an absolute `http://` URI.
+fn target(req: &Request<Incoming>) -> Option<(String, u16)> {
+    let uri = req.uri();
+    if req.method() == Method::CONNECT {
+        let a = uri.authority()?;
+        return Some((a.host().to_string(), a.port_u16()?));
+    }
+    if uri.scheme_str() != Some("http") {
+        return None;
+    }
+    Some((uri.host()?.to_string(), uri.port_u16().unwrap_or(80)))
+}
+
+async fn connect(addrs: &[SocketAddr]) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::other("no address");
+    for a in addrs {
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(a)).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => last = e,
+            Err(_) => last = std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
+        }
+    }
+    Err(last)
+}
+
+/// A plain-http request, sent in origin form on its own upstream connection.
+async fn forward(
+    req: Request<Incoming>,
+    upstream: TcpStream,
+    host: &str,
+    port: u16,
+) -> std::result::Result<Response<Body>, hyper::Error> {
+    let (mut parts, body) = req.into_parts();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    parts.uri = match path.parse() {
+        Ok(u) => u,
+        Err(_) => return Ok(reply(StatusCode::BAD_REQUEST, "bad request path".into())),
+    };
+    parts.headers.remove(hyper::header::PROXY_AUTHORIZATION);
+    parts.headers.remove("proxy-connection");
+    if !parts.headers.contains_key(hyper::header::HOST) {
+        let h = if port == 80 {
+            host.to_string()
+        } else {
+            format!("{host}:{port}")
+        };
+        if let Ok(v) = h.parse() {
+            parts.headers.insert(hyper::header::HOST, v);
+        }
+    }
+    let (mut sender, conn) =
+        match hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await {
+            Ok(x) => x,
+            Err(e) => {
+                return Ok(reply(
+                    StatusCode::BAD_GATEWAY,
+                    format!("talking to {host}:{port}: {e}"),
+                ));
+            }
+        };
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    match sender.send_request(Request::from_parts(parts, body)).await {
+        Ok(resp) => Ok(resp.map(|b| b.boxed())),
+        Err(e) => Ok(reply(
+            StatusCode::BAD_GATEWAY,
+            format!("talking to {host}:{port}: {e}"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closed_addresses() {
+        let cluster: Vec<IpNet> = vec!["10.96.0.0/12".parse().unwrap()];
+        for (ip, word) in [
+            ("127.0.0.1", "loopback"),
+            ("127.8.9.10", "loopback"),
+            ("::1", "loopback"),
+            ("::ffff:127.0.0.1", "loopback"),
+            ("169.254.169.254", "link-local"),
+            ("fe80::1", "link-local"),
+            ("0.0.0.0", "unspecified"),
+            ("::", "unspecified"),
+            ("10.96.0.1", "cluster network"),
+        ] {
+            let why = closed_reason(ip.parse().unwrap(), &cluster);
+            assert!(
+                why.as_deref().is_some_and(|w| w.contains(word)),
+                "{ip}: {why:?}"
+            );
+        }
+        for ip in ["93.184.216.34", "10.0.0.1", "2606:4700::1"] {
+            assert_eq!(closed_reason(ip.parse().unwrap(), &cluster), None, "{ip}");
+        }
+    }
+
+    #[tokio::test]
+    async fn admitted_hosts_pass_closed_ones_do_not() {
+        let p = Policy::new(vec!["127.0.0.1:9000".into()], vec![]);
+        assert!(p.resolve("127.0.0.1", 9000).await.is_ok());
+        let e = p.resolve("127.0.0.1", 9001).await.unwrap_err();
+        assert!(
+            e.contains("loopback") && e.contains("allowedSources"),
+            "{e}"
+        );
+        let e = p.resolve("localhost", 80).await.unwrap_err();
+        assert!(e.contains("loopback"), "{e}");
+        let e = p.resolve("[::1]", 80).await.unwrap_err();
+        assert!(e.contains("loopback"), "{e}");
+    }
+}
