@@ -341,3 +341,58 @@ async fn credentials_come_from_secrets_and_rejections_name_them() {
         assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
     }
 }
+
+/// A tenant's oci:// pull: every request, blobs included, goes through the
+/// egress guard, so the registry answers only when the class names it.
+#[tokio::test]
+async fn a_tenant_reaches_a_registry_only_when_the_class_names_it() {
+    use modelcache_csi::trust::{AllowedSources, Tenant};
+    let model = model_dir();
+    let reg = Registry::start().await;
+    let pushed = reg.push_artifact("minilm:v1", model).await;
+    let uri = reg.uri("minilm:v1");
+    let host = uri.trim_start_matches("oci://").split('/').next().unwrap();
+
+    let named = AllowedSources::parse(&format!("oci://{host}/")).unwrap();
+    let mut opts = reg.options();
+    opts.tenant = Some(
+        Tenant::admit("annotation", &uri, Some(&named), &opts.params, &[])
+            .await
+            .unwrap(),
+    );
+    let src = modelcache_csi::puller::open(&uri, &opts).await.unwrap();
+    let resolved = src.resolve().await.expect("through the guard");
+    assert_eq!(resolved.revision, pushed.digest);
+    let f = &resolved.files[0];
+    let mut body = Vec::new();
+    let mut s = src.read(f, 0, None).await.expect("blob through the guard");
+    while let Some(chunk) = s.next().await {
+        body.extend_from_slice(&chunk.unwrap());
+    }
+    assert_eq!(Some(body.len() as u64), f.size);
+    let through = opts.tenant.as_ref().unwrap().guard.policy.connections();
+    assert!(through > 0, "the pull bypassed the egress guard");
+
+    // Any registry, but loopback is closed: refused before a request.
+    let any = AllowedSources::parse("oci://").unwrap();
+    let before = reg.log_text().len();
+    let mut opts = reg.options();
+    opts.tenant = Some(
+        Tenant::admit("annotation", &uri, Some(&any), &opts.params, &[])
+            .await
+            .unwrap(),
+    );
+    let src = modelcache_csi::puller::open(&uri, &opts).await.unwrap();
+    let e = src.resolve().await.unwrap_err();
+    assert!(
+        matches!(&e, Error::PermissionDenied(m) if m.contains("loopback")),
+        "{e:?}"
+    );
+    // Every earlier request's access-log line is written by then.
+    reg.settled_blob_gets().await;
+    assert!(
+        !reg.log_text()[before..].contains("GET /v2/minilm"),
+        "the registry was reached: {}",
+        &reg.log_text()[before..]
+    );
+}

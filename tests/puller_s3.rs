@@ -5,6 +5,7 @@
 #[path = "support/minio.rs"]
 mod minio;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -261,4 +262,54 @@ async fn a_stopped_object_store_is_unavailable() {
     let err = src.read(&resolved.files[0], 0, None).await.err().unwrap();
     assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
     assert!(!err.to_string().contains(minio::ROOT_PASSWORD));
+}
+
+/// A tenant's s3:// pull goes through the egress guard to the endpoint the
+/// class chose, signed only with the PVC's own keys, never unsigned-by-luck
+/// with the driver's: without keys it is anonymous, and a private bucket
+/// refuses it.
+#[tokio::test]
+async fn a_tenant_pulls_through_the_guard_with_its_own_keys_only() {
+    use modelcache_csi::trust::{AllowedSources, Tenant};
+    let minio = Minio::start();
+    minio.create_bucket("models").await;
+    minio
+        .put("models", "tenant/weights.bin", vec![7u8; 4096])
+        .await;
+    let uri = "s3://models/tenant";
+    let allowed = AllowedSources::parse("s3://models/").unwrap();
+    let tenant = |secrets: BTreeMap<String, String>| {
+        let params = minio.params();
+        let allowed = allowed.clone();
+        async move {
+            let t = Tenant::admit("annotation", uri, Some(&allowed), &params, &[])
+                .await
+                .unwrap();
+            SourceOptions {
+                params,
+                secrets,
+                tenant: Some(t),
+            }
+        }
+    };
+
+    let opts = tenant(minio.secrets()).await;
+    let src = modelcache_csi::puller::open(uri, &opts).await.unwrap();
+    let resolved = src.resolve().await.expect("the PVC's own keys");
+    assert_eq!(resolved.files.len(), 1);
+    let body: Vec<Bytes> = src
+        .read(&resolved.files[0], 0, None)
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(body.concat(), vec![7u8; 4096]);
+    let through = opts.tenant.as_ref().unwrap().guard.policy.connections();
+    assert!(through > 0, "the pull bypassed the egress guard");
+
+    let opts = tenant(BTreeMap::new()).await;
+    let src = modelcache_csi::puller::open(uri, &opts).await.unwrap();
+    let e = src.resolve().await.unwrap_err();
+    assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
 }

@@ -65,6 +65,9 @@ pub struct Policy {
     cluster: Vec<IpNet>,
     /// The first refusal, so the pull fails with it instead of a proxy error.
     refusal: Mutex<Option<String>>,
+    /// Upstream connections made for this policy: proof that a client
+    /// really went through the guard.
+    connections: std::sync::atomic::AtomicUsize,
 }
 
 impl Policy {
@@ -76,6 +79,7 @@ impl Policy {
                 .collect(),
             cluster,
             refusal: Mutex::new(None),
+            connections: Default::default(),
         }
     }
 
@@ -126,6 +130,11 @@ impl Policy {
     fn refuse(&self, why: &str) {
         let mut r = self.refusal.lock().unwrap_or_else(|p| p.into_inner());
         r.get_or_insert_with(|| why.to_string());
+    }
+
+    /// How many upstream connections the guard made for this policy.
+    pub fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The refusal that made a request fail, if any.
@@ -305,7 +314,12 @@ async fn handle(
         }
     };
     let upstream = match connect(&addrs).await {
-        Ok(s) => s,
+        Ok(s) => {
+            policy
+                .connections
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            s
+        }
         Err(e) => {
             return Ok(reply(
                 StatusCode::BAD_GATEWAY,
@@ -436,6 +450,117 @@ mod tests {
         for ip in ["93.184.216.34", "10.0.0.1", "2606:4700::1"] {
             assert_eq!(closed_reason(ip.parse().unwrap(), &cluster), None, "{ip}");
         }
+    }
+
+    /// Sends `head` to the guard of `g` and returns its status line and the
+    /// open stream.
+    async fn ask(g: &Guard, head: String) -> (String, TcpStream) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let url = url::Url::parse(g.proxy_url()).unwrap();
+        let auth = base64::engine::general_purpose::STANDARD.encode(format!(
+            "{}:{}",
+            url.username(),
+            url.password().unwrap()
+        ));
+        let mut s = TcpStream::connect((url.host_str().unwrap(), url.port().unwrap()))
+            .await
+            .unwrap();
+        let head = head.replace(
+            "\r\n\r\n",
+            &format!("\r\nProxy-Authorization: Basic {auth}\r\n\r\n"),
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        let mut byte = [0u8; 1];
+        while !buf.ends_with(b"\r\n\r\n") {
+            if s.read(&mut byte).await.unwrap() == 0 {
+                break;
+            }
+            buf.push(byte[0]);
+        }
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        (text.lines().next().unwrap_or_default().to_string(), s)
+    }
+
+    /// A one-shot upstream that answers any request with `hello`.
+    async fn upstream() -> (u16, tokio::task::JoinHandle<usize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let mut served = 0;
+            while let Ok(Ok((mut s, _))) =
+                tokio::time::timeout(Duration::from_secs(2), l.accept()).await
+            {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello",
+                    )
+                    .await;
+                served += 1;
+            }
+            served
+        });
+        (port, task)
+    }
+
+    #[tokio::test]
+    async fn tunnels_and_forwards_only_what_the_policy_admits() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (port, served) = upstream().await;
+        let open = Guard::new(Policy::new(vec![format!("127.0.0.1:{port}")], vec![]))
+            .await
+            .unwrap();
+        // CONNECT, then HTTP through the tunnel.
+        let (status, mut s) = ask(
+            &open,
+            format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"),
+        )
+        .await;
+        assert!(status.contains("200"), "{status}");
+        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).await.unwrap();
+        assert!(body.ends_with("hello"), "{body}");
+        // Plain http in absolute form.
+        let (status, _) = ask(
+            &open,
+            format!("GET http://127.0.0.1:{port}/x HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"),
+        )
+        .await;
+        assert!(status.contains("200"), "{status}");
+
+        // A policy that does not name the host reaches nothing, and says why.
+        let closed = Guard::new(Policy::new(vec![], vec![])).await.unwrap();
+        for head in [
+            format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"),
+            format!("GET http://localhost:{port}/x HTTP/1.1\r\nHost: localhost\r\n\r\n"),
+        ] {
+            let (status, _) = ask(&closed, head).await;
+            assert!(status.contains("403"), "{status}");
+        }
+        let why = closed.policy.refusal().unwrap();
+        assert!(why.contains("loopback"), "{why}");
+        let e = closed.explain(Error::Unavailable("proxy said 403".into()));
+        assert!(matches!(e, Error::PermissionDenied(_)), "{e:?}");
+        // Without the token the guard serves no one.
+        drop(open);
+        let mut s = TcpStream::connect(PROXY.get().unwrap().addr).await.unwrap();
+        s.write_all(format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut reply = vec![0u8; 64];
+        let n = s.read(&mut reply).await.unwrap();
+        assert!(String::from_utf8_lossy(&reply[..n]).contains("407"));
+        assert_eq!(
+            served.await.unwrap(),
+            2,
+            "only the admitted requests arrived"
+        );
     }
 
     #[tokio::test]
