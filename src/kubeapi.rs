@@ -75,6 +75,20 @@ pub fn parse_pvc_uri(uri: &str) -> Result<PvcUri, String> {
     })
 }
 
+/// An RFC 1123 subdomain, as Kubernetes object names are.
+fn is_object_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        })
+}
+
 #[derive(Clone)]
 pub struct KubeApi {
     client: Client,
@@ -118,6 +132,17 @@ impl KubeApi {
 
     /// A Secret's data as strings, from the PVC's own namespace only.
     pub async fn secret(&self, namespace: &str, name: &str) -> Result<BTreeMap<String, String>> {
+        // The name comes from a tenant's annotation and becomes part of a
+        // request path: only a real object name may get that far.
+        if !is_object_name(name) {
+            return Err(Error::invalid(
+                format!("PVC annotation {SECRET_ANNOTATION}"),
+                format!(
+                    "{name:?} is not a Secret name (lowercase letters, digits, '-' and '.', \
+                     at most 253 characters)"
+                ),
+            ));
+        }
         let s = Api::<Secret>::namespaced(self.client.clone(), namespace)
             .get(name)
             .await
@@ -254,6 +279,26 @@ impl ProgressSink for PvcEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn object_names() {
+        for ok in ["hf-token", "a", "a.b-c", "x1"] {
+            assert!(is_object_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "../x",
+            "a/b",
+            "A",
+            "-a",
+            "a..b",
+            "a b",
+            "a%2fb",
+            &"a".repeat(254),
+        ] {
+            assert!(!is_object_name(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn pvc_uris() {

@@ -195,6 +195,29 @@ async fn tenants_reach_only_what_the_class_allows() {
         assert!(w.contains(ANNOTATION), "{uri}: no event: {w:?}");
     }
 
+    // A secret reference is an object name, never a path into the API.
+    c.tenant_pvc(
+        "team-a",
+        "secret-path",
+        &[
+            (ANNOTATION, "hf://org/repo"),
+            (
+                "modelcache.csi.io/source-secret",
+                "../../../kube-system/secrets/admin",
+            ),
+        ],
+    );
+    let r = d
+        .create(request(
+            "v-secret-path",
+            "team-a",
+            "secret-path",
+            &class,
+            &[],
+        ))
+        .await;
+    assert_code(r, Code::InvalidArgument, "is not a Secret name");
+
     // 3. No SSRF: loopback by address and by name, link-local (cloud
     // metadata) — no request reaches them.
     for (i, uri) in [
