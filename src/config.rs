@@ -29,6 +29,8 @@ pub struct Config {
     /// the host (the cluster's service and pod ranges); loopback and
     /// link-local are always closed to tenants.
     pub tenant_blocked_networks: Vec<ipnet::IpNet>,
+    /// How often a running pull reports progress on its PVC.
+    pub progress_every: Duration,
 }
 
 impl Config {
@@ -55,6 +57,7 @@ impl Default for Config {
             kube_api: false,
             kubeconfig: None,
             tenant_blocked_networks: Vec::new(),
+            progress_every: Duration::from_secs(10),
         }
     }
 }

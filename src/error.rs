@@ -62,6 +62,38 @@ impl Error {
         }
     }
 
+    /// The same error again, for every caller that waited on one shared
+    /// operation (an `io::Error` is not `Clone`; its kind and text are kept).
+    pub fn replay(&self) -> Error {
+        match self {
+            Error::InvalidArgument { field, message } => Error::InvalidArgument {
+                field: field.clone(),
+                message: message.clone(),
+            },
+            Error::NotFound(m) => Error::NotFound(m.clone()),
+            Error::AlreadyExists(m) => Error::AlreadyExists(m.clone()),
+            Error::Aborted(m) => Error::Aborted(m.clone()),
+            Error::FailedPrecondition(m) => Error::FailedPrecondition(m.clone()),
+            Error::PermissionDenied(m) => Error::PermissionDenied(m.clone()),
+            Error::ResourceExhausted(m) => Error::ResourceExhausted(m.clone()),
+            Error::OutOfRange(m) => Error::OutOfRange(m.clone()),
+            Error::Unavailable(m) => Error::Unavailable(m.clone()),
+            Error::RetryAfter { message, after } => Error::RetryAfter {
+                message: message.clone(),
+                after: *after,
+            },
+            Error::Unimplemented(m) => Error::Unimplemented(m.clone()),
+            Error::Io { context, source } => Error::Io {
+                context: context.clone(),
+                source: match source.raw_os_error() {
+                    Some(code) => io::Error::from_raw_os_error(code),
+                    None => io::Error::new(source.kind(), source.to_string()),
+                },
+            },
+            Error::Internal(m) => Error::Internal(m.clone()),
+        }
+    }
+
     /// A full filesystem (or quota), as opposed to any other failure.
     pub fn is_no_space(&self) -> bool {
         matches!(self, Error::Io { source, .. }

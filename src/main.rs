@@ -136,6 +136,9 @@ struct ServeArgs {
     /// (comma-separated). Loopback and link-local are always closed.
     #[arg(long, value_delimiter = ',')]
     tenant_blocked_networks: Vec<ipnet::IpNet>,
+    /// How often a running pull reports its progress as an event on its PVC.
+    #[arg(long, default_value_t = 10)]
+    progress_interval_seconds: u64,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -200,6 +203,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         },
         kubeconfig: a.kubeconfig.clone(),
         tenant_blocked_networks: a.tenant_blocked_networks.clone(),
+        progress_every: std::time::Duration::from_secs(a.progress_interval_seconds.max(1)),
         evict_idle: a
             .evict_idle_minutes
             .map(|m| std::time::Duration::from_secs(m * 60)),

@@ -70,6 +70,9 @@ pub struct Metrics {
     pub rpc_duration: Family<Method, Histogram>,
     pub rpc_errors: Family<MethodCode, Counter>,
     pub rescheduler_actions: Family<Reason, Counter>,
+    /// Pull jobs running now, and the bytes they have fetched so far.
+    pub pulls_in_flight: Gauge,
+    pub pull_bytes_in_flight: Gauge,
     registry: Mutex<Registry>,
     /// Roots whose gauges are computed at scrape time.
     roots: Mutex<Vec<Roots>>,
@@ -102,6 +105,8 @@ impl Metrics {
             rpc_duration: Family::new_with_constructor(|| Histogram::new(duration_buckets())),
             rpc_errors: Family::default(),
             rescheduler_actions: Family::default(),
+            pulls_in_flight: Gauge::default(),
+            pull_bytes_in_flight: Gauge::default(),
             registry: Mutex::new(Registry::with_prefix("modelcache")),
             roots: Mutex::new(Vec::new()),
         };
@@ -121,6 +126,16 @@ impl Metrics {
                 "pull_duration_seconds",
                 "Time from resolve to seal",
                 m.pull_duration.clone(),
+            );
+            r.register(
+                "pulls_in_flight",
+                "Pull jobs running now (they outlive the calls that started them)",
+                m.pulls_in_flight.clone(),
+            );
+            r.register(
+                "pull_bytes_in_flight",
+                "Bytes fetched so far by the pull jobs running now",
+                m.pull_bytes_in_flight.clone(),
             );
             r.register(
                 "cache_hits",

@@ -25,3 +25,57 @@ pub fn respond<T>(result: Result<T>) -> std::result::Result<Response<T>, Status>
         }
     }
 }
+
+/// How long a handler may work before its caller gives up: the caller's
+/// `grpc-timeout` less a margin for the answer to reach it, or None when
+/// the caller set no deadline.
+pub fn budget<T>(req: &tonic::Request<T>) -> Option<std::time::Duration> {
+    let raw = req.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let timeout = parse_grpc_timeout(raw)?;
+    // A second, or a tenth of a short deadline, to send the answer back.
+    let margin = (timeout / 10).min(std::time::Duration::from_secs(1));
+    Some(timeout.saturating_sub(margin))
+}
+
+/// `grpc-timeout`: at most 8 digits and a unit (H, M, S, m, u, n).
+fn parse_grpc_timeout(raw: &str) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let (digits, unit) = raw.split_at(raw.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn grpc_timeouts() {
+        assert_eq!(parse_grpc_timeout("10S"), Some(Duration::from_secs(10)));
+        assert_eq!(
+            parse_grpc_timeout("9999m"),
+            Some(Duration::from_millis(9999))
+        );
+        assert_eq!(parse_grpc_timeout("2M"), Some(Duration::from_secs(120)));
+        for bad in ["", "S", "10", "10x", "123456789S", "-1S"] {
+            assert_eq!(parse_grpc_timeout(bad), None, "{bad}");
+        }
+        let mut req = tonic::Request::new(());
+        assert_eq!(budget(&req), None);
+        req.metadata_mut()
+            .insert("grpc-timeout", "10S".parse().unwrap());
+        assert_eq!(budget(&req), Some(Duration::from_secs(9)));
+    }
+}

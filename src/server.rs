@@ -83,6 +83,15 @@ pub async fn serve_on(
             Some(Arc::new(p))
         }
     };
+    if let Some(p) = provisioner.clone().filter(|p| p.kube.is_some()) {
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(15));
+            loop {
+                tick.tick().await;
+                p.sweep_jobs().await;
+            }
+        });
+    }
     if let (Some(p), Some(idle)) = (&provisioner, cfg.evict_idle) {
         let p = p.clone();
         tokio::spawn(async move {

@@ -593,3 +593,59 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// A pull outlives the CreateVolume that started it: a call that reaches
+/// its deadline answers "still pulling" with the progress, the transfer
+/// goes on, and each retry joins it, so nothing is fetched twice and the
+/// volume is ready within moments of the last byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_outlives_its_callers_deadline_and_retries_join_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let size: usize = 24 << 20;
+    let weights: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8).collect();
+    fs::write(dir.path().join("weights.bin"), &weights).unwrap();
+    let files = FileServer::start(dir.path()).await;
+    // Two connections at 2 MiB/s each: about 6 s for the whole file.
+    files.throttle(2 << 20);
+    let d = driver(&[]).await;
+    let uri = files.url("weights.bin");
+
+    let started = Instant::now();
+    let mut attempts = 0;
+    let v = loop {
+        attempts += 1;
+        let mut req = tonic::Request::new(create_req(
+            "pvc-big",
+            &[("backend", "local"), ("source", &uri)],
+            READER,
+        ));
+        req.set_timeout(Duration::from_secs(3));
+        match d.client.clone().controller.create_volume(req).await {
+            Ok(r) => break r.into_inner().volume.unwrap(),
+            Err(s) => {
+                assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+                assert!(s.message().contains("still pulling"), "{}", s.message());
+            }
+        }
+        assert!(attempts < 60, "the pull never finished");
+    };
+    let took = started.elapsed();
+    assert!(
+        attempts >= 2,
+        "the pull should need several calls: {attempts}"
+    );
+    assert_eq!(
+        files.gets("weights.bin"),
+        chunks(size as u64),
+        "a range was fetched again: the pull restarted with a call"
+    );
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    let (staging, target) = (d.staging("big"), d.target("big"));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    assert!(fs::read(target.join("weights.bin")).unwrap() == weights);
+    d.unpublish(&v.volume_id, &target).await.unwrap();
+    d.unstage(&v.volume_id, &staging).await.unwrap();
+}

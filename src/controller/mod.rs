@@ -58,7 +58,11 @@ impl ControllerService {
         }
     }
 
-    async fn create(&self, req: CreateVolumeRequest) -> Result<CreateVolumeResponse> {
+    async fn create(
+        &self,
+        req: CreateVolumeRequest,
+        budget: Option<std::time::Duration>,
+    ) -> Result<CreateVolumeResponse> {
         require(&req.name, "name")?;
         if req.volume_capabilities.is_empty() {
             return Err(Error::invalid(
@@ -91,6 +95,7 @@ impl ControllerService {
                 content_volume,
                 topology: req.accessibility_requirements,
                 secrets: req.secrets,
+                budget,
             })
             .await?;
         tracing::info!(volume.id = %rec.id, role = rec.role.as_str(), "volume ready");
@@ -203,9 +208,10 @@ impl Controller for ControllerService {
         &self,
         request: Request<CreateVolumeRequest>,
     ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let budget = crate::rpc::budget(&request);
         let req = request.into_inner();
         let span = info_span!("CreateVolume", volume.name = %req.name);
-        async { respond(self.create(req).await) }
+        async { respond(self.create(req, budget).await) }
             .instrument(span)
             .await
     }

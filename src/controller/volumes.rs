@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::kubeapi::{self, KubeApi};
 use crate::lock::KeyedMutex;
 use crate::puller::engine::{Engine, NoProgress, ProgressSink};
+use crate::puller::jobs::{self, Jobs};
 use crate::puller::{self, SourceOptions};
 use crate::trust::Tenant;
 use kube::ResourceExt;
@@ -34,6 +35,9 @@ pub struct CreateRequest {
     pub content_volume: Option<String>,
     pub topology: Option<TopologyRequirement>,
     pub secrets: HashMap<String, String>,
+    /// How long the caller waits; a pull still running then goes on
+    /// without it (see `puller::jobs`).
+    pub budget: Option<std::time::Duration>,
 }
 
 pub struct Provisioner {
@@ -41,7 +45,9 @@ pub struct Provisioner {
     pub roots: Roots,
     /// Serialises clone, seal and delete on one source within this process.
     pub sources: KeyedMutex,
-    pub engine: Engine,
+    pub engine: Arc<Engine>,
+    /// Pulls that outlive the CreateVolume calls that want them.
+    pub jobs: Jobs,
     /// API access, for per-PVC sources, `pvc://` and PVC events.
     pub kube: Option<KubeApi>,
 }
@@ -75,12 +81,13 @@ impl Provisioner {
         for r in &roots.roots {
             cache::sweep(r);
         }
-        let engine = Engine::new(cfg.pull.clone(), crate::puller::extract_layer);
+        let engine = Arc::new(Engine::new(cfg.pull.clone(), crate::puller::extract_layer));
         Provisioner {
             cfg,
             roots,
             sources: KeyedMutex::default(),
             engine,
+            jobs: Jobs::default(),
             kube: None,
         }
     }
@@ -207,7 +214,7 @@ impl Provisioner {
         let mut tenant = None;
         let events = match (&self.kube, &pvc) {
             (Some(k), Some((_, claim))) => {
-                Some(k.pull_events(claim, std::time::Duration::from_secs(10)))
+                Some(Arc::new(k.pull_events(claim, self.cfg.progress_every)))
             }
             _ => None,
         };
@@ -457,27 +464,34 @@ impl Provisioner {
                             secrets: secrets.clone(),
                             tenant: tenant.clone(),
                         };
-                        let sink: &dyn ProgressSink = match &events {
-                            Some(e) => e,
-                            None => &NoProgress,
+                        let sink: Arc<dyn ProgressSink> = match &events {
+                            Some(e) => e.clone(),
+                            None => Arc::new(NoProgress),
                         };
+                        let shown = crate::trust::allowed::shown(&uri).to_string();
                         let source = match puller::open(&uri, &opts).await {
                             Ok(s) => s,
                             Err(e) => {
-                                sink.failed(&uri, &e.to_string());
+                                sink.failed(&shown, &e.to_string());
                                 return Err(e);
                             }
                         };
-                        let pulled = match self.engine.pull(&root, source, sink).await {
-                            Ok(p) => p,
-                            Err(e) => {
-                                sink.failed(&uri, &e.to_string());
-                                return Err(e);
-                            }
+                        // The job outlives this call: at the caller's
+                        // deadline it answers "still pulling", and the
+                        // retry joins the same job.
+                        let job = jobs::Request {
+                            key: req.name.clone(),
+                            uri: shown,
+                            owner: pvc.as_ref().map(|(ns, c)| (ns.clone(), c.name_any())),
+                            root: root.clone(),
+                            source,
+                            sink,
                         };
+                        tracing::debug!(budget = ?req.budget, "joining the pull job");
+                        let pulled = self.jobs.pull(&self.engine, job, req.budget).await?;
                         rec.model = pulled.seal.origin.clone().into();
                         rec.revision = pulled.seal.revision.clone();
-                        pulled.sid
+                        pulled.sid.clone()
                     }
                 };
                 let _g = self.sources.lock(&sid).await;
@@ -663,6 +677,24 @@ impl Provisioner {
         let cap = self.cfg.pull.capacity.get(&root.backend).copied();
         let free = cache::evict::available(&root, cap)?;
         Ok(free.min(i64::MAX as u64) as i64)
+    }
+
+    /// Cancels pull jobs whose PVC is gone or going: no retry will ever
+    /// come for them. Their finished ranges stay resumable and evictable.
+    pub async fn sweep_jobs(&self) {
+        let Some(kube) = &self.kube else {
+            return;
+        };
+        for (key, (ns, name)) in self.jobs.owners() {
+            let gone = match kube.pvc(&ns, &name).await {
+                Err(Error::NotFound(_)) => true,
+                Ok(pvc) => pvc.metadata.deletion_timestamp.is_some(),
+                Err(_) => false,
+            };
+            if gone {
+                self.jobs.cancel(&key);
+            }
+        }
     }
 
     /// Evicts pulled models nobody has used for `idle`, in every root.

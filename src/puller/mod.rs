@@ -12,6 +12,7 @@ pub mod engine;
 pub mod file;
 pub mod hf;
 pub mod http;
+pub mod jobs;
 pub mod oci;
 pub mod registry;
 pub mod s3;

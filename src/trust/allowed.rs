@@ -151,7 +151,7 @@ impl fmt::Display for AllowedSources {
 }
 
 /// The URI without query or fragment, which may carry secrets.
-fn shown(uri: &str) -> &str {
+pub fn shown(uri: &str) -> &str {
     let end = uri.find(['?', '#']).unwrap_or(uri.len());
     &uri[..end]
 }

@@ -210,6 +210,8 @@ enum Fault {
     TruncateAfter(u64),
     /// Send this many body bytes, then hold the connection open, silent.
     StallAfter(u64),
+    /// Send the body at this many bytes per second.
+    Throttle(u64),
 }
 
 /// A response to send.
@@ -387,9 +389,14 @@ async fn connection(mut sock: TcpStream, handler: Handler) {
         return;
     }
     let send = match reply.fault {
-        Fault::None => len,
+        Fault::None | Fault::Throttle(_) => len,
         Fault::TruncateAfter(n) | Fault::StallAfter(n) => n.min(len),
     };
+    if let Fault::Throttle(rate) = reply.fault {
+        throttled(&mut sock, reply.payload, send, rate).await;
+        let _ = sock.shutdown().await;
+        return;
+    }
     let ok = match reply.payload {
         Payload::Empty => true,
         Payload::Bytes(b, start, _) => {
@@ -409,6 +416,34 @@ async fn connection(mut sock: TcpStream, handler: Handler) {
         tokio::time::sleep(Duration::from_secs(3600)).await;
     }
     let _ = sock.shutdown().await;
+}
+
+/// Writes `send` bytes of `payload` in 64 KiB pieces at `rate` bytes/s.
+async fn throttled(sock: &mut TcpStream, payload: Payload, send: u64, rate: u64) {
+    const PIECE: u64 = 64 << 10;
+    let (bytes, start): (Vec<u8>, u64) = match payload {
+        Payload::Empty => return,
+        Payload::Bytes(b, start, _) => (b.to_vec(), start),
+        Payload::File(path, start, _) => match tokio::fs::read(&path).await {
+            Ok(b) => (b, start),
+            Err(_) => return,
+        },
+    };
+    let pace = Duration::from_secs_f64(PIECE as f64 / rate.max(1) as f64);
+    let mut at = start;
+    let end = start + send;
+    while at < end {
+        let n = PIECE.min(end - at);
+        if sock
+            .write_all(&bytes[at as usize..(at + n) as usize])
+            .await
+            .is_err()
+        {
+            return;
+        }
+        at += n;
+        tokio::time::sleep(pace).await;
+    }
 }
 
 fn parse_head(head: &str) -> Option<Request> {
@@ -506,6 +541,8 @@ struct FileKnobs {
     docs: HashMap<String, Arc<Vec<u8>>>,
     /// Path -> Location of a 302.
     redirects: HashMap<String, String>,
+    /// Every body at this many bytes per second.
+    throttle: Option<u64>,
     ignore_ranges: bool,
     no_validators: bool,
 }
@@ -557,6 +594,12 @@ impl FileServer {
     /// Every request received so far.
     pub fn requests(&self) -> Vec<Request> {
         self.state.hits.requests()
+    }
+
+    /// Sends every body at `bytes_per_sec`, like an origin with a known
+    /// bandwidth.
+    pub fn throttle(&self, bytes_per_sec: u64) {
+        self.knobs().throttle = Some(bytes_per_sec);
     }
 
     /// Answers `path` with a 302 to `location`.
@@ -685,6 +728,9 @@ fn serve_file(state: &FileState, req: &Request) -> Reply {
         }
     };
     let mut reply = content_reply(req, content, ranges, validators);
+    if let Some(rate) = k.throttle {
+        reply.fault = Fault::Throttle(rate);
+    }
     if let Some(&n) = k.truncate.get(&path) {
         reply.fault = Fault::TruncateAfter(n);
     }

@@ -1,0 +1,387 @@
+//! Pulls that outlive the call that asked for them.
+//!
+//! A 100 GB model takes many minutes; external-provisioner gives each
+//! CreateVolume a deadline (`--timeout`) and retries with backoff. So a
+//! pull runs in a job of its own, keyed by the volume name that wants it:
+//! a call waits for its job until shortly before its deadline and then
+//! answers "still pulling" while the job goes on, and the retry joins the
+//! same job. A job whose PVC is gone is cancelled by `cancel`; its partial
+//! bytes stay as resumable (and evictable) work. Jobs never hold a lock or
+//! a caller's future: dropping a call never stops a transfer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use super::engine::{Engine, Progress, ProgressSink, Pulled};
+use super::source::Source;
+use crate::cache::Root;
+use crate::error::{Error, Result};
+
+type Outcome = Option<std::result::Result<Arc<Pulled>, Arc<Error>>>;
+
+/// One running pull.
+struct Job {
+    uri: String,
+    /// The PVC that wants it (namespace, name), when known.
+    owner: Option<(String, String)>,
+    started: Instant,
+    last: Arc<Mutex<Option<Progress>>>,
+    done: watch::Receiver<Outcome>,
+    task: tokio::task::AbortHandle,
+}
+
+/// The running pull jobs of one controller.
+#[derive(Default)]
+pub struct Jobs {
+    running: Mutex<HashMap<String, Arc<Job>>>,
+}
+
+/// Forwards to the caller's sink and remembers the latest progress, for
+/// the "still pulling" answer.
+struct Recording {
+    inner: Arc<dyn ProgressSink>,
+    last: Arc<Mutex<Option<Progress>>>,
+    /// Bytes counted into the in-flight gauge, taken out when the job ends.
+    counted: std::sync::atomic::AtomicI64,
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        let m = crate::metrics::global();
+        m.pull_bytes_in_flight
+            .dec_by(self.counted.load(std::sync::atomic::Ordering::Relaxed));
+        m.pulls_in_flight.dec();
+    }
+}
+
+impl ProgressSink for Recording {
+    fn started(&self, uri: &str, total: Option<u64>) {
+        self.inner.started(uri, total)
+    }
+    fn progress(&self, p: &Progress) {
+        let now = i64::try_from(p.bytes).unwrap_or(i64::MAX);
+        let before = self.counted.swap(now, std::sync::atomic::Ordering::Relaxed);
+        crate::metrics::global()
+            .pull_bytes_in_flight
+            .inc_by(now.saturating_sub(before));
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
+        self.inner.progress(p)
+    }
+    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration) {
+        self.inner.sealed(uri, revision, bytes, took)
+    }
+    fn failed(&self, uri: &str, error: &str) {
+        self.inner.failed(uri, error)
+    }
+}
+
+/// What a job needs to start.
+pub struct Request {
+    /// The volume name: a retry of the same CreateVolume has the same one.
+    pub key: String,
+    /// The URI as shown (no query).
+    pub uri: String,
+    pub owner: Option<(String, String)>,
+    pub root: Root,
+    pub source: Arc<dyn Source>,
+    pub sink: Arc<dyn ProgressSink>,
+}
+
+impl Jobs {
+    /// Joins the job for `req.key`, starting it if none runs, and waits for
+    /// it up to `wait` (forever when None). A job that ended is forgotten,
+    /// so the next call after a failure starts afresh.
+    pub async fn pull(
+        &self,
+        engine: &Arc<Engine>,
+        req: Request,
+        wait: Option<Duration>,
+    ) -> Result<Arc<Pulled>> {
+        let job = self.join_or_start(engine, req);
+        let mut done = job.done.clone();
+        let finished = async {
+            loop {
+                if let Some(outcome) = done.borrow_and_update().clone() {
+                    return outcome;
+                }
+                if done.changed().await.is_err() {
+                    return Err(Arc::new(Error::Internal(
+                        "a pull job ended without an outcome".into(),
+                    )));
+                }
+            }
+        };
+        let outcome = match wait {
+            None => finished.await,
+            Some(w) => match tokio::time::timeout(w, finished).await {
+                Ok(o) => o,
+                Err(_) => return Err(Error::Unavailable(still_pulling(&job))),
+            },
+        };
+        self.forget(&job);
+        outcome.map_err(|e| e.replay())
+    }
+
+    fn join_or_start(&self, engine: &Arc<Engine>, req: Request) -> Arc<Job> {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(job) = running.get(&req.key) {
+            return job.clone();
+        }
+        let (tx, rx) = watch::channel(None);
+        let last = Arc::new(Mutex::new(None));
+        crate::metrics::global().pulls_in_flight.inc();
+        let sink: Arc<dyn ProgressSink> = Arc::new(Recording {
+            inner: req.sink,
+            last: last.clone(),
+            counted: Default::default(),
+        });
+        let (engine, root, source, uri) = (engine.clone(), req.root, req.source, req.uri.clone());
+        let task = tokio::spawn(async move {
+            let outcome = engine.pull(&root, source, sink.as_ref()).await;
+            if let Err(e) = &outcome {
+                sink.failed(&uri, &e.to_string());
+            }
+            let _ = tx.send(Some(outcome.map(Arc::new).map_err(Arc::new)));
+        });
+        let job = Arc::new(Job {
+            uri: req.uri,
+            owner: req.owner,
+            started: Instant::now(),
+            last,
+            done: rx,
+            task: task.abort_handle(),
+        });
+        running.insert(req.key, job.clone());
+        job
+    }
+
+    fn forget(&self, job: &Arc<Job>) {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        running.retain(|_, j| !Arc::ptr_eq(j, job));
+    }
+
+    /// The PVCs (namespace, name) of running jobs, for the sweeper to check.
+    pub fn owners(&self) -> Vec<(String, (String, String))> {
+        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        running
+            .iter()
+            .filter_map(|(k, j)| j.owner.clone().map(|o| (k.clone(), o)))
+            .collect()
+    }
+
+    /// Stops the job for `key` (its PVC is gone). The transfer's finished
+    /// ranges stay on disk: a later pull of the model resumes them, and
+    /// eviction may reclaim them.
+    pub fn cancel(&self, key: &str) -> bool {
+        let job = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        match job {
+            Some(j) => {
+                j.task.abort();
+                tracing::info!(volume = key, uri = %j.uri, "pull cancelled: nothing wants it any more");
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// How many pulls run.
+    pub fn len(&self) -> usize {
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn still_pulling(job: &Job) -> String {
+    let last = job.last.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mib = |b: u64| b as f64 / 1048576.0;
+    let progress = match last {
+        Some(p) => {
+            let of = p
+                .total
+                .map(|t| {
+                    format!(
+                        " of {:.1} MiB ({:.0}%)",
+                        mib(t),
+                        100.0 * p.bytes as f64 / t.max(1) as f64
+                    )
+                })
+                .unwrap_or_default();
+            let eta = p
+                .eta
+                .map(|e| format!(", about {}s left", e.as_secs()))
+                .unwrap_or_default();
+            format!(
+                "{:.1} MiB{of} at {:.1} MiB/s{eta}",
+                mib(p.bytes),
+                p.rate_bytes_per_sec / 1048576.0
+            )
+        }
+        None => "resolving and preparing".into(),
+    };
+    format!(
+        "still pulling {} for {}s: {progress}; the pull goes on without this call, and a retry \
+         joins it",
+        job.uri,
+        job.started.elapsed().as_secs()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Roots;
+    use crate::config::Config;
+    use crate::puller::engine::{EngineConfig, NoProgress};
+    use crate::puller::source::{RemoteFile, Resolved, Unpack};
+    use bytes::Bytes;
+    use futures::stream::{self, BoxStream, StreamExt};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn local_root(dir: &std::path::Path) -> Root {
+        let cfg = Config {
+            node_id: Some("n1".into()),
+            state_dir: dir.to_path_buf(),
+            ..Config::default()
+        };
+        Roots::from_config(&cfg).roots.remove(0)
+    }
+
+    /// One file of `len` bytes, served slowly, counting resolves.
+    struct Slow {
+        len: u64,
+        resolves: AtomicUsize,
+        delay: Duration,
+    }
+
+    #[async_trait::async_trait]
+    impl Source for Slow {
+        async fn resolve(&self) -> Result<Resolved> {
+            self.resolves.fetch_add(1, Ordering::SeqCst);
+            Ok(Resolved {
+                uri: "test://slow".into(),
+                revision: "r1".into(),
+                files: vec![RemoteFile {
+                    path: "w.bin".into(),
+                    size: Some(self.len),
+                    sha256: None,
+                    locator: "w".into(),
+                    unpack: Unpack::None,
+                }],
+            })
+        }
+
+        async fn read(
+            &self,
+            _f: &RemoteFile,
+            offset: u64,
+            len: Option<u64>,
+        ) -> Result<BoxStream<'static, Result<Bytes>>> {
+            let n = len.unwrap_or(self.len - offset);
+            let delay = self.delay;
+            let chunks = (0..n.div_ceil(4096)).map(move |i| {
+                let size = (n - i * 4096).min(4096) as usize;
+                Bytes::from(vec![1u8; size])
+            });
+            Ok(stream::iter(chunks)
+                .then(move |b| async move {
+                    tokio::time::sleep(delay).await;
+                    Ok(b)
+                })
+                .boxed())
+        }
+
+        fn ranges(&self) -> bool {
+            false
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_that_gives_up_leaves_the_pull_running_and_a_retry_joins_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = local_root(dir.path());
+        let engine = Arc::new(Engine::new(
+            EngineConfig::default(),
+            crate::puller::extract_layer,
+        ));
+        let jobs = Jobs::default();
+        let src = Arc::new(Slow {
+            len: 64 * 4096,
+            resolves: AtomicUsize::new(0),
+            delay: Duration::from_millis(5),
+        });
+        let req = |s: Arc<Slow>| Request {
+            key: "pvc-1".into(),
+            uri: "test://slow".into(),
+            owner: None,
+            root: root.clone(),
+            source: s,
+            sink: Arc::new(NoProgress),
+        };
+        let t0 = Instant::now();
+        let e = jobs
+            .pull(&engine, req(src.clone()), Some(Duration::from_millis(50)))
+            .await
+            .err()
+            .expect("the first call gives up at its deadline");
+        assert!(
+            matches!(&e, Error::Unavailable(m) if m.contains("still pulling")),
+            "{e:?}"
+        );
+        assert_eq!(jobs.len(), 1, "the pull runs on without its caller");
+        let pulled = jobs
+            .pull(&engine, req(src.clone()), None)
+            .await
+            .expect("the retry joins and finishes");
+        assert!(!pulled.hit);
+        assert_eq!(
+            src.resolves.load(Ordering::SeqCst),
+            1,
+            "joined, not restarted"
+        );
+        // 64 chunks of 5 ms: one transfer, not one per call.
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(jobs.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_job_stops_and_is_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = local_root(dir.path());
+        let engine = Arc::new(Engine::new(
+            EngineConfig::default(),
+            crate::puller::extract_layer,
+        ));
+        let jobs = Jobs::default();
+        let src = Arc::new(Slow {
+            len: 1 << 20,
+            resolves: AtomicUsize::new(0),
+            delay: Duration::from_millis(50),
+        });
+        let r = Request {
+            key: "gone".into(),
+            uri: "test://slow".into(),
+            owner: Some(("ns".into(), "pvc".into())),
+            root,
+            source: src,
+            sink: Arc::new(NoProgress),
+        };
+        let _ = jobs.pull(&engine, r, Some(Duration::from_millis(20))).await;
+        assert_eq!(
+            jobs.owners(),
+            vec![("gone".into(), ("ns".into(), "pvc".into()))]
+        );
+        assert!(jobs.cancel("gone"));
+        assert!(jobs.is_empty());
+        assert!(!jobs.cancel("gone"));
+    }
+}
