@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::cache::Backend;
+use crate::cache::layout::Reserve;
 use crate::puller::engine::EngineConfig;
 
 /// `Default` is for embedding (demo, tests): no node, local backend only.
@@ -19,6 +20,9 @@ pub struct Config {
     pub backends: Vec<Backend>,
     /// Download engine settings, including each backend's cache capacity.
     pub pull: EngineConfig,
+    /// Free space left alone on every root's filesystem: pulls and new
+    /// sources that would eat into it are refused (`--min-free`).
+    pub min_free: Reserve,
     /// Unreferenced pulled models idle this long are evicted.
     pub evict_idle: Option<Duration>,
     /// Kubernetes API access for the controller (per-PVC sources, `pvc://`,
@@ -53,6 +57,7 @@ impl Default for Config {
             shared_paths: Vec::new(),
             backends: vec![Backend::Local],
             pull: EngineConfig::default(),
+            min_free: Reserve::default(),
             evict_idle: None,
             kube_api: false,
             kubeconfig: None,

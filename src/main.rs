@@ -98,6 +98,11 @@ struct ServeArgs {
     /// Cap on the bytes of pulled models per backend, e.g. local=50G (repeatable).
     #[arg(long)]
     cache_capacity: Vec<String>,
+    /// Free space never used on a root's filesystem: a percentage, a size,
+    /// or both (`5%,10G`: the smaller). Pulls and new sources that would eat
+    /// into it are refused with RESOURCE_EXHAUSTED. `0` turns it off.
+    #[arg(long, default_value = "5%,10G")]
+    min_free: String,
     /// Evict unreferenced, unpinned pulled models idle this many minutes.
     #[arg(long)]
     evict_idle_minutes: Option<u64>,
@@ -169,6 +174,18 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         );
     }
     anyhow::ensure!(!a.driver_name.is_empty(), "--driver-name must not be empty");
+    if let Some(node) = a.node_id.as_deref().filter(|n| !n.is_empty()) {
+        modelcache_csi::cache::layout::check_node_id(node)
+            .map_err(|m| anyhow::anyhow!("--node-id: {m}"))?;
+    }
+    let min_free =
+        modelcache_csi::cache::layout::Reserve::parse(&a.min_free, |s| parse_size(s).ok())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--min-free {:?} must be a percentage, a size, or both, like 5%,10G",
+                    a.min_free
+                )
+            })?;
     let mut pull = EngineConfig {
         connections: a.pull_connections.max(1),
         models: a.pull_parallel_models.max(1),
@@ -192,6 +209,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         shared_paths: a.shared_path.clone(),
         backends,
         pull,
+        min_free,
         kube_api: match a.kube_api {
             KubeApiMode::On => true,
             KubeApiMode::Off => false,

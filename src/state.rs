@@ -40,15 +40,63 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> io::Result<()> {
     write_atomic(path, &bytes)
 }
 
+/// The largest record `read_json` reads. A seal lists every file of a
+/// model; 64 MiB holds a few hundred thousand entries.
+pub const MAX_RECORD_BYTES: u64 = 64 << 20;
+
 /// Reads a JSON record; `Ok(None)` when it does not exist.
+///
+/// Records on a shared filesystem are written by other nodes, so the read
+/// trusts nothing about the file: a symlink in its place is refused (never
+/// followed to a host file), as is anything but a regular file (a fifo would
+/// block forever, a device would never end) or one larger than
+/// `MAX_RECORD_BYTES`.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> io::Result<Option<T>> {
-    match fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{e}"))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "is a symlink; records are regular files and links are never followed",
+            ));
+        }
+        Err(e) => return Err(e),
+    };
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "is not a regular file",
+        ));
     }
+    if meta.len() > MAX_RECORD_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "is {} bytes long; records are at most {MAX_RECORD_BYTES}",
+                meta.len()
+            ),
+        ));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    // Bounded again while reading: the file may grow after the stat.
+    file.take(MAX_RECORD_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_RECORD_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("grew beyond {MAX_RECORD_BYTES} bytes while being read"),
+        ));
+    }
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{e}")))
 }
 
 /// Creates an empty marker file durably; `Ok(false)` if it already existed.
@@ -117,6 +165,28 @@ mod tests {
         // No temporary files are left behind.
         assert_eq!(list_names(&dir.path().join("a")).unwrap(), vec!["b.json"]);
         assert_eq!(fs::read_dir(dir.path().join("a")).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn read_json_follows_no_link_and_reads_only_regular_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("real.json");
+        write_json(&target, &vec![7u32]).unwrap();
+        let link = dir.path().join("link.json");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let err = read_json::<Vec<u32>>(&link).unwrap_err();
+        assert!(err.to_string().contains("symlink"), "{err}");
+        let fifo = dir.path().join("fifo.json");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let err = read_json::<Vec<u32>>(&fifo).unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        let big = dir.path().join("big.json");
+        File::create(&big)
+            .unwrap()
+            .set_len(MAX_RECORD_BYTES + 1)
+            .unwrap();
+        let err = read_json::<Vec<u32>>(&big).unwrap_err();
+        assert!(err.to_string().contains("at most"), "{err}");
     }
 
     #[test]

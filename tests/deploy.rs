@@ -90,3 +90,24 @@ fn manifests_apply_to_a_real_apiserver() {
         .collect();
     assert_eq!(privileged, vec!["driver"]);
 }
+
+/// The shipped manifests bound the driver's disk use: a cap on pulled
+/// models per backend, and a reserve the driver never eats into.
+#[test]
+fn manifests_bound_disk_use() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    for (file, backends) in [
+        ("node.yaml", &["local", "xfs"][..]),
+        ("controller.yaml", &["shared", "xfs"][..]),
+    ] {
+        let text =
+            std::fs::read_to_string(format!("{root}/deploy/csi-driver/base/{file}")).unwrap();
+        for b in backends {
+            assert!(
+                text.contains(&format!("- --cache-capacity={b}=")),
+                "{file} sets no --cache-capacity for {b}"
+            );
+        }
+        assert!(text.contains("- --min-free="), "{file} sets no --min-free");
+    }
+}

@@ -24,8 +24,15 @@ pub fn is_model(sid: &str) -> bool {
 
 /// Records that a model was just used.
 pub fn touch(root: &Root, sid: &str) -> Result<()> {
-    let p = root.source(sid).dir.join("last-used");
-    state::write_atomic(&p, now_unix().to_string().as_bytes()).ctx("write", &p)
+    touch_confined(&root.open_source(sid)?)
+}
+
+/// As `touch`, through a source directory already opened beneath its root:
+/// on a shared root the write cannot be redirected by a link.
+pub fn touch_confined(src: &super::layout::ConfinedSource) -> Result<()> {
+    let p = src.via.dir.join("last-used");
+    state::write_atomic(&p, now_unix().to_string().as_bytes())
+        .ctx("write", &src.real.dir.join("last-used"))
 }
 
 pub fn last_used(root: &Root, sid: &str) -> u64 {
@@ -108,10 +115,10 @@ pub fn usage(root: &Root) -> Result<u64> {
     Ok(total)
 }
 
-/// Bytes a new model may still use: the filesystem's free space, bounded by
-/// the configured capacity.
+/// Bytes a new model may still use: the filesystem's free space beyond the
+/// root's reserve (`--min-free`), bounded by the configured capacity.
 pub fn available(root: &Root, capacity: Option<u64>) -> Result<u64> {
-    let free = super::free_bytes(&root.dir).ctx("statfs", &root.dir)?;
+    let free = super::space(root)?.usable();
     Ok(match capacity {
         Some(c) => free.min(c.saturating_sub(usage(root)?)),
         None => free,
@@ -168,11 +175,12 @@ pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -
         }
     }
     Err(Error::ResourceExhausted(format!(
-        "the model needs {need} bytes but {} has only {avail} available{} even after evicting every unused model",
+        "the model needs {need} bytes but {} has only {avail} available{} even after evicting every unused model ({})",
         root.describe(),
         capacity
             .map(|c| format!(" (capacity {c} bytes)"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        super::space(root)?
     )))
 }
 

@@ -16,9 +16,19 @@
 //!
 //! A volume id is `<backend>.<root key>.<uuid>`: DeleteVolume receives only
 //! the id, so the id alone must lead back to the root.
+//!
+//! A shared root is written by every node, and by anyone else who can write
+//! that filesystem, so nothing read from it names a path by itself: source
+//! ids and node ids are checked for their form before they are joined to a
+//! path, and what a node mounts is opened beneath the root with no symlink
+//! on the way (`Root::open_source`).
 
 use std::fmt;
+use std::fs::File;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+
+use nix::fcntl::OFlag;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -64,10 +74,130 @@ pub struct Root {
     pub key: String,
     /// Some(node) when only that node can reach the root.
     pub node: Option<String>,
+    /// The directory an admin named (`--state-dir`, `--shared-path`) that
+    /// holds `dir`: everything below it is resolved without symlinks.
+    pub anchor: PathBuf,
+    /// Free space the driver never uses up in this root's filesystem.
+    pub reserve: Reserve,
+}
+
+/// Free space kept on a root's filesystem, below which pulls and new
+/// sources are refused: the smaller of a share of the filesystem and a
+/// number of bytes, so a small disk keeps a useful margin and a large one
+/// does not hold back terabytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reserve {
+    pub percent: u8,
+    pub bytes: u64,
+}
+
+impl Default for Reserve {
+    /// 5% of the filesystem, at most 10 GiB.
+    fn default() -> Self {
+        Reserve {
+            percent: 5,
+            bytes: 10 << 30,
+        }
+    }
+}
+
+impl Reserve {
+    /// No reserve (tests, embedding).
+    pub const NONE: Reserve = Reserve {
+        percent: 0,
+        bytes: 0,
+    };
+
+    /// The reserve, in bytes, on a filesystem of `total` bytes.
+    pub fn of(self, total: u64) -> u64 {
+        (total / 100)
+            .saturating_mul(self.percent as u64)
+            .min(self.bytes)
+    }
+
+    /// Parses `--min-free`: `5%`, `10G`, or both as `5%,10G` (the smaller
+    /// wins); a lone percentage or size leaves the other bound out.
+    pub fn parse(s: &str, parse_size: impl Fn(&str) -> Option<u64>) -> Option<Reserve> {
+        let mut r = Reserve {
+            percent: 100,
+            bytes: u64::MAX,
+        };
+        let mut any = false;
+        for part in s.split(',').map(str::trim) {
+            if let Some(p) = part.strip_suffix('%') {
+                r.percent = p.trim().parse().ok().filter(|p| *p <= 100)?;
+            } else {
+                r.bytes = parse_size(part)?;
+            }
+            any = true;
+        }
+        any.then_some(r)
+    }
+}
+
+impl fmt::Display for Reserve {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.percent, self.bytes) {
+            (100, u64::MAX) => f.write_str("none"),
+            (p, u64::MAX) => write!(f, "{p}%"),
+            (100, b) => write!(f, "{b} bytes"),
+            (p, b) => write!(f, "{p}% or {b} bytes, whichever is smaller"),
+        }
+    }
+}
+
+/// Whether `sid` has the form of a source id this driver makes: 32
+/// lowercase hex digits (a source volume's uuid), or `m` (a pulled model)
+/// or `x` (another driver's volume) and 31 of them. Anything else, `..` and
+/// `/` included, is refused before it becomes part of a path.
+pub fn is_source_id(sid: &str) -> bool {
+    let hex = |s: &str| s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    sid.len() == 32
+        && match sid.as_bytes()[0] {
+            b'm' | b'x' => hex(&sid[1..]),
+            _ => hex(sid),
+        }
+}
+
+/// Whether `uuid` is a volume uuid (32 lowercase hex digits).
+pub fn is_volume_uuid(uuid: &str) -> bool {
+    uuid.len() == 32 && uuid.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// A node id becomes a file name (`writers/<node>`): a Kubernetes node
+/// name (DNS subdomain) always passes; `/`, a leading `.` and control
+/// characters never do.
+pub fn check_node_id(node: &str) -> std::result::Result<(), String> {
+    let ok = !node.is_empty()
+        && node.len() <= 253
+        && !node.starts_with('.')
+        && node
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "node id {node:?} must be 1-253 characters of letters, digits, '.', '-' and '_', \
+             not starting with '.' (a Kubernetes node name)"
+        ))
+    }
 }
 
 impl Root {
+    #[cfg(test)]
     fn new(backend: Backend, dir: PathBuf, node: Option<String>) -> Root {
+        let anchor = dir.clone();
+        Root::with_anchor(backend, dir, node, anchor, Reserve::default())
+    }
+
+    fn with_anchor(
+        backend: Backend,
+        dir: PathBuf,
+        node: Option<String>,
+        anchor: PathBuf,
+        reserve: Reserve,
+    ) -> Root {
         let mut h = Sha256::new();
         h.update(backend.as_str());
         h.update([0]);
@@ -80,7 +210,58 @@ impl Root {
             dir,
             key,
             node,
+            anchor,
+            reserve,
         }
+    }
+
+    /// Opens a source's directory beneath the root, refusing a malformed id
+    /// and any symlink on the way: on a shared root, `sources/<sid>` (or its
+    /// `data`, or its image) could have been replaced by a link to a host
+    /// path by anyone who writes that filesystem.
+    pub fn open_source(&self, sid: &str) -> Result<ConfinedSource> {
+        if !is_source_id(sid) {
+            return Err(Error::FailedPrecondition(format!(
+                "source id {sid:?} is malformed; refusing to use it in {}",
+                self.describe()
+            )));
+        }
+        let real = self.source(sid);
+        let rel = real.dir.strip_prefix(&self.anchor).map_err(|_| {
+            Error::Internal(format!(
+                "{} is not below {}",
+                real.dir.display(),
+                self.anchor.display()
+            ))
+        })?;
+        let forged = |e: std::io::Error| {
+            if e.kind() == std::io::ErrorKind::InvalidInput {
+                Error::FailedPrecondition(e.to_string())
+            } else if e.kind() == std::io::ErrorKind::NotFound {
+                Error::NotFound(format!(
+                    "source {sid} does not exist in {}",
+                    self.describe()
+                ))
+            } else {
+                Error::io("open source", &real.dir, e)
+            }
+        };
+        let anchor = crate::mount::subpath::open_dir(&self.anchor)
+            .map_err(|e| Error::io("open storage root", &self.anchor, e))?;
+        let fd = crate::mount::subpath::open_confined(
+            &anchor,
+            &self.anchor,
+            &rel.to_string_lossy(),
+            OFlag::O_PATH | OFlag::O_DIRECTORY,
+        )
+        .map_err(forged)?;
+        Ok(ConfinedSource {
+            via: SourcePaths {
+                dir: crate::mount::subpath::proc_path(&fd),
+            },
+            fd,
+            real,
+        })
     }
 
     pub fn volumes_dir(&self) -> PathBuf {
@@ -143,6 +324,57 @@ impl SourcePaths {
     }
 }
 
+/// A source's directory, held open: paths through `via` resolve to the
+/// directory that was checked, whatever is renamed or linked in its place
+/// afterwards. `real` is for messages.
+#[derive(Debug)]
+pub struct ConfinedSource {
+    fd: OwnedFd,
+    pub via: SourcePaths,
+    pub real: SourcePaths,
+}
+
+impl ConfinedSource {
+    fn open(&self, name: &str, flags: OFlag) -> Result<OwnedFd> {
+        crate::mount::subpath::open_confined(&self.fd, &self.real.dir, name, flags).map_err(|e| {
+            match e.kind() {
+                std::io::ErrorKind::InvalidInput => Error::FailedPrecondition(e.to_string()),
+                std::io::ErrorKind::NotFound => Error::NotFound(format!(
+                    "{} does not exist",
+                    self.real.dir.join(name).display()
+                )),
+                _ => Error::io("open", &self.real.dir.join(name), e),
+            }
+        })
+    }
+
+    /// The source's `data` directory, as an O_PATH descriptor to bind-mount
+    /// through `/proc/self/fd`.
+    pub fn data(&self) -> Result<OwnedFd> {
+        self.open("data", OFlag::O_PATH | OFlag::O_DIRECTORY)
+    }
+
+    /// The source's image, opened for reading (and writing when `writable`);
+    /// only a regular file is accepted.
+    pub fn image(&self, writable: bool) -> Result<File> {
+        let mode = if writable {
+            OFlag::O_RDWR
+        } else {
+            OFlag::O_RDONLY
+        };
+        let file = File::from(self.open("image.xfs", mode | OFlag::O_NONBLOCK)?);
+        let path = self.real.image();
+        let meta = file.metadata().map_err(|e| Error::io("stat", &path, e))?;
+        if !meta.is_file() {
+            return Err(Error::FailedPrecondition(format!(
+                "{} is not a regular file; refusing to attach it",
+                path.display()
+            )));
+        }
+        Ok(file)
+    }
+}
+
 /// A parsed volume id.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VolumeId {
@@ -193,7 +425,13 @@ impl Roots {
                 Backend::Local | Backend::Xfs => {
                     if let Some(node) = &cfg.node_id {
                         let dir = cfg.state_dir.join(b.as_str());
-                        roots.push(Root::new(*b, dir, Some(node.clone())));
+                        roots.push(Root::with_anchor(
+                            *b,
+                            dir,
+                            Some(node.clone()),
+                            cfg.state_dir.clone(),
+                            cfg.min_free,
+                        ));
                     }
                 }
                 Backend::Shared => {}
@@ -205,7 +443,7 @@ impl Roots {
                     } else {
                         p.clone()
                     };
-                    roots.push(Root::new(*b, dir, None));
+                    roots.push(Root::with_anchor(*b, dir, None, p.clone(), cfg.min_free));
                 }
             }
         }
@@ -274,6 +512,53 @@ mod tests {
         assert_eq!(uuid_for_name("d", "a"), uuid_for_name("d", "a"));
         assert_ne!(uuid_for_name("d", "a"), uuid_for_name("d", "b"));
         assert_ne!(uuid_for_name("d", "a"), uuid_for_name("e", "a"));
+    }
+
+    #[test]
+    fn source_and_node_ids_have_one_form() {
+        for good in [
+            "0123456789abcdef0123456789abcdef",
+            "m123456789abcdef0123456789abcdef",
+            "x123456789abcdef0123456789abcdef",
+        ] {
+            assert!(is_source_id(good), "{good}");
+        }
+        for bad in [
+            "",
+            "../../etc",
+            "/etc",
+            "0123456789abcdef0123456789abcde",
+            "0123456789ABCDEF0123456789abcdef",
+            "m123456789abcdef0123456789abcde/",
+            "y123456789abcdef0123456789abcdef",
+            "m../../../../../../../../../etc/x",
+        ] {
+            assert!(!is_source_id(bad), "{bad}");
+        }
+        for good in ["node-1", "ip-10-0-0-1.ec2.internal", "n_2"] {
+            assert_eq!(check_node_id(good), Ok(()));
+        }
+        for bad in ["", ".", "..", ".hidden", "a/b", "a\nb", &"n".repeat(254)] {
+            assert!(check_node_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn reserve_is_the_smaller_bound() {
+        let size = |s: &str| s.strip_suffix('G')?.parse::<u64>().ok().map(|g| g << 30);
+        let r = Reserve::default();
+        assert_eq!(r.of(100 << 30), 5 << 30);
+        assert_eq!(r.of(1 << 40), 10 << 30);
+        assert_eq!(Reserve::parse("10%", size).unwrap().of(100 << 30), 10 << 30);
+        assert_eq!(Reserve::parse("2G", size).unwrap().of(100 << 30), 2 << 30);
+        assert_eq!(
+            Reserve::parse("10%,2G", size).unwrap().of(100 << 30),
+            2 << 30
+        );
+        assert_eq!(Reserve::parse("0", |_| Some(0)).unwrap().of(1 << 40), 0);
+        assert!(Reserve::parse("101%", size).is_none());
+        assert!(Reserve::parse("lots", size).is_none());
+        assert_eq!(Reserve::NONE.of(1 << 40), 0);
     }
 
     #[test]

@@ -62,6 +62,25 @@ impl Seal {
     pub fn has_dir(&self, rel: &str) -> bool {
         self.dirs.iter().any(|d| d == rel)
     }
+
+    /// Checks a seal read from disk: it seals `sid`, and every path it
+    /// lists is relative and stays inside the source, so a check through a
+    /// mount never looks outside it.
+    pub fn check(&self, sid: &str) -> Result<(), String> {
+        if self.source != sid {
+            return Err(format!("it seals source {:?}, not {sid}", self.source));
+        }
+        let paths = self
+            .files
+            .iter()
+            .map(|f| &f.path)
+            .chain(&self.dirs)
+            .chain(self.symlinks.iter().map(|l| &l.path));
+        for p in paths {
+            crate::mount::subpath::validate_syntax(p).map_err(|e| format!("path {p:?}: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 /// Walks `root` and hashes every regular file. Refuses what a read-only model

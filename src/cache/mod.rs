@@ -13,8 +13,10 @@
 //! `sealing` and then looks for writers. Whichever comes second sees the
 //! other and backs off.
 
+pub mod copy;
 pub mod evict;
 pub mod layout;
+pub mod lease;
 pub mod manifest;
 pub mod record;
 pub mod xfs;
@@ -47,9 +49,38 @@ pub fn lookup(roots: &Roots, volume_id: &str) -> Result<(Root, VolumeRecord)> {
     Ok((root, rec))
 }
 
+/// Reads a volume's record, refusing one that fails `VolumeRecord::check`
+/// with an error naming the file.
 pub fn read_volume(root: &Root, uuid: &str) -> Result<Option<VolumeRecord>> {
+    if !layout::is_volume_uuid(uuid) {
+        return Err(Error::FailedPrecondition(format!(
+            "volume uuid {uuid:?} is malformed; refusing it in {}",
+            root.describe()
+        )));
+    }
     let path = root.volume_record(uuid);
-    state::read_json(&path).ctx("read volume record", &path)
+    let rec: Option<VolumeRecord> = state::read_json(&path).map_err(|e| invalid(&path, e))?;
+    if let Some(rec) = &rec {
+        rec.check(root, uuid).map_err(|why| {
+            Error::FailedPrecondition(format!(
+                "volume record {} is not valid and is refused: {why}",
+                path.display()
+            ))
+        })?;
+    }
+    Ok(rec)
+}
+
+/// A record that exists but cannot be used: named, never followed.
+fn invalid(path: &Path, e: io::Error) -> Error {
+    if e.kind() == io::ErrorKind::InvalidData {
+        Error::FailedPrecondition(format!(
+            "{} is not valid and is refused: {e}",
+            path.display()
+        ))
+    } else {
+        Error::io("read", path, e)
+    }
 }
 
 pub fn write_volume(root: &Root, rec: &VolumeRecord) -> Result<()> {
@@ -69,18 +100,42 @@ pub fn list_volumes(root: &Root) -> Result<Vec<VolumeRecord>> {
     let dir = root.volumes_dir();
     let mut out = Vec::new();
     for name in state::list_names(&dir).ctx("list volumes in", &dir)? {
-        if let Some(uuid) = name.strip_suffix(".json")
-            && let Some(rec) = read_volume(root, uuid)?
-        {
-            out.push(rec);
+        let Some(uuid) = name.strip_suffix(".json") else {
+            continue;
+        };
+        match read_volume(root, uuid) {
+            Ok(Some(rec)) => out.push(rec),
+            Ok(None) => {}
+            // One forged file in a shared root must not hide every volume.
+            Err(e @ Error::FailedPrecondition(_)) => {
+                tracing::warn!(error = %e, "skipping a volume record")
+            }
+            Err(e) => return Err(e),
         }
     }
     Ok(out)
 }
 
+/// Reads a source's seal, refusing a malformed source id and a seal whose
+/// paths leave the source, or that names another source.
 pub fn read_seal(root: &Root, sid: &str) -> Result<Option<Seal>> {
+    if !layout::is_source_id(sid) {
+        return Err(Error::FailedPrecondition(format!(
+            "source id {sid:?} is malformed; refusing it in {}",
+            root.describe()
+        )));
+    }
     let path = root.source(sid).seal();
-    state::read_json(&path).ctx("read seal", &path)
+    let seal: Option<Seal> = state::read_json(&path).map_err(|e| invalid(&path, e))?;
+    if let Some(seal) = &seal {
+        seal.check(sid).map_err(|why| {
+            Error::FailedPrecondition(format!(
+                "seal {} is not valid and is refused: {why}",
+                path.display()
+            ))
+        })?;
+    }
+    Ok(seal)
 }
 
 pub fn source_exists(root: &Root, sid: &str) -> bool {
@@ -138,13 +193,16 @@ pub fn create_source(root: &Root, sid: &str, capacity_bytes: u64) -> Result<()> 
 
 /// Makes `to` a writable copy of `from`: the one case where bytes are
 /// duplicated, because the result must be writable. Reflinks where the
-/// filesystem can.
+/// filesystem can. A directory source is copied by `copy::copy_tree`, which
+/// never recreates device nodes, fifos, sockets or setuid/setgid bits; an
+/// image is copied as one file, and whatever it holds is only ever mounted
+/// nosuid,nodev.
 pub fn copy_source(root: &Root, from: &str, to: &str) -> Result<()> {
-    let src = root.source(from);
+    let src = root.open_source(from)?;
     let dst = root.source(to);
-    let (from_path, to_path) = match root.backend {
-        Backend::Xfs => (src.image(), dst.image()),
-        Backend::Local | Backend::Shared => (src.data(), dst.data()),
+    let to_path = match root.backend {
+        Backend::Xfs => dst.image(),
+        Backend::Local | Backend::Shared => dst.data(),
     };
     if to_path.exists() {
         return Ok(());
@@ -153,32 +211,52 @@ pub fn copy_source(root: &Root, from: &str, to: &str) -> Result<()> {
     let tmp = dst
         .dir
         .join(format!(".copy-{}", uuid::Uuid::new_v4().simple()));
-    let status = std::process::Command::new("cp")
-        .args(["-a", "--reflink=auto", "--sparse=always"])
-        .arg(&from_path)
-        .arg(&tmp)
-        .status()
-        .ctx("run cp from", &from_path)?;
-    if !status.success() {
-        let _ = fs::remove_dir_all(&tmp).or_else(|_| fs::remove_file(&tmp));
-        return Err(Error::Internal(format!(
-            "copying {} to {} failed: cp {status}",
-            from_path.display(),
-            tmp.display()
-        )));
-    }
-    if root.backend == Backend::Xfs {
-        // The copy must be writable even if the original was sealed (0444).
-        use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o644)).ctx("chmod", &tmp)?;
-        if let Err(e) = xfs::new_uuid(&tmp) {
-            let _ = fs::remove_file(&tmp);
-            return Err(e);
+    let copied = match root.backend {
+        Backend::Xfs => copy_image(&src, &tmp),
+        Backend::Local | Backend::Shared => {
+            let data = src.data()?;
+            copy::copy_tree(
+                &crate::mount::subpath::proc_path(&data),
+                &tmp,
+                &src.real.data(),
+            )
         }
+    };
+    if let Err(e) = copied {
+        let _ = fs::remove_dir_all(&tmp).or_else(|_| fs::remove_file(&tmp));
+        return Err(e);
     }
     fs::rename(&tmp, &to_path).ctx("rename into place", &to_path)?;
     state::sync_dir(&dst.dir).ctx("sync", &dst.dir)?;
     Ok(())
+}
+
+fn copy_image(src: &layout::ConfinedSource, tmp: &Path) -> Result<()> {
+    let image = src.image(false)?;
+    // cp opens the very file checked above, through this process's fd.
+    let from = format!(
+        "/proc/{}/fd/{}",
+        std::process::id(),
+        std::os::fd::AsRawFd::as_raw_fd(&image)
+    );
+    let status = std::process::Command::new("cp")
+        .args(["--reflink=auto", "--sparse=always"])
+        .arg(&from)
+        .arg(tmp)
+        .status()
+        .ctx("run cp from", &src.real.image())?;
+    drop(image);
+    if !status.success() {
+        return Err(Error::Internal(format!(
+            "copying {} to {} failed: cp {status}",
+            src.real.image().display(),
+            tmp.display()
+        )));
+    }
+    // The copy must be writable even if the original was sealed (0444).
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(tmp, fs::Permissions::from_mode(0o644)).ctx("chmod", tmp)?;
+    xfs::new_uuid(tmp)
 }
 
 /// Removes a source and everything in it. The caller has checked that no
@@ -238,28 +316,6 @@ fn list_hidden(dir: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Takes a writer lease for `node`, then checks the source is not sealed or
-/// being sealed. See the module docs for why the order matters. Returns
-/// whether this call created the lease (false: the node already held it).
-pub fn acquire_writer(root: &Root, sid: &str, node: &str) -> Result<bool> {
-    let sp = root.source(sid);
-    let lease = sp.writers().join(node);
-    let created = state::create_marker(&lease, now_unix().to_string().as_bytes())
-        .ctx("create writer lease", &lease)?;
-    if sp.seal().exists() || sp.sealing().exists() {
-        state::remove_file(&lease).ctx("remove writer lease", &lease)?;
-        return Err(Error::FailedPrecondition(format!(
-            "source {sid} is sealed (or being sealed) and can only be mounted read-only"
-        )));
-    }
-    Ok(created)
-}
-
-pub fn release_writer(root: &Root, sid: &str, node: &str) -> Result<()> {
-    let lease = root.source(sid).writers().join(node);
-    state::remove_file(&lease).ctx("remove writer lease", &lease)
-}
-
 /// Seals a source: refuses while any node has it writable, then records
 /// every file's size and sha256 and makes the seal visible in one rename.
 /// Idempotent: a sealed source returns its seal.
@@ -268,9 +324,15 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
     if let Some(seal) = read_seal(root, sid)? {
         return Ok(seal);
     }
-    if !sp.dir.is_dir() {
-        return Err(Error::NotFound(format!("source {sid} does not exist")));
-    }
+    // What is scanned is opened beneath the root: a link planted in a
+    // shared root must not make the controller hash (or loop-mount) a host
+    // path.
+    let src = match root.open_source(sid) {
+        Err(Error::NotFound(_)) => {
+            return Err(Error::NotFound(format!("source {sid} does not exist")));
+        }
+        r => r?,
+    };
     // An existing marker is our own earlier attempt, cut short.
     state::create_marker(&sp.sealing(), now_unix().to_string().as_bytes())
         .ctx("create sealing marker", &sp.sealing())?;
@@ -284,8 +346,10 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
             )));
         }
         let tree = match root.backend {
-            Backend::Xfs => xfs::scan_image(&sp.image(), &root.tmp_dir())?,
-            Backend::Local | Backend::Shared => manifest::scan(&sp.data())?,
+            Backend::Xfs => xfs::scan_image(src.image(true)?, &sp.image(), &root.tmp_dir())?,
+            Backend::Local | Backend::Shared => {
+                manifest::scan(&crate::mount::subpath::proc_path(&src.data()?))?
+            }
         };
         let seal = Seal {
             format: manifest::FORMAT,
@@ -299,7 +363,11 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
             symlinks: tree.symlinks,
         };
         if root.backend == Backend::Xfs {
-            xfs::make_readonly(&sp.image())?;
+            // Through a descriptor: chmod by path would follow a link.
+            use std::os::unix::fs::PermissionsExt;
+            src.image(false)?
+                .set_permissions(fs::Permissions::from_mode(0o444))
+                .ctx("chmod", &sp.image())?;
         }
         state::write_json(&sp.seal(), &seal).ctx("write seal", &sp.seal())?;
         Ok(seal)
@@ -310,7 +378,51 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
 
 /// Free bytes for new data in a root's filesystem.
 pub fn free_bytes(dir: &Path) -> io::Result<u64> {
+    Ok(space_of(dir)?.0)
+}
+
+/// (free, total) bytes of the filesystem holding `dir`.
+fn space_of(dir: &Path) -> io::Result<(u64, u64)> {
     fs::create_dir_all(dir)?;
     let st = nix::sys::statvfs::statvfs(dir).map_err(io::Error::from)?;
-    Ok(st.blocks_available() as u64 * st.fragment_size() as u64)
+    let frag = st.fragment_size() as u64;
+    Ok((
+        (st.blocks_available() as u64).saturating_mul(frag),
+        (st.blocks() as u64).saturating_mul(frag),
+    ))
+}
+
+/// A root's free space, and how much of it the driver may use.
+#[derive(Clone, Copy, Debug)]
+pub struct Space {
+    pub free: u64,
+    /// Bytes kept free (`--min-free`) on this filesystem.
+    pub reserve: u64,
+}
+
+impl Space {
+    /// Free bytes beyond the reserve: what new data may take.
+    pub fn usable(&self) -> u64 {
+        self.free.saturating_sub(self.reserve)
+    }
+}
+
+impl std::fmt::Display for Space {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} bytes usable ({} free, {} kept free by --min-free)",
+            self.usable(),
+            self.free,
+            self.reserve
+        )
+    }
+}
+
+pub fn space(root: &Root) -> Result<Space> {
+    let (free, total) = space_of(&root.dir).ctx("statfs", &root.dir)?;
+    Ok(Space {
+        free,
+        reserve: root.reserve.of(total),
+    })
 }

@@ -1,8 +1,11 @@
 //! The records persisted for volumes, in their root's `volumes/` directory.
 
+use std::path::{Component, Path};
+
 use serde::{Deserialize, Serialize};
 
 use super::Backend;
+use super::layout::{Root, VolumeId, is_source_id};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -86,4 +89,63 @@ pub struct VolumeRecord {
     /// arguments is AlreadyExists.
     pub request: String,
     pub created_unix: u64,
+}
+
+impl VolumeRecord {
+    /// Checks a record read from `root` under `uuid` before anything is
+    /// derived from it. Records on a shared root are written by other nodes
+    /// and could be forged by anyone who writes that filesystem, so every
+    /// field that becomes a path, or picks what is mounted, is checked:
+    /// - the id is ours, names this root, and matches the file's name;
+    /// - the source id has the form the driver makes (no `/`, no `..`);
+    /// - the subPath is relative and stays inside the source;
+    /// - `external` (a host path or device, exposed in place) appears only
+    ///   in a node-local `local` root, which only this node's root user
+    ///   writes, and names an absolute path without `..`.
+    pub fn check(&self, root: &Root, uuid: &str) -> Result<(), String> {
+        let id =
+            VolumeId::parse(&self.id).ok_or_else(|| format!("id {:?} is malformed", self.id))?;
+        if id.uuid != uuid {
+            return Err(format!("id {} does not match the file's name", self.id));
+        }
+        if id.backend != root.backend || id.root_key != root.key || self.backend != root.backend {
+            return Err(format!("id {} belongs to another storage root", self.id));
+        }
+        if !is_source_id(&self.source) {
+            return Err(format!("source id {:?} is malformed", self.source));
+        }
+        if let Some(sub) = &self.sub_path {
+            crate::mount::subpath::validate_syntax(sub)?;
+        }
+        if let Some(ext) = &self.external {
+            if root.node.is_none() || root.backend != Backend::Local {
+                return Err(format!(
+                    "it names a host path ({}) but lives in a shared root; only a node's own \
+                     local root may hold such records",
+                    ext.path()
+                ));
+            }
+            if self.role != Role::Cache {
+                return Err("a volume over another driver's bytes must be a cache volume".into());
+            }
+            let p = Path::new(ext.path());
+            if !p.is_absolute() || p.components().any(|c| c == Component::ParentDir) {
+                return Err(format!(
+                    "host path {:?} is not absolute and plain",
+                    ext.path()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl External {
+    /// The host path or device it names.
+    pub fn path(&self) -> &str {
+        match self {
+            External::Dir { path } => path,
+            External::XfsBlock { device } => device,
+        }
+    }
 }

@@ -109,11 +109,14 @@ fn run_tool(name: &str, args: &[&str], target: &Path) -> Result<()> {
 
 /// Mounts the image read-write in a private directory (replaying its log if
 /// a writer crashed), hashes its tree, and unmounts it.
-pub fn scan_image(image: &Path, tmp_root: &Path) -> Result<Tree> {
+/// `backing` is the image, opened read-write beneath its root; `image`
+/// names it in messages.
+pub fn scan_image(backing: fs::File, image: &Path, tmp_root: &Path) -> Result<Tree> {
     let mnt = tmp_root.join(format!("seal-{}", uuid::Uuid::new_v4().simple()));
     fs::create_dir_all(&mnt).ctx("create", &mnt)?;
     let result = (|| {
-        let lo = mount::loopdev::attach(image, false).ctx("attach loop device for", image)?;
+        let lo =
+            mount::loopdev::attach_file(backing, false).ctx("attach loop device for", image)?;
         mount::mount_device(lo.path(), &mnt, "xfs", false, "").ctx("mount", image)?;
         // The mount holds the loop device from here on; autoclear releases it
         // when we unmount.

@@ -435,6 +435,7 @@ impl Provisioner {
                     )));
                 }
                 rec.capacity_bytes = required.max(from.capacity_bytes);
+                self.check_free(&root, rec.capacity_bytes as u64)?;
                 let (r, f, t) = (root.clone(), from.source.clone(), uuid.clone());
                 blocking(move || cache::copy_source(&r, &f, &t)).await?;
             }
@@ -551,13 +552,15 @@ impl Provisioner {
         })
     }
 
+    /// A writable source may never be promised more than the filesystem can
+    /// still give: its free space beyond the reserve (`--min-free`). Neither
+    /// a directory nor a sparse image is allocated up front, so this is the
+    /// bound a size gets where no quota enforces it.
     fn check_free(&self, root: &Root, bytes: u64) -> Result<()> {
-        let free = cache::free_bytes(&root.dir).map_err(|e| Error::io("statfs", &root.dir, e))?;
-        // Directories are not reserved; only an image is carved out at once,
-        // and it is sparse. Refuse what could never fit.
-        if root.backend == Backend::Xfs && bytes > free {
+        let space = cache::space(root)?;
+        if bytes > space.usable() {
             return Err(Error::ResourceExhausted(format!(
-                "{} has {free} bytes free; {bytes} were requested",
+                "{bytes} bytes were requested, but {} has {space}",
                 root.describe()
             )));
         }

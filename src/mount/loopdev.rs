@@ -122,6 +122,27 @@ pub fn attach(image: &Path, readonly: bool) -> io::Result<LoopHandle> {
         .write(!readonly)
         .open(&image)
         .map_err(|e| with_context(e, format_args!("open {}", image.display())))?;
+    attach_opened(&image, backing, readonly)
+}
+
+/// As `attach`, over a file the caller opened (beneath its root, with no
+/// symlink on the way): the device is bound to exactly that file, whatever
+/// is renamed or linked into its place meanwhile. Only a regular file is
+/// accepted. The kernel's name for it is used to find devices to reuse.
+pub fn attach_file(backing: File, readonly: bool) -> io::Result<LoopHandle> {
+    let meta = backing.metadata()?;
+    if !meta.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a loop device is attached only over a regular file",
+        ));
+    }
+    let image = std::fs::read_link(format!("/proc/self/fd/{}", backing.as_raw_fd()))?;
+    attach_opened(&image, backing, readonly)
+}
+
+fn attach_opened(image: &Path, backing: File, readonly: bool) -> io::Result<LoopHandle> {
+    let image = image.to_path_buf();
     let meta = backing.metadata()?;
     for (dev, _) in backed_by(&image)?
         .into_iter()

@@ -94,6 +94,60 @@ pub fn open_beneath(root: &Path, sub: &str) -> io::Result<OwnedFd> {
     }
 }
 
+/// Opens `rel` beneath the directory `base` with no symlink anywhere on the way: for paths the
+/// driver laid out itself (a source's directory, its data, its image), where a symlink can only
+/// be a forgery by someone else who writes the same shared filesystem. `flags` says how to
+/// open the last component (O_PATH|O_DIRECTORY for a bind source, O_RDONLY or O_RDWR for an
+/// image); O_CLOEXEC is always added. RESOLVE_NO_SYMLINKS refuses a link in the last component
+/// too (O_NOFOLLOW is left out: with O_PATH it would open the link itself). ELOOP and EXDEV mean
+/// a symlink or an escape and come back as InvalidInput naming the path.
+pub fn open_confined(
+    base: &OwnedFd,
+    base_path: &Path,
+    rel: &str,
+    flags: OFlag,
+) -> io::Result<OwnedFd> {
+    let how = OpenHow::new().flags(flags | OFlag::O_CLOEXEC).resolve(
+        ResolveFlag::RESOLVE_BENEATH
+            | ResolveFlag::RESOLVE_NO_SYMLINKS
+            | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+    );
+    let mut attempts = 0;
+    loop {
+        match openat2(base, rel, how) {
+            Ok(fd) => return Ok(fd),
+            Err(Errno::EAGAIN) if attempts < 8 => attempts += 1,
+            Err(Errno::ELOOP) | Err(Errno::EXDEV) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{} is, or passes through, a symlink: the driver never follows links it \
+                         did not make out of its storage root",
+                        base_path.join(rel).display()
+                    ),
+                ));
+            }
+            Err(e) => {
+                return Err(with_context(
+                    e,
+                    format_args!("open {}", base_path.join(rel).display()),
+                ));
+            }
+        }
+    }
+}
+
+/// Opens the directory `path` itself, following nothing in its last component: the anchor of
+/// `open_confined`.
+pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
+    open(
+        path,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| with_context(e, format_args!("open {}", path.display())))
+}
+
 /// A path naming exactly the directory behind `fd`, usable as a bind-mount source while `fd`
 /// stays open.
 pub fn proc_path(fd: &OwnedFd) -> PathBuf {
@@ -161,6 +215,21 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
         let err = open_beneath(&root, "/etc").unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn confined_opens_follow_no_symlink_at_all() {
+        let (_tmp, root) = tree();
+        let base = open_dir(&root).unwrap();
+        let dir = OFlag::O_PATH | OFlag::O_DIRECTORY;
+        assert!(open_confined(&base, &root, "models/llama", dir).is_ok());
+        // Even a link that stays inside the root is refused.
+        for rel in ["models/alias", "models/etc", "models/esc", "../x", "/etc"] {
+            let err = open_confined(&base, &root, rel, dir).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{rel}: {err}");
+        }
+        let err = open_confined(&base, &root, "models/etc", dir).unwrap_err();
+        assert!(err.to_string().contains("models/etc"), "{err}");
     }
 
     #[test]

@@ -53,9 +53,9 @@ impl NodeService {
     async fn stage(&self, req: NodeStageVolumeRequest) -> Result<NodeStageVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
         let staging = path(&req.staging_target_path, "staging_target_path")?;
-        capability_of(req.volume_capability.as_ref())?;
+        let cap = capability_of(req.volume_capability.as_ref())?;
         let _guard = self.locks.try_lock(&req.volume_id)?;
-        self.ops.stage(&req.volume_id, staging).await?;
+        self.ops.stage(&req.volume_id, staging, cap).await?;
         tracing::info!("staged");
         Ok(NodeStageVolumeResponse {})
     }

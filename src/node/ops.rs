@@ -4,15 +4,25 @@
 //! Nothing about mounts is remembered here: the kernel's mount table is the
 //! truth, so a plugin killed with live mounts picks up where it was.
 //! Writer leases are the one thing written, next to the source, because the
-//! controller on another node must see them before it seals.
+//! controller on another node must see them before it seals, and another
+//! node must see them before it writes (`cache::lease`).
+//!
+//! What is mounted comes from records a shared root holds, which other
+//! nodes (or anyone who writes that filesystem) wrote: it is opened beneath
+//! the root with no symlink on the way and mounted through its descriptor,
+//! so a forged record or link can never bind a host path. Every mount is
+//! nosuid and nodev, writable ones included.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::cache::layout::ConfinedSource;
+use crate::cache::lease::{self, Share};
 use crate::cache::{self, Backend, External, Role, Root, Roots, Seal, Verify, VolumeRecord};
 use crate::capability::MountRequest;
 use crate::config::Config;
+use crate::csi::volume_capability::access_mode::Mode;
 use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;
 use crate::mount::{self, MountFlags, mountinfo};
@@ -78,44 +88,82 @@ impl NodeOps {
         }
     }
 
-    pub async fn stage(&self, volume_id: &str, staging: PathBuf) -> Result<()> {
+    pub async fn stage(&self, volume_id: &str, staging: PathBuf, req: MountRequest) -> Result<()> {
         let (root, rec) = cache::lookup(&self.roots, volume_id)?;
+        if let Some(ext) = rec.external.clone() {
+            // `lookup` admits external records only from this node's own
+            // local root (see VolumeRecord::check).
+            return blocking(move || stage_external(&ext, &staging)).await;
+        }
         let seal = cache::read_seal(&root, &rec.source)?;
         // Sealed means read-only, for a source volume as for its caches.
         let writable = rec.role == Role::Source && seal.is_none();
-        if let Some(ext) = rec.external.clone() {
-            return blocking(move || stage_external(&ext, &staging)).await;
-        }
         if !writable && seal.is_none() {
             return Err(Error::FailedPrecondition(format!(
                 "source {} of volume {volume_id} is not sealed",
                 rec.source
             )));
         }
+        if writable && !req.is_writer() {
+            // Mounting it read-only would show bytes a writer can still
+            // change: on another node, through an XFS log this mount would
+            // not replay, or later, after this check.
+            return Err(Error::FailedPrecondition(format!(
+                "source volume {volume_id} is not sealed yet, and a read-only stage ({}) would \
+                 show bytes its writer can still change; seal it first (mutable parameter \
+                 sealed=true), then read it through cache volumes",
+                req.mode.as_str_name()
+            )));
+        }
         let node = node_id(&self.cfg)?;
         let _g = self.sources.lock(&rec.source).await;
-        let new_lease = writable && cache::acquire_writer(&root, &rec.source, &node)?;
+        let src = {
+            let (r, sid) = (root.clone(), rec.source.clone());
+            Arc::new(blocking(move || r.open_source(&sid)).await?)
+        };
+        let share = Share::for_stage(root.backend, req.mode == Mode::MultiNodeMultiWriter);
+        let new_lease = if writable {
+            let (r, s, sid, n, st) = (
+                root.clone(),
+                src.clone(),
+                rec.source.clone(),
+                node.clone(),
+                staging.clone(),
+            );
+            blocking(move || lease::acquire(&r, &s, &sid, &n, &st, share)).await?
+        } else {
+            false
+        };
         if cache::evict::is_model(&rec.source) {
             // Best effort: a read-only shared root must not block a stage.
-            let _ = cache::evict::touch(&root, &rec.source);
+            let _ = cache::evict::touch_confined(&src);
         }
-        let (r, sid) = (root.clone(), rec.source.clone());
-        let result = blocking(move || stage_blocking(&r, &rec, &staging, writable, seal)).await;
+        let (r, s, st) = (root.clone(), src.clone(), staging.clone());
+        let result = blocking(move || stage_blocking(&r, &rec, &s, &st, writable, seal)).await;
         if result.is_err() && new_lease {
             // Only a lease this call took goes; an earlier staging keeps its own.
-            let _ = cache::release_writer(&root, &sid, &node);
+            let _ = lease::release(&root, &src, &node, &staging);
         }
         result
     }
 
     pub async fn unstage(&self, volume_id: &str, staging: PathBuf) -> Result<()> {
-        blocking(move || unmount_all(&staging)).await?;
+        {
+            let staging = staging.clone();
+            blocking(move || unmount_all(&staging)).await?;
+        }
         // The volume may be gone already, or live in a root this node does
         // not serve; either way there is no lease of ours to drop.
         if let Ok((root, rec)) = cache::lookup(&self.roots, volume_id)
             && rec.role == Role::Source
         {
-            cache::release_writer(&root, &rec.source, &node_id(&self.cfg)?)?;
+            let node = node_id(&self.cfg)?;
+            blocking(move || match root.open_source(&rec.source) {
+                Ok(src) => lease::release(&root, &src, &node, &staging),
+                Err(Error::NotFound(_)) => Ok(()),
+                Err(e) => Err(e),
+            })
+            .await?;
         }
         Ok(())
     }
@@ -229,19 +277,22 @@ fn stage_external(ext: &External, staging: &Path) -> Result<()> {
 fn stage_blocking(
     root: &Root,
     rec: &VolumeRecord,
+    src: &ConfinedSource,
     staging: &Path,
     writable: bool,
     seal: Option<Seal>,
 ) -> Result<()> {
-    let sp = root.source(&rec.source);
     std::fs::create_dir_all(staging).ctx("create staging path", staging)?;
     if let Some(existing) = mount_entry(staging)? {
         let same = match root.backend {
             Backend::Xfs => mount::loopdev::backing_file(Path::new(&existing.source))
                 .ok()
                 .flatten()
-                .is_some_and(|b| std::fs::canonicalize(sp.image()).is_ok_and(|i| i == b)),
-            Backend::Local | Backend::Shared => identity(staging)? == identity(&sp.data())?,
+                .is_some_and(|b| std::fs::canonicalize(src.via.image()).is_ok_and(|i| i == b)),
+            Backend::Local | Backend::Shared => {
+                let data = src.data()?;
+                identity(staging)? == identity(&mount::subpath::proc_path(&data))?
+            }
         };
         if same && existing.is_readonly() != writable {
             return Ok(());
@@ -253,16 +304,18 @@ fn stage_blocking(
             existing.source
         )));
     }
+    // A source is a model: nothing in it is a device or a setuid program,
+    // whether it is still being written or not.
     let base = MountFlags {
-        nosuid: !writable,
+        nosuid: true,
         nodev: true,
         ..MountFlags::default()
     };
     match (root.backend, writable) {
         (Backend::Xfs, _) => {
-            let image = sp.image();
-            let lo =
-                mount::loopdev::attach(&image, !writable).ctx("attach loop device for", &image)?;
+            let image = src.real.image();
+            let lo = mount::loopdev::attach_file(src.image(writable)?, !writable)
+                .ctx("attach loop device for", &image)?;
             let data = if writable {
                 ""
             } else {
@@ -270,11 +323,15 @@ fn stage_blocking(
             };
             mount::mount_device(lo.path(), staging, "xfs", !writable, data).ctx("mount", &image)?;
         }
-        (_, true) => {
-            mount::bind_writable(&sp.data(), staging, base).ctx("bind-mount", &sp.data())?
-        }
-        (_, false) => {
-            mount::bind_readonly(&sp.data(), staging, base).ctx("bind-mount", &sp.data())?
+        (_, writable) => {
+            let fd = src.data()?;
+            let from = mount::subpath::proc_path(&fd);
+            let data = src.real.data();
+            if writable {
+                mount::bind_writable(&from, staging, base).ctx("bind-mount", &data)?
+            } else {
+                mount::bind_readonly(&from, staging, base).ctx("bind-mount", &data)?
+            }
         }
     }
     if let Some(seal) = seal {
@@ -332,12 +389,14 @@ fn publish_blocking(
         )));
     }
     std::fs::create_dir_all(target).ctx("create target", target)?;
+    // Writable or not, a pod never gets setuid programs or device files
+    // through a model volume.
+    let flags = MountFlags {
+        nosuid: true,
+        nodev: true,
+        ..flags
+    };
     if ro {
-        let flags = MountFlags {
-            nosuid: true,
-            nodev: true,
-            ..flags
-        };
         mount::bind_readonly(&src, target, flags).ctx("bind-mount read-only onto", target)
     } else {
         mount::bind_writable(&src, target, flags).ctx("bind-mount onto", target)

@@ -65,17 +65,34 @@ impl Driver {
     /// Starts the driver with extra arguments and environment variables
     /// (the credentials an admin gives the driver's pod, say).
     pub async fn start_with_env(extra_args: &[&str], env: &[(&str, &str)]) -> Driver {
+        Driver::start_node_with_env(NODE, None, extra_args, env).await
+    }
+
+    /// Starts the driver as node `node_id`, with its own state dir and, when
+    /// given, another driver's `--shared-path` (two nodes sharing one
+    /// filesystem). Drop the drivers sharing a path before its owner.
+    pub async fn start_node(node_id: &str, shared: Option<&Path>, extra_args: &[&str]) -> Driver {
+        Driver::start_node_with_env(node_id, shared, extra_args, &[]).await
+    }
+
+    async fn start_node_with_env(
+        node_id: &str,
+        shared: Option<&Path>,
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Driver {
         let tmp = tempfile::Builder::new()
             .prefix("mc-test-")
             .tempdir()
             .expect("create temp dir");
         let dir = fs::canonicalize(tmp.path()).expect("resolve temp dir");
         let state_dir = dir.join("state");
-        let shared_dir = dir.join("shared");
+        let shared_dir = shared.map_or_else(|| dir.join("shared"), Path::to_path_buf);
         fs::create_dir_all(&shared_dir).expect("create shared dir");
         let socket = dir.join("csi.sock");
         let log = dir.join("driver.log");
-        let extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
+        let mut extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
+        extra_args.splice(0..0, ["--node-id".to_string(), node_id.to_string()]);
         let env: Vec<(String, String)> = env
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -345,7 +362,6 @@ fn spawn(
     Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
         .arg("--endpoint")
         .arg(format!("unix://{}", socket.display()))
-        .args(["--node-id", NODE])
         .arg("--state-dir")
         .arg(state_dir)
         .arg("--shared-path")
