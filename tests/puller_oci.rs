@@ -375,6 +375,8 @@ async fn a_tenant_reaches_a_registry_only_when_the_class_names_it() {
 
     // Any registry, but loopback is closed: refused before a request.
     let any = AllowedSources::parse("oci://").unwrap();
+    // The admitted pull's access-log lines are all written before this.
+    reg.settled_blob_gets().await;
     let before = reg.log_text().len();
     let mut opts = reg.options();
     opts.tenant = Some(

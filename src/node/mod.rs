@@ -3,6 +3,7 @@
 pub mod authority;
 pub mod ops;
 pub mod registration;
+pub mod verify;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -50,12 +51,16 @@ impl NodeService {
         }
     }
 
-    async fn stage(&self, req: NodeStageVolumeRequest) -> Result<NodeStageVolumeResponse> {
+    async fn stage(
+        &self,
+        req: NodeStageVolumeRequest,
+        budget: Option<std::time::Duration>,
+    ) -> Result<NodeStageVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
         let staging = path(&req.staging_target_path, "staging_target_path")?;
         let cap = capability_of(req.volume_capability.as_ref())?;
         let _guard = self.locks.try_lock(&req.volume_id)?;
-        self.ops.stage(&req.volume_id, staging, cap).await?;
+        self.ops.stage(&req.volume_id, staging, cap, budget).await?;
         tracing::info!("staged");
         Ok(NodeStageVolumeResponse {})
     }
@@ -135,9 +140,10 @@ impl Node for NodeService {
         &self,
         request: Request<NodeStageVolumeRequest>,
     ) -> Result<Response<NodeStageVolumeResponse>, Status> {
+        let budget = crate::rpc::budget(&request);
         let req = request.into_inner();
         let span = info_span!("NodeStageVolume", volume.id = %req.volume_id, staging = %req.staging_target_path);
-        async { respond(self.stage(req).await) }
+        async { respond(self.stage(req, budget).await) }
             .instrument(span)
             .await
     }

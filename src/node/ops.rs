@@ -32,6 +32,8 @@ pub struct NodeOps {
     pub roots: Roots,
     /// Serialises loop-device reuse for one source within this process.
     sources: KeyedMutex,
+    /// `verify: full` rehashes, bounded by each NodeStage's deadline.
+    verifier: super::verify::Verifier,
 }
 
 /// What a staged volume's condition says.
@@ -85,10 +87,19 @@ impl NodeOps {
             cfg,
             roots,
             sources: KeyedMutex::default(),
+            verifier: Default::default(),
         }
     }
 
-    pub async fn stage(&self, volume_id: &str, staging: PathBuf, req: MountRequest) -> Result<()> {
+    /// Stages the volume; a `verify: full` rehash that outlasts `budget`
+    /// answers UNAVAILABLE and goes on (see `verify`).
+    pub async fn stage(
+        &self,
+        volume_id: &str,
+        staging: PathBuf,
+        req: MountRequest,
+        budget: Option<std::time::Duration>,
+    ) -> Result<()> {
         let (root, rec) = cache::lookup(&self.roots, volume_id)?;
         if let Some(ext) = rec.external.clone() {
             // `lookup` admits external records only from this node's own
@@ -138,8 +149,23 @@ impl NodeOps {
             // Best effort: a read-only shared root must not block a stage.
             let _ = cache::evict::touch_confined(&src);
         }
+        let full = (rec.verify == Verify::Full).then(|| seal.clone()).flatten();
         let (r, s, st) = (root.clone(), src.clone(), staging.clone());
-        let result = blocking(move || stage_blocking(&r, &rec, &s, &st, writable, seal)).await;
+        let mut result = blocking(move || stage_blocking(&r, &s, &st, writable, seal)).await;
+        if result.is_ok()
+            && let Some(seal) = full
+        {
+            result = match self.verifier.verify(&seal, staging.clone(), budget).await {
+                // Still hashing: the mount stays for the retry to join.
+                Err(e @ Error::Unavailable(_)) => Err(e),
+                Err(e) => {
+                    let st = staging.clone();
+                    let _ = blocking(move || unmount_all(&st)).await;
+                    Err(e)
+                }
+                Ok(()) => Ok(()),
+            };
+        }
         if result.is_err() && new_lease {
             // Only a lease this call took goes; an earlier staging keeps its own.
             let _ = lease::release(&root, &src, &node, &staging);
@@ -276,7 +302,6 @@ fn stage_external(ext: &External, staging: &Path) -> Result<()> {
 
 fn stage_blocking(
     root: &Root,
-    rec: &VolumeRecord,
     src: &ConfinedSource,
     staging: &Path,
     writable: bool,
@@ -335,8 +360,10 @@ fn stage_blocking(
         }
     }
     if let Some(seal) = seal {
-        // Checked through the mount itself: what pods will read is what is verified.
-        if let Err(e) = cache::manifest::verify(staging, &seal, rec.verify == Verify::Full) {
+        // Checked through the mount itself: what pods will read is what is
+        // verified. Sizes here; a full rehash is the caller's, within its
+        // deadline (`super::verify`).
+        if let Err(e) = cache::manifest::verify(staging, &seal, false) {
             let _ = unmount_all(staging);
             return Err(e);
         }
