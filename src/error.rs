@@ -31,6 +31,12 @@ pub enum Error {
     PermissionDenied(String),
     #[error("{0}")]
     ResourceExhausted(String),
+    /// The remote end served something no valid model can be: a listing
+    /// that names one file twice or a file inside a file, sizes that
+    /// overflow, a body longer than asked, an answer too large to read.
+    /// Not retryable: the same server will serve the same thing again.
+    #[error("the source served an invalid model: {0}")]
+    SourceFault(String),
     #[error("{0}")]
     OutOfRange(String),
     #[error("{0}")]
@@ -76,6 +82,7 @@ impl Error {
             Error::FailedPrecondition(m) => Error::FailedPrecondition(m.clone()),
             Error::PermissionDenied(m) => Error::PermissionDenied(m.clone()),
             Error::ResourceExhausted(m) => Error::ResourceExhausted(m.clone()),
+            Error::SourceFault(m) => Error::SourceFault(m.clone()),
             Error::OutOfRange(m) => Error::OutOfRange(m.clone()),
             Error::Unavailable(m) => Error::Unavailable(m.clone()),
             Error::RetryAfter { message, after } => Error::RetryAfter {
@@ -128,7 +135,9 @@ impl From<Error> for tonic::Status {
             Error::NotFound(_) => Code::NotFound,
             Error::AlreadyExists(_) => Code::AlreadyExists,
             Error::Aborted(_) => Code::Aborted,
-            Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            // The model as served cannot be pulled until its server is
+            // fixed: a precondition of the request, not a bug of ours.
+            Error::FailedPrecondition(_) | Error::SourceFault(_) => Code::FailedPrecondition,
             Error::PermissionDenied(_) => Code::PermissionDenied,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::OutOfRange(_) => Code::OutOfRange,

@@ -271,7 +271,10 @@ impl ProgressSink for PvcEvents {
         self.emit(
             EventType::Warning,
             "PullFailed",
-            format!("pulling {uri} failed: {error}"),
+            format!(
+                "pulling {} failed: {error}",
+                crate::puller::display_uri(uri)
+            ),
         );
     }
 }

@@ -115,9 +115,22 @@ struct ServeArgs {
     /// Size of one ranged request, MiB.
     #[arg(long, default_value_t = 32)]
     pull_chunk_mib: u64,
-    /// A download making no progress this long is restarted.
+    /// The stall window: a download stream sending less than
+    /// --pull-stall-min-bytes-per-second over this many seconds (nothing,
+    /// or a trickle) is dropped and resumed.
     #[arg(long, default_value_t = 30)]
     pull_stall_seconds: u64,
+    /// The least a live download stream sends, averaged over the stall window.
+    #[arg(long, default_value_t = 1024)]
+    pull_stall_min_bytes_per_second: u64,
+    /// The largest model a pull may fetch or unpack to (K/M/G/T suffixes);
+    /// a StorageClass may lower it with maxModelBytes.
+    #[arg(long, default_value = "1T")]
+    max_model_bytes: String,
+    /// The most files (layer entries included) a model may have; a
+    /// StorageClass may lower it with maxModelFiles.
+    #[arg(long, default_value_t = modelcache_csi::puller::source::DEFAULT_MAX_MODEL_FILES)]
+    max_model_files: u64,
     /// Serve Prometheus /metrics and /healthz here (e.g. 0.0.0.0:9809).
     #[arg(long)]
     metrics_address: Option<std::net::SocketAddr>,
@@ -191,6 +204,13 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         models: a.pull_parallel_models.max(1),
         chunk_bytes: a.pull_chunk_mib.max(1) << 20,
         stall: std::time::Duration::from_secs(a.pull_stall_seconds.max(1)),
+        stall_min_bytes_per_sec: a.pull_stall_min_bytes_per_second,
+        limits: modelcache_csi::puller::source::PullLimits {
+            max_bytes: parse_size(&a.max_model_bytes)
+                .map_err(|e| anyhow::anyhow!("--max-model-bytes: {e}"))?
+                .max(1),
+            max_files: a.max_model_files.max(1),
+        },
         ..EngineConfig::default()
     };
     for c in &a.cache_capacity {
@@ -228,20 +248,8 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
     })
 }
 
-/// Bytes with an optional K/M/G/T (powers of 1024) suffix, e.g. 50G or 512Mi.
 fn parse_size(s: &str) -> anyhow::Result<u64> {
-    let t = s.trim().trim_end_matches('i').trim_end_matches('B');
-    let (num, mult) = match t.chars().last() {
-        Some('K') | Some('k') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('M') => (&t[..t.len() - 1], 1 << 20),
-        Some('G') => (&t[..t.len() - 1], 1 << 30),
-        Some('T') => (&t[..t.len() - 1], 1 << 40),
-        _ => (t, 1),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| anyhow::anyhow!("{s:?} is not a size like 512Mi or 50G"))?;
-    Ok(n * mult)
+    modelcache_csi::puller::source::parse_size(s).map_err(|m| anyhow::anyhow!(m))
 }
 
 /// `default_level` applies unless RUST_LOG is set.

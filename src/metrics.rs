@@ -282,8 +282,36 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(%addr, "serving metrics");
-    loop {
-        let (mut sock, _) = listener.accept().await?;
+    serve_connections(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        capacity,
+        health,
+    )
+    .await;
+    Ok(())
+}
+
+/// Answers every accepted connection. A failed accept (EMFILE, a
+/// connection reset before it was taken) is logged and retried after a
+/// short pause: it must not end the health endpoint for good, or a
+/// liveness probe would restart a working driver.
+async fn serve_connections<S>(
+    mut accepted: S,
+    capacity: Arc<dyn Fn(cache::Backend) -> Option<u64> + Send + Sync>,
+    health: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
+) where
+    S: futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Unpin,
+{
+    use futures::StreamExt;
+    while let Some(next) = accepted.next().await {
+        let mut sock = match next {
+            Ok(sock) => sock,
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: accept failed; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let capacity = capacity.clone();
         let health = health.clone();
         tokio::spawn(async move {
@@ -334,5 +362,38 @@ pub async fn serve(
             let _ = sock.write_all(body.as_bytes()).await;
             let _ = sock.shutdown().await;
         });
+    }
+}
+
+#[cfg(test)]
+mod accept_tests {
+    use super::*;
+    use futures::StreamExt;
+
+    /// An accept error (here the first one, as EMFILE would give) is
+    /// survived: the next connection is answered.
+    #[tokio::test]
+    async fn an_accept_error_does_not_stop_the_server() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let failing = futures::stream::iter([Err(std::io::Error::from_raw_os_error(libc::EMFILE))])
+            .chain(tokio_stream::wrappers::TcpListenerStream::new(listener));
+        let server = tokio::spawn(serve_connections(
+            Box::pin(failing),
+            Arc::new(|_| None),
+            Arc::new(Vec::new),
+        ));
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await.unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            c.read_to_string(&mut answer),
+        )
+        .await
+        .expect("answered")
+        .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+        server.abort();
     }
 }

@@ -188,11 +188,17 @@ async fn modelcar_layers_unpack_to_the_model_byte_for_byte() {
         let sha = download(&src, f, &blob).await;
         assert_eq!(Some(sha.as_str()), f.sha256.as_deref());
         let dest = dest.clone();
-        let entries =
-            tokio::task::spawn_blocking(move || unpack::extract(&blob, Compression::Gzip, &dest))
-                .await
-                .unwrap()
-                .expect("extract modelcar layer");
+        let entries = tokio::task::spawn_blocking(move || {
+            unpack::extract(
+                &blob,
+                Compression::Gzip,
+                &dest,
+                &unpack::Budget::unlimited(),
+            )
+        })
+        .await
+        .unwrap()
+        .expect("extract modelcar layer");
         layers.push(entries);
     }
     let entries = unpack::merge(&dest, layers).expect("merge layers");
@@ -243,7 +249,13 @@ async fn malicious_layers_are_refused_and_write_nothing_outside() {
         download(&src, layer, &blob).await;
         let root = tmp.path().join("root");
         let dest = root.join("model");
-        let err = unpack::extract(&blob, Compression::Gzip, &dest).unwrap_err();
+        let err = unpack::extract(
+            &blob,
+            Compression::Gzip,
+            &dest,
+            &unpack::Budget::unlimited(),
+        )
+        .unwrap_err();
         assert!(
             matches!(err, Error::FailedPrecondition(_)),
             "{tag}: {err:?}"

@@ -155,18 +155,52 @@ pub fn evict(root: &Root, sid: &str) -> Result<bool> {
     Ok(true)
 }
 
-/// Frees room for `need` bytes by evicting least recently used models;
-/// ResourceExhausted, before anything is written, when even that is not
-/// enough.
+/// Frees room for `need` bytes: first the work of pulls nobody is running
+/// any more (a failed or abandoned pull's partial files), then least
+/// recently used models. ResourceExhausted, before anything is written,
+/// when even that is not enough; and before anything is evicted when
+/// evicting every unused model could not make it fit.
 pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -> Result<()> {
     let mut avail = available(root, capacity)?;
     if need <= avail {
         return Ok(());
     }
-    for c in candidates(root)? {
-        if c.sid == for_sid {
-            continue;
+    if remove_abandoned_pulls(root, for_sid)? > 0 {
+        avail = available(root, capacity)?;
+        if need <= avail {
+            return Ok(());
         }
+    }
+    let candidates: Vec<Candidate> = candidates(root)?
+        .into_iter()
+        .filter(|c| c.sid != for_sid)
+        .collect();
+    let evictable = candidates
+        .iter()
+        .map(|c| c.bytes)
+        .fold(0u64, u64::saturating_add);
+    // The best eviction could do: the free space plus every unused model,
+    // within what the capacity leaves to models still in use.
+    let free = super::space(root)?.usable();
+    let best = match capacity {
+        Some(c) => {
+            let in_use = usage(root)?.saturating_sub(evictable);
+            free.saturating_add(evictable).min(c.saturating_sub(in_use))
+        }
+        None => free.saturating_add(evictable),
+    };
+    let cap_note = capacity
+        .map(|c| format!(" (capacity {c} bytes)"))
+        .unwrap_or_default();
+    if need > best {
+        return Err(Error::ResourceExhausted(format!(
+            "the model needs {need} bytes but {} could offer at most {best}{cap_note}, even \
+             after evicting all {} unused models; nothing was evicted",
+            root.describe(),
+            candidates.len()
+        )));
+    }
+    for c in candidates {
         if evict(root, &c.sid)? {
             avail = available(root, capacity)?;
             if need <= avail {
@@ -175,13 +209,50 @@ pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -
         }
     }
     Err(Error::ResourceExhausted(format!(
-        "the model needs {need} bytes but {} has only {avail} available{} even after evicting every unused model ({})",
+        "the model needs {need} bytes but {} has only {avail} available{cap_note} even after evicting every unused model ({})",
         root.describe(),
-        capacity
-            .map(|c| format!(" (capacity {c} bytes)"))
-            .unwrap_or_default(),
         super::space(root)?
     )))
+}
+
+/// Removes the work directories (`.pull-<sid>`) of pulls no process is
+/// running: their lock is free. They hold disk space that nothing else
+/// would ever give back. Returns how many went.
+pub fn remove_abandoned_pulls(root: &Root, except_sid: &str) -> Result<usize> {
+    let dir = root.sources_dir();
+    let names = match fs::read_dir(&dir) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".pull-") && n != &format!(".pull-{except_sid}"))
+            .collect::<Vec<_>>(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(Error::io("list", &dir, e)),
+    };
+    let mut removed = 0;
+    for name in names {
+        let work = dir.join(&name);
+        let Ok(lock) = fs::OpenOptions::new().write(true).open(work.join("lock")) else {
+            continue;
+        };
+        // Held by a live pull (here or in another process): leave it.
+        let Ok(_held) = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        else {
+            continue;
+        };
+        let mnt = work.join("mnt");
+        if crate::mount::is_mount_point(&mnt).unwrap_or(false)
+            && crate::mount::unmount(&mnt).is_err()
+        {
+            continue;
+        }
+        let trash = dir.join(format!(".trash-{}", uuid::Uuid::new_v4().simple()));
+        fs::rename(&work, &trash).ctx("move to trash", &work)?;
+        fs::remove_dir_all(&trash).ctx("remove", &trash)?;
+        tracing::info!(work = %name, "removed an abandoned pull's partial work");
+        removed += 1;
+    }
+    Ok(removed)
 }
 
 /// Evicts every candidate idle for at least `idle`; returns their ids.

@@ -19,7 +19,7 @@ pub const ALLOW_CROSS_NAMESPACE: &str = "allowCrossNamespacePVC";
 pub use crate::trust::ALLOWED_SOURCES;
 
 /// Options handed to the model source; see `puller`.
-pub const SOURCE_OPTIONS: [&str; 8] = [
+pub const SOURCE_OPTIONS: [&str; 10] = [
     "s3Endpoint",
     "s3Region",
     "s3PathStyle",
@@ -28,9 +28,11 @@ pub const SOURCE_OPTIONS: [&str; 8] = [
     "hfAllowPatterns",
     "hfIgnorePatterns",
     "modelRegistryURL",
+    crate::puller::PARAM_MAX_MODEL_BYTES,
+    crate::puller::PARAM_MAX_MODEL_FILES,
 ];
 
-const KNOWN: [&str; 17] = [
+const KNOWN: [&str; 19] = [
     BACKEND,
     ALLOWED_SOURCES,
     ALLOW_CROSS_NAMESPACE,
@@ -48,6 +50,8 @@ const KNOWN: [&str; 17] = [
     SOURCE_OPTIONS[5],
     SOURCE_OPTIONS[6],
     SOURCE_OPTIONS[7],
+    SOURCE_OPTIONS[8],
+    SOURCE_OPTIONS[9],
 ];
 
 /// external-provisioner adds these (PVC name, namespace, PV name) with
@@ -172,7 +176,10 @@ impl Params {
                     p.source = Some(value.to_string());
                 }
                 k if SOURCE_OPTIONS.contains(&k) => {
-                    if k.ends_with("Endpoint") || k.ends_with("URL") {
+                    if k.starts_with("maxModel") {
+                        let one = BTreeMap::from([(k.to_string(), value.to_string())]);
+                        crate::puller::class_limits(&one)?;
+                    } else if k.ends_with("Endpoint") || k.ends_with("URL") {
                         let ok = url::Url::parse(value).is_ok_and(|u| {
                             matches!(u.scheme(), "http" | "https") && u.host().is_some()
                         });

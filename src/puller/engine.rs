@@ -41,15 +41,17 @@ use tokio::sync::Semaphore;
 use tracing::{Instrument, info, info_span, warn};
 
 use super::direct::{ALIGN, PartFile, Window};
-use super::source::{Compression, RemoteFile, Resolved, Source, Unpack};
+use super::source::{Compression, PullLimits, RemoteFile, Resolved, Source, Unpack};
+use super::unpack::Budget;
 use crate::cache::manifest::{self, FileEntry, LinkEntry, Tree};
 use crate::cache::{self, Backend, Root, Seal};
 use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;
 use crate::{mount, state};
 
-/// Unpacks a verified layer blob into a directory, returning its files.
-pub type Extract = fn(&Path, Compression, &Path) -> Result<Vec<FileEntry>>;
+/// Unpacks a verified layer blob into a directory within a budget,
+/// returning its files.
+pub type Extract = fn(&Path, Compression, &Path, &Budget) -> Result<Vec<FileEntry>>;
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -61,8 +63,14 @@ pub struct EngineConfig {
     pub files: usize,
     /// Concurrent models.
     pub models: usize,
-    /// A stream that yields nothing this long is restarted.
+    /// The stall window: a stream that yields fewer than
+    /// `stall_min_bytes_per_sec x stall` bytes in any such window (nothing
+    /// at all, or a trickle) is dropped and its range resumed.
     pub stall: Duration,
+    pub stall_min_bytes_per_sec: u64,
+    /// Bounds on every model (`--max-model-bytes`, `--max-model-files`); a
+    /// StorageClass may lower them.
+    pub limits: PullLimits,
     /// Attempts per request before giving up.
     pub attempts: u32,
     pub backoff: Duration,
@@ -86,6 +94,8 @@ impl Default for EngineConfig {
             files: 4,
             models: 2,
             stall: Duration::from_secs(30),
+            stall_min_bytes_per_sec: 1024,
+            limits: PullLimits::default(),
             attempts: 8,
             backoff: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
@@ -149,6 +159,11 @@ struct FileState {
     /// The chunk size `done` counts in; another size starts over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     chunk_bytes: Option<u64>,
+    /// The size the listing gave when `done` was recorded: a server may
+    /// list the same version at another size later (a lying
+    /// Content-Length under one strong ETag), and then `done` means nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    size_listed: Option<u64>,
     /// Set once the whole file is verified and in place.
     sha256: Option<String>,
     size: Option<u64>,
@@ -162,6 +177,9 @@ struct Work {
     data: PathBuf,
     state: PathBuf,
     blobs: PathBuf,
+    /// Files being downloaded, named by a digest of their model path, so
+    /// no name a source lists (`a` and `a.part`) can collide with them.
+    partial: PathBuf,
     mounted: Option<PathBuf>,
     /// Held for the whole pull; released on drop, or by the kernel on death.
     _lock: nix::fcntl::Flock<File>,
@@ -177,9 +195,20 @@ impl Drop for Work {
     }
 }
 
+/// What one pull is about, once its listing passed [`check_listing`].
+struct Pull<'a> {
+    sid: &'a str,
+    resolved: &'a Resolved,
+    /// The model's size, when every file's size is listed.
+    total: Option<u64>,
+    limits: PullLimits,
+}
+
 /// Shared by the tasks of one pull.
 struct Ctx {
     source: Arc<dyn Source>,
+    /// Bytes the pull may fetch in all (files of unlisted size included).
+    max_bytes: u64,
     cfg: EngineConfig,
     bytes: AtomicU64,
     /// Bytes really downloaded by this process (resumed ones excluded).
@@ -195,7 +224,11 @@ impl Ctx {
     /// a small file's buffers are no larger than the file.
     fn frontier(&self, size: Option<u64>) -> Arc<Frontier> {
         let window = size.map_or(self.flush_at, |s| {
-            (s as usize).clamp(1, self.flush_at).div_ceil(ALIGN) * ALIGN
+            usize::try_from(s)
+                .unwrap_or(usize::MAX)
+                .clamp(1, self.flush_at)
+                .div_ceil(ALIGN)
+                * ALIGN
         });
         Arc::new(Frontier::new(
             window,
@@ -258,15 +291,88 @@ fn is_retryable(e: &Error) -> bool {
     matches!(e, Error::Unavailable(_) | Error::RetryAfter { .. })
 }
 
-/// Refuses model paths that could land outside the model.
+/// Inside the xfs image, which is the model's root, partial files live
+/// in this directory; a source may not list anything under it.
+pub const PARTIAL_DIR: &str = ".modelcache-partial";
+
+/// The longest file name and path a model may hold (Linux NAME_MAX and
+/// PATH_MAX): longer ones would fail deep in the pull with ENAMETOOLONG.
+const MAX_NAME_BYTES: usize = 255;
+const MAX_PATH_BYTES: usize = 4096;
+
+/// Refuses a model path a source listed, as it was sent, never altered:
+/// '/'-separated, relative, no empty, '.' or '..' component, no control
+/// character, within NAME_MAX and PATH_MAX, not under [`PARTIAL_DIR`].
 fn check_path(p: &str) -> Result<()> {
-    let bad = p.contains('\0') || p.split('/').any(|c| matches!(c, "" | "." | ".."));
-    if bad {
-        return Err(Error::FailedPrecondition(format!(
-            "the source lists a file at {p:?}, which would land outside the model; refused"
+    let why = if p.split('/').any(|c| matches!(c, "" | "." | "..")) {
+        Some("which would land outside the model")
+    } else if p.chars().any(char::is_control) {
+        Some("which has a control character in it")
+    } else if p.len() > MAX_PATH_BYTES || p.split('/').any(|c| c.len() > MAX_NAME_BYTES) {
+        Some("which is longer than a path or file name may be")
+    } else if p.split('/').next() == Some(PARTIAL_DIR) {
+        Some("which is where the driver keeps partial files")
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(Error::SourceFault(format!(
+            "it lists a file at {p:?}, {why}; refused"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The one place a listing is judged before anything is fetched: every
+/// name (see [`check_path`]), no name twice, no file inside a file, sizes
+/// that add up, and the pull's limits. Returns the model's size when every
+/// file's size is known.
+fn check_listing(r: &Resolved, limits: &PullLimits) -> Result<Option<u64>> {
+    if r.files.is_empty() {
+        return Err(Error::NotFound(format!("{} has no files", r.uri)));
+    }
+    let count = r.files.len() as u64;
+    if count > limits.max_files {
+        return Err(Error::ResourceExhausted(format!(
+            "{} lists {count} files, more than this driver or StorageClass allows ({} files: \
+             --max-model-files or the class's maxModelFiles); nothing was fetched",
+            r.uri, limits.max_files
         )));
     }
-    Ok(())
+    let mut names = BTreeSet::new();
+    for f in &r.files {
+        if f.path.is_empty() && f.unpack != Unpack::None {
+            continue; // a layer unpacked at the model root
+        }
+        check_path(&f.path)?;
+        if f.unpack == Unpack::None && !names.insert(f.path.as_str()) {
+            return Err(Error::SourceFault(format!(
+                "{} lists the file {:?} twice",
+                r.uri, f.path
+            )));
+        }
+    }
+    for n in &names {
+        for (i, _) in n.match_indices('/') {
+            if names.contains(&n[..i]) {
+                return Err(Error::SourceFault(format!(
+                    "{} lists {:?} both as a file and as a directory (of {n:?})",
+                    r.uri,
+                    &n[..i]
+                )));
+            }
+        }
+    }
+    let total = r.total_bytes()?;
+    let known = r.known_bytes();
+    if known > limits.max_bytes {
+        return Err(Error::ResourceExhausted(format!(
+            "{} lists {known} bytes, more than this driver or StorageClass allows ({} bytes: \
+             --max-model-bytes or the class's maxModelBytes); nothing was fetched",
+            r.uri, limits.max_bytes
+        )));
+    }
+    Ok(total)
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
@@ -295,14 +401,8 @@ impl Engine {
         sink: &dyn ProgressSink,
     ) -> Result<Pulled> {
         let resolved = self.retry("resolve", || source.resolve()).await?;
-        for f in &resolved.files {
-            if !(f.path.is_empty() && f.unpack != Unpack::None) {
-                check_path(&f.path)?;
-            }
-        }
-        if resolved.files.is_empty() {
-            return Err(Error::NotFound(format!("{} has no files", resolved.uri)));
-        }
+        let limits = self.cfg.limits.lower(source.limits());
+        let total = check_listing(&resolved, &limits)?;
         let scope = source.key_scope();
         let sid = if scope.is_empty() {
             model_id(&resolved.uri, &resolved.revision)
@@ -335,8 +435,14 @@ impl Engine {
                 .acquire()
                 .await
                 .map_err(|_| Error::Internal("puller is shutting down".into()))?;
-            sink.started(&resolved.uri, resolved.total_bytes());
-            match self.fetch(root, &sid, &resolved, source, sink).await {
+            sink.started(&resolved.uri, total);
+            let pull = Pull {
+                sid: &sid,
+                resolved: &resolved,
+                total,
+                limits,
+            };
+            match self.fetch(root, &pull, source, sink).await {
                 Ok((seal, fetched)) => {
                     m.pull_bytes
                         .get_or_create(&crate::metrics::Scheme {
@@ -413,24 +519,50 @@ impl Engine {
     async fn fetch(
         &self,
         root: &Root,
-        sid: &str,
-        resolved: &Resolved,
+        pull: &Pull<'_>,
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
     ) -> Result<(Seal, u64)> {
-        let need = resolved.total_bytes();
+        let (sid, need) = (pull.sid, pull.total);
+        let capacity = self.cfg.capacity.get(&root.backend).copied();
         if let Some(need) = need {
-            let (r, s, cap) = (
-                root.clone(),
-                sid.to_string(),
-                self.cfg.capacity.get(&root.backend).copied(),
-            );
-            blocking(move || cache::evict::make_room(&r, need, cap, &s)).await?;
+            let (r, s) = (root.clone(), sid.to_string());
+            blocking(move || cache::evict::make_room(&r, need, capacity, &s)).await?;
         }
         let (r, s) = (root.clone(), sid.to_string());
         let work = Arc::new(blocking(move || open_work(&r, &s, need)).await?);
+        let result = self
+            .fetch_into(root, pull, source, sink, &work, capacity)
+            .await;
+        // Work a retry could resume is kept (a crash, a dead server, a
+        // failure the next attempt may not meet). Work that failed for want
+        // of space, for being over its limits, or because the source served
+        // garbage would only hold space no later pull can use, so it goes
+        // now, while the lock is still ours.
+        if let Err(e) = &result
+            && (e.is_no_space() || matches!(e, Error::ResourceExhausted(_) | Error::SourceFault(_)))
+        {
+            let w = work.clone();
+            if let Err(d) = blocking(move || discard_work(&w)).await {
+                warn!(error = %d, "could not remove the failed pull's work directory");
+            }
+        }
+        result
+    }
+
+    async fn fetch_into(
+        &self,
+        root: &Root,
+        pull: &Pull<'_>,
+        source: Arc<dyn Source>,
+        sink: &dyn ProgressSink,
+        work: &Arc<Work>,
+        capacity: Option<u64>,
+    ) -> Result<(Seal, u64)> {
+        let (sid, resolved, need) = (pull.sid, pull.resolved, pull.total);
         let ctx = Arc::new(Ctx {
             source,
+            max_bytes: pull.limits.max_bytes,
             cfg: self.cfg.clone(),
             bytes: AtomicU64::new(0),
             fetched: AtomicU64::new(0),
@@ -506,9 +638,47 @@ impl Engine {
                 l @ Fetched::Layer { .. } => layers.push(l),
             }
         }
+        // Every file is in place: the partial directory must not become
+        // part of the model (inside the xfs image it is at its root).
+        let w = work.clone();
+        blocking(move || {
+            let _ = fs::remove_dir_all(&w.partial);
+            Ok(())
+        })
+        .await?;
         if !layers.is_empty() {
-            let (w, x) = (work.clone(), self.extract);
-            entries.extend(blocking(move || unpack_layers(&w, x, layers)).await?);
+            // What layers may unpack to: the model's limits less its plain
+            // files, and never more than the cache has room for.
+            let plain: u64 = entries
+                .iter()
+                .map(|e: &FileEntry| e.size)
+                .fold(0, u64::saturating_add);
+            let (w, x, r, limits) = (work.clone(), self.extract, root.clone(), pull.limits);
+            let plain_files = entries.len() as u64;
+            entries.extend(
+                blocking(move || {
+                    let room = cache::evict::available(&r, capacity)?;
+                    let by_limit = limits.max_bytes.saturating_sub(plain);
+                    let budget = Budget {
+                        bytes: by_limit.min(room),
+                        bytes_limit: if by_limit <= room {
+                            format!(
+                                "the model's limit of {} bytes, --max-model-bytes or the class's maxModelBytes",
+                                limits.max_bytes
+                            )
+                        } else {
+                            format!("the room left in {}", r.describe())
+                        },
+                        entries: limits.max_files.saturating_sub(plain_files),
+                        entries_limit: format!(
+                            "the model's limit of {} files, --max-model-files or the class's maxModelFiles",
+                            limits.max_files
+                        ),
+                    };
+                    unpack_layers(&w, x, layers, budget)
+                })
+                .await?,
+            );
         }
 
         let (r, s, uri, rev) = (
@@ -612,14 +782,39 @@ fn open_work(root: &Root, sid: &str, need: Option<u64>) -> Result<Work> {
             (mnt.clone(), Some(mnt))
         }
     };
+    let partial = match mounted {
+        Some(_) => data.join(PARTIAL_DIR),
+        None => dir.join("partial"),
+    };
+    fs::create_dir_all(&partial).ctx("create", &partial)?;
     Ok(Work {
         dir,
         data,
         state,
         blobs,
+        partial,
         mounted,
         _lock: lock,
     })
+}
+
+/// Removes a failed pull's work directory, which the caller holds locked.
+fn discard_work(work: &Work) -> Result<()> {
+    if let Some(mnt) = &work.mounted
+        && mount::is_mount_point(mnt).ctx("inspect", mnt)?
+    {
+        mount::unmount(mnt).ctx("unmount", mnt)?;
+    }
+    remove_tree(&work.dir)
+}
+
+/// `remove_dir_all`, where a tree already gone is success.
+fn remove_tree(dir: &Path) -> Result<()> {
+    match fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io("remove", dir, e)),
+    }
 }
 
 fn load_state(work: &Work, path: &str) -> Result<FileState> {
@@ -666,15 +861,21 @@ async fn fetch_file(
     let w = work.clone();
     let k = key.clone();
     let mut st = blocking(move || load_state(&w, &k)).await?;
-    let dest = match file.unpack {
-        Unpack::None => work.data.join(&file.path),
-        Unpack::Tar(_) => work.blobs.join(format!(
-            "{}.blob",
-            &state_path(&work, &key)
-                .file_stem()
-                .unwrap_or_default()
-                .to_string_lossy()
-        )),
+    let stem = state_path(&work, &key)
+        .file_stem()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
+    let (dest, part) = match file.unpack {
+        Unpack::None => (
+            work.data.join(&file.path),
+            work.partial.join(format!("{stem}.part")),
+        ),
+        // Blobs are named by digest in a directory of their own.
+        Unpack::Tar(_) => (
+            work.blobs.join(format!("{stem}.blob")),
+            work.blobs.join(format!("{stem}.blob.part")),
+        ),
     };
     let layer = |extracted: Option<Vec<FileEntry>>, compression| Fetched::Layer {
         index,
@@ -690,7 +891,9 @@ async fn fetch_file(
         ctx.bytes.fetch_add(st.size.unwrap_or(0), Ordering::Relaxed);
         return Ok(layer(st.extracted.clone(), c));
     }
-    let (size, sha) = match (&st.sha256, dest.exists()) {
+    // A finished file is kept only at the size the listing gives now.
+    let same_size = file.size.is_none_or(|s| st.size == Some(s));
+    let (size, sha) = match (&st.sha256, dest.exists() && same_size) {
         (Some(sha), true) => {
             let size = st.size.unwrap_or(0);
             ctx.bytes.fetch_add(size, Ordering::Relaxed);
@@ -698,7 +901,7 @@ async fn fetch_file(
         }
         _ => {
             st.path = key.clone();
-            let (size, sha) = download(&ctx, &work, &file, &dest, &mut st).await?;
+            let (size, sha) = download(&ctx, &work, &file, &dest, &part, &mut st).await?;
             if let Some(expected) = &file.sha256
                 && !expected.eq_ignore_ascii_case(&sha)
             {
@@ -736,6 +939,7 @@ fn unpack_layers(
     work: &Work,
     extract: Extract,
     mut layers: Vec<Fetched>,
+    mut budget: Budget,
 ) -> Result<Vec<FileEntry>> {
     layers.sort_by_key(|l| match l {
         Fetched::Layer { index, .. } => *index,
@@ -754,7 +958,14 @@ fn unpack_layers(
         else {
             continue;
         };
+        // Each layer gets what the ones before it left.
+        let spend = |budget: &mut Budget, files: &[FileEntry]| {
+            let bytes = files.iter().map(|f| f.size).fold(0, u64::saturating_add);
+            budget.bytes = budget.bytes.saturating_sub(bytes);
+            budget.entries = budget.entries.saturating_sub(files.len() as u64);
+        };
         if let Some(done) = extracted {
+            spend(&mut budget, &done);
             lists.push(done);
             continue;
         }
@@ -764,7 +975,8 @@ fn unpack_layers(
             work.data.join(&subdir)
         };
         fs::create_dir_all(&target).ctx("create", &target)?;
-        let mut files = extract_growing(work, extract, &blob, compression, &target)?;
+        let mut files = extract_growing(work, extract, &blob, compression, &target, &budget)?;
+        spend(&mut budget, &files);
         if !subdir.is_empty() {
             for f in &mut files {
                 f.path = format!("{subdir}/{}", f.path);
@@ -793,10 +1005,11 @@ fn extract_growing(
     blob: &Path,
     compression: Compression,
     target: &Path,
+    budget: &Budget,
 ) -> Result<Vec<FileEntry>> {
     let mut grown = 0;
     loop {
-        let err = match extract(blob, compression, target) {
+        let err = match extract(blob, compression, target, budget) {
             Err(e) if e.is_no_space() && grown < MAX_GROWTH => e,
             r => return r,
         };
@@ -842,16 +1055,16 @@ impl RemoteFile {
     }
 }
 
-/// Downloads `file` to `dest` (via `dest.part`), returning its size and sha256.
+/// Downloads `file` to `dest` through `part`, returning its size and sha256.
 async fn download(
     ctx: &Arc<Ctx>,
     work: &Arc<Work>,
     file: &RemoteFile,
     dest: &Path,
+    part: &Path,
     st: &mut FileState,
 ) -> Result<(u64, String)> {
-    let part = PathBuf::from(format!("{}.part", dest.display()));
-    if let Some(parent) = part.parent() {
+    if let Some(parent) = dest.parent() {
         fs::create_dir_all(parent).ctx("create", parent)?;
     }
     let ranged = ctx.source.ranges() && file.size.is_some();
@@ -864,15 +1077,15 @@ async fn download(
     // O_DIRECT pays for itself on large files; a small one would only
     // cost a second descriptor.
     let direct = ranged && file.size.is_some_and(|s| s >= ctx.flush_at as u64);
-    let out = Arc::new(PartFile::open(&part, !ranged, direct)?);
+    let out = Arc::new(PartFile::open(part, !ranged, direct)?);
     let (size, sha) = if let (true, Some(size)) = (ranged, file.size) {
-        out.reserve(size, &part)?;
-        ranged_download(ctx, work, file, &out, &part, size, st).await?
+        out.reserve(size, part)?;
+        ranged_download(ctx, work, file, &out, part, size, st).await?
     } else {
         st.done.clear();
-        whole_download(ctx, file, &out, &part).await?
+        whole_download(ctx, file, &out, part).await?
     };
-    let (p, d) = (part.clone(), dest.to_path_buf());
+    let (p, d) = (part.to_path_buf(), dest.to_path_buf());
     blocking(move || {
         fs::rename(&p, &d).ctx("rename into place", &d)?;
         Ok(())
@@ -885,7 +1098,7 @@ fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     let mut start = 0;
     while start < size {
-        let end = (start + chunk).min(size);
+        let end = start.saturating_add(chunk.max(1)).min(size);
         out.push((start, end));
         start = end;
     }
@@ -906,12 +1119,16 @@ async fn ranged_download(
     st: &mut FileState,
 ) -> Result<(u64, String)> {
     let chunk = ctx.cfg.chunk_bytes.max(1);
-    // Chunk indexes mean nothing under another chunk size.
-    if st.chunk_bytes != Some(chunk) {
+    // Chunk indexes mean nothing under another chunk size, nor for a file
+    // the server now lists at another size.
+    if st.chunk_bytes != Some(chunk) || st.size_listed != Some(size) {
         st.done.clear();
         st.chunk_bytes = Some(chunk);
+        st.size_listed = Some(size);
     }
     let all = chunks(size, chunk);
+    let n = all.len() as u64;
+    st.done.retain(|i| *i < n);
     let frontier = ctx.frontier(Some(size));
     for i in &st.done {
         let (start, end) = all[*i as usize];
@@ -1024,7 +1241,7 @@ async fn fetch_range(
     let mut pos = start;
     let mut attempt = 0u32;
     loop {
-        let r = stream_into(ctx, file, out, part, &mut pos, Some(end), frontier).await;
+        let r = stream_into(ctx, file, out, part, &mut pos, Some(end), true, frontier).await;
         match r {
             Ok(()) if pos == end => return Ok(()),
             Ok(()) => {
@@ -1061,7 +1278,9 @@ async fn whole_download(
         let mut pos = 0;
         // One stream from byte 0 always leads: every byte is hashed inline.
         let frontier = ctx.frontier(file.size);
-        match stream_into(ctx, file, out, part, &mut pos, None, &frontier).await {
+        // A listed size bounds the stream: a longer body is refused as it
+        // arrives, not after it filled the disk.
+        match stream_into(ctx, file, out, part, &mut pos, file.size, false, &frontier).await {
             Ok(()) if file.size.is_none_or(|s| s == pos) => {
                 let (o, p) = (out.clone(), part.to_path_buf());
                 let sha = blocking(move || {
@@ -1093,8 +1312,11 @@ async fn whole_download(
 }
 
 /// Streams one request into `out` at `*pos`, advancing it as bytes are
-/// written. Returns Ok when the stream ends (the caller checks length), and
-/// Unavailable when it stalls.
+/// written, refusing bytes past `end`; with `ranged`, asks for
+/// `[*pos, end)` only. Returns Ok when the stream ends (the caller checks length), and
+/// Unavailable when it stalls: fewer than `stall_min_bytes_per_sec x stall`
+/// bytes in a stall window, so a trickle counts as a stall too.
+#[allow(clippy::too_many_arguments)]
 async fn stream_into(
     ctx: &Ctx,
     file: &RemoteFile,
@@ -1102,9 +1324,11 @@ async fn stream_into(
     part: &Path,
     pos: &mut u64,
     end: Option<u64>,
+    ranged: bool,
     frontier: &Arc<Frontier>,
 ) -> Result<()> {
-    let len = end.map(|e| e - *pos);
+    let len = end.filter(|_| ranged).map(|e| e.saturating_sub(*pos));
+    let start = *pos;
     let mut stream =
         match tokio::time::timeout(ctx.cfg.stall, ctx.source.read(file, *pos, len)).await {
             Ok(s) => s?,
@@ -1118,13 +1342,27 @@ async fn stream_into(
         };
     let _moving = ctx.flow.enter();
     let mut win = frontier.take_window();
+    let min_bytes = u64::try_from(
+        u128::from(ctx.cfg.stall_min_bytes_per_sec) * ctx.cfg.stall.as_millis() / 1000,
+    )
+    .unwrap_or(u64::MAX)
+    .max(1);
+    let mut window_end = tokio::time::Instant::now() + ctx.cfg.stall;
+    let mut in_window = 0u64;
     loop {
-        let next = tokio::time::timeout(ctx.cfg.stall, stream.next()).await;
+        let next = tokio::time::timeout_at(window_end, stream.next()).await;
         let item = match next {
+            Err(_) if in_window >= min_bytes => {
+                // Moving fast enough: judge the next window afresh.
+                window_end = tokio::time::Instant::now() + ctx.cfg.stall;
+                in_window = 0;
+                continue;
+            }
             Err(_) => {
                 flush(out, part, pos, &mut win, frontier, ctx).await?;
                 return Err(Error::Unavailable(format!(
-                    "{} stalled: no bytes for {:?}",
+                    "{} stalled: {in_window} bytes in {:?}, less than the {min_bytes} \
+                     (--pull-stall-min-bytes-per-second x --pull-stall-seconds) a live stream sends",
                     file.path_or_locator(),
                     ctx.cfg.stall
                 )));
@@ -1136,12 +1374,25 @@ async fn stream_into(
             }
             Ok(Some(Ok(b))) => b,
         };
+        in_window = in_window.saturating_add(item.len() as u64);
+        let after = pos
+            .saturating_add(win.len() as u64)
+            .saturating_add(item.len() as u64);
         if let Some(end) = end
-            && *pos + (win.len() + item.len()) as u64 > end
+            && after > end
         {
-            return Err(Error::Internal(format!(
-                "{} sent more bytes than the range asked for",
-                file.path_or_locator()
+            return Err(Error::SourceFault(format!(
+                "{} sent more bytes than asked for: bytes {start}-{} were asked, {after} reached",
+                file.path_or_locator(),
+                end.saturating_sub(1)
+            )));
+        }
+        if end.is_none() && ctx.bytes.load(Ordering::Relaxed) > ctx.max_bytes {
+            return Err(Error::ResourceExhausted(format!(
+                "{} is larger than the model may be ({} bytes: --max-model-bytes or the \
+                 class's maxModelBytes); its size was not listed",
+                file.path_or_locator(),
+                ctx.max_bytes
             )));
         }
         let mut rest: &[u8] = &item;
@@ -1491,7 +1742,7 @@ fn seal_work(
         Err(e) => return Err(Error::io("rename into place", &final_dir, e)),
     }
     state::sync_dir(&root.sources_dir()).ctx("sync", &root.sources_dir())?;
-    for leftover in ["state", "blobs", "lock"] {
+    for leftover in ["state", "blobs", "partial", "lock"] {
         let p = final_dir.join(leftover);
         let _ = fs::remove_dir_all(&p).or_else(|_| fs::remove_file(&p));
     }
@@ -1674,6 +1925,94 @@ mod tests {
             assert!(check_path(bad).is_err(), "{bad}");
         }
         check_path("1_Pooling/config.json").unwrap();
+    }
+
+    #[test]
+    fn names_are_refused_as_sent_never_altered() {
+        let long = "n".repeat(256);
+        for bad in [
+            "a\u{7}b",
+            "tab\there",
+            "new\nline",
+            "del\u{7f}",
+            "c1\u{85}",
+            long.as_str(),
+            ".modelcache-partial/x",
+        ] {
+            let e = check_path(bad).unwrap_err();
+            assert!(matches!(e, Error::SourceFault(_)), "{bad:?}: {e:?}");
+            assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
+        }
+        check_path("ünïcode/名前.bin").unwrap();
+        check_path("x/.modelcache-partial").unwrap();
+    }
+
+    fn listing(files: &[(&str, Option<u64>)]) -> Resolved {
+        Resolved {
+            uri: "test://m".into(),
+            revision: "r".into(),
+            files: files
+                .iter()
+                .map(|(p, size)| RemoteFile {
+                    path: p.to_string(),
+                    size: *size,
+                    sha256: None,
+                    locator: p.to_string(),
+                    unpack: Unpack::None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_listing_is_judged_before_anything_is_fetched() {
+        let limits = PullLimits::default();
+        let fault = |files: &[(&str, Option<u64>)]| {
+            let e = check_listing(&listing(files), &limits).unwrap_err();
+            assert!(matches!(e, Error::SourceFault(_)), "{e:?}");
+            e.to_string()
+        };
+        let e = fault(&[("a", Some(u64::MAX)), ("b", Some(1))]);
+        assert!(e.contains("more than 2^64"), "{e}");
+        let e = fault(&[("a", Some(1)), ("a", Some(1))]);
+        assert!(e.contains("\"a\" twice"), "{e}");
+        let e = fault(&[("a", Some(1)), ("a/b", Some(1))]);
+        assert!(e.contains("both as a file and as a directory"), "{e}");
+        let e = fault(&[("d/a", Some(1)), ("d/a/b/c", Some(1))]);
+        assert!(e.contains("\"d/a\""), "{e}");
+        assert_eq!(
+            check_listing(
+                &listing(&[("a", Some(1)), ("a.part", Some(2)), ("ab/c", None)]),
+                &limits
+            )
+            .unwrap(),
+            None
+        );
+        assert_eq!(
+            check_listing(&listing(&[("a", Some(1)), ("b", Some(2))]), &limits).unwrap(),
+            Some(3)
+        );
+        let tight = PullLimits {
+            max_bytes: 2,
+            max_files: 1,
+        };
+        let e = check_listing(&listing(&[("a", Some(1)), ("b", None)]), &tight).unwrap_err();
+        assert!(
+            matches!(&e, Error::ResourceExhausted(m) if m.contains("maxModelFiles")),
+            "{e:?}"
+        );
+        let e = check_listing(
+            &listing(&[("a", Some(3)), ("b", None)]),
+            &PullLimits {
+                max_files: 9,
+                ..tight
+            },
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::ResourceExhausted(m) if m.contains("maxModelBytes")),
+            "{e:?}"
+        );
     }
 
     #[test]

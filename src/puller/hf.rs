@@ -17,7 +17,7 @@ use url::Url;
 
 use super::SourceOptions;
 use super::http::{self, RangeGet};
-use super::source::{RemoteFile, Resolved, Source, Unpack};
+use super::source::{MAX_LISTED_FILES, RemoteFile, Resolved, Source, Unpack};
 use crate::error::{Error, Result};
 
 pub const FORMS: &str = "hf://org/repo[@revision]";
@@ -277,10 +277,7 @@ impl HfSource {
             return Err(self.error(what, resp.status(), resp.headers()));
         }
         let headers = resp.headers().clone();
-        let body = resp
-            .bytes()
-            .await
-            .map_err(|e| http::request_error(what, e))?;
+        let body = http::read_document(resp, what).await?;
         let doc = serde_json::from_slice(&body)
             .map_err(|e| Error::Unavailable(format!("{what}: unexpected answer: {e}")))?;
         Ok((doc, headers))
@@ -349,6 +346,11 @@ impl Source for HfSource {
             let (entries, headers) = self.get_json::<Vec<TreeEntry>>(&page, &what).await?;
             for e in entries.into_iter().filter(|e| e.kind == "file") {
                 tree.insert(e.path.clone(), e);
+            }
+            if tree.len() > MAX_LISTED_FILES {
+                return Err(Error::ResourceExhausted(format!(
+                    "{what}: the repo lists more than {MAX_LISTED_FILES} files"
+                )));
             }
             match next_link(&headers) {
                 Some(next) => {

@@ -22,7 +22,7 @@
 //! their server validators (rules 2-5) into that digest, so a file changed
 //! behind an unchanged manifest makes a new revision.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,7 +37,7 @@ use sha2::{Digest, Sha256};
 use url::Url;
 
 use super::SourceOptions;
-use super::source::{RemoteFile, Resolved, Source, Unpack};
+use super::source::{MAX_LISTED_FILES, RemoteFile, Resolved, Source, Unpack};
 use crate::error::{Error, Result};
 
 pub const FORMS: &str =
@@ -50,7 +50,10 @@ pub const TOKEN_SECRET: &str = "httpBearerToken";
 /// watchdog's business, so there is no overall timeout.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// Manifests and API answers are read into memory; refuse absurd ones.
-const MAX_DOCUMENT_BYTES: usize = 32 << 20;
+pub(crate) const MAX_DOCUMENT_BYTES: usize = 16 << 20;
+/// A document (manifest, API answer) is small: one that takes longer than
+/// this is a server trickling it, not a slow link.
+pub(crate) const DOCUMENT_TIMEOUT: Duration = Duration::from_secs(120);
 /// HEAD requests in flight while resolving a manifest.
 const PROBE_CONCURRENCY: usize = 8;
 
@@ -324,18 +327,43 @@ pub(crate) async fn get_document(
         ));
     }
     let headers = resp.headers().clone();
-    let mut body = Vec::new();
-    let mut chunks = resp.bytes_stream();
-    while let Some(chunk) = chunks.next().await {
-        let chunk = chunk.map_err(|e| request_error(what, e))?;
-        if body.len() + chunk.len() > MAX_DOCUMENT_BYTES {
-            return Err(Error::FailedPrecondition(format!(
-                "{what}: the document is larger than {MAX_DOCUMENT_BYTES} bytes"
-            )));
-        }
-        body.extend_from_slice(&chunk);
+    let body = read_document(resp, what).await?;
+    Ok((body, headers))
+}
+
+/// Reads a document's body: at most [`MAX_DOCUMENT_BYTES`], within
+/// [`DOCUMENT_TIMEOUT`]; never buffers more, whatever the server sends.
+pub(crate) async fn read_document(resp: Response, what: &str) -> Result<Bytes> {
+    if let Some(n) = resp.content_length()
+        && n > MAX_DOCUMENT_BYTES as u64
+    {
+        return Err(too_large(what));
     }
-    Ok((Bytes::from(body), headers))
+    let read = async {
+        let mut body = Vec::new();
+        let mut chunks = resp.bytes_stream();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| request_error(what, e))?;
+            if body.len().saturating_add(chunk.len()) > MAX_DOCUMENT_BYTES {
+                return Err(too_large(what));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(Bytes::from(body))
+    };
+    tokio::time::timeout(DOCUMENT_TIMEOUT, read)
+        .await
+        .map_err(|_| {
+            Error::Unavailable(format!(
+                "{what}: the answer did not arrive within {DOCUMENT_TIMEOUT:?}"
+            ))
+        })?
+}
+
+fn too_large(what: &str) -> Error {
+    Error::SourceFault(format!(
+        "{what}: the answer is larger than {MAX_DOCUMENT_BYTES} bytes"
+    ))
 }
 
 /// What a HEAD (or its fallback) says about a file.
@@ -503,9 +531,18 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
         return Ok(empty());
     }
     // What we expect to receive, clamped to the known size.
-    let end = match (r.len, r.size) {
-        (Some(l), Some(s)) => Some((r.offset + l).min(s)),
-        (Some(l), None) => Some(r.offset + l),
+    let asked_end = r.len.map(|l| r.offset.checked_add(l)).map(|e| {
+        e.ok_or_else(|| {
+            Error::OutOfRange(format!(
+                "{what}: range {}+{:?} is past 2^64",
+                r.offset, r.len
+            ))
+        })
+    });
+    let asked_end = asked_end.transpose()?;
+    let end = match (asked_end, r.size) {
+        (Some(e), Some(s)) => Some(e.min(s)),
+        (Some(e), None) => Some(e),
         (None, s) => s,
     };
     if let Some(size) = r.size
@@ -522,8 +559,8 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
     let ranged_request = r.offset > 0 || r.len.is_some();
     let mut req = client.get(r.url.clone());
     if ranged_request {
-        let range = match r.len {
-            Some(l) => format!("bytes={}-{}", r.offset, r.offset + l - 1),
+        let range = match asked_end {
+            Some(e) => format!("bytes={}-{}", r.offset, e.saturating_sub(1)),
             None => format!("bytes={}-", r.offset),
         };
         req = req.header(header::RANGE, range);
@@ -563,7 +600,7 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
                     want_last.map_or(String::new(), |w| w.to_string())
                 )));
             }
-            let expect = last - first + 1;
+            let expect = (last - first).saturating_add(1);
             Ok(Body {
                 stream: body_stream(resp, 0, Some(expect), what.to_string()),
                 ranged: true,
@@ -790,12 +827,14 @@ impl HttpSource {
         if manifest.files.is_empty() {
             return Err(bad("lists no files".into()));
         }
-        let mut seen = BTreeSet::new();
+        if manifest.files.len() > MAX_LISTED_FILES {
+            return Err(Error::ResourceExhausted(format!(
+                "{what}: lists more than {MAX_LISTED_FILES} files"
+            )));
+        }
+        // Names are judged by the engine, in one place for every source.
         let mut entries = Vec::with_capacity(manifest.files.len());
         for e in manifest.files {
-            if e.path.is_empty() || !seen.insert(e.path.clone()) {
-                return Err(bad(format!("empty or repeated path {:?}", e.path)));
-            }
             let rel = match &e.url {
                 Some(u) => u.clone(),
                 None => e

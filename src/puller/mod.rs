@@ -26,7 +26,11 @@ use std::sync::Arc;
 use crate::cache::manifest::FileEntry;
 use crate::error::{Error, Result};
 use crate::trust::Tenant;
-use source::{Compression, Resolved, Source};
+use source::{Compression, PullLimits, Resolved, Source};
+
+/// StorageClass parameters that lower the driver's pull limits.
+pub const PARAM_MAX_MODEL_BYTES: &str = "maxModelBytes";
+pub const PARAM_MAX_MODEL_FILES: &str = "maxModelFiles";
 
 /// Every model URI form, for error messages.
 pub const ACCEPTED_FORMS: &str = "s3://bucket/prefix, https://host/path/file (or .../manifest.json#manifest), \
@@ -72,6 +76,20 @@ impl std::fmt::Debug for SourceOptions {
     }
 }
 
+/// A model URI as it may be shown (events, logs): no query, which may hold
+/// a signature, and no user info; the fragment (`#manifest`) stays.
+pub fn display_uri(uri: &str) -> String {
+    match url::Url::parse(uri) {
+        Ok(mut u) if u.query().is_some() || !u.username().is_empty() || u.password().is_some() => {
+            u.set_query(None);
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            u.to_string()
+        }
+        _ => uri.to_string(),
+    }
+}
+
 /// Checks a model URI's form without touching the network or disk.
 pub fn validate_uri(uri: &str) -> Result<(), String> {
     let unknown = |what: String| format!("{what}; accepted forms: {ACCEPTED_FORMS}");
@@ -106,6 +124,7 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
         uri.to_string()
     };
     let uri = uri.as_str();
+    let limits = class_limits(&opts.params)?;
     let source: Arc<dyn Source> = match uri.split_once("://").map(|(s, _)| s) {
         Some("file") => Arc::new(file::FileSource::new(uri)?),
         Some("s3") => Arc::new(s3::new(uri, opts)?),
@@ -121,10 +140,17 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
             ));
         }
     };
-    Ok(match &opts.tenant {
+    let source: Arc<dyn Source> = match &opts.tenant {
         Some(t) => Arc::new(Guarded {
             inner: source,
             tenant: t.clone(),
+        }),
+        None => source,
+    };
+    Ok(match limits {
+        Some(limits) => Arc::new(Bounded {
+            inner: source,
+            limits,
         }),
         None => source,
     })
@@ -180,7 +206,81 @@ impl Source for Guarded {
     }
 }
 
-/// Unpacks a verified layer blob into the model.
-pub fn extract_layer(blob: &Path, c: Compression, dest: &Path) -> Result<Vec<FileEntry>> {
-    unpack::extract(blob, c, dest)
+/// The limits a StorageClass sets, if any; a missing one is the driver's.
+pub fn class_limits(
+    params: &std::collections::BTreeMap<String, String>,
+) -> Result<Option<PullLimits>> {
+    let get = |key: &str, what: &str| -> Result<Option<u64>> {
+        let Some(v) = params.get(key) else {
+            return Ok(None);
+        };
+        let n = match key {
+            PARAM_MAX_MODEL_BYTES => source::parse_size(v),
+            _ => v
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| format!("{v:?} is not a whole number")),
+        }
+        .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
+        if n == 0 {
+            return Err(Error::invalid(
+                format!("parameters.{key}"),
+                format!("must be at least 1 {what}"),
+            ));
+        }
+        Ok(Some(n))
+    };
+    let bytes = get(PARAM_MAX_MODEL_BYTES, "byte")?;
+    let files = get(PARAM_MAX_MODEL_FILES, "file")?;
+    if bytes.is_none() && files.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(PullLimits {
+        max_bytes: bytes.unwrap_or(u64::MAX),
+        max_files: files.unwrap_or(u64::MAX),
+    }))
+}
+
+/// A source with the limits of its StorageClass.
+struct Bounded {
+    inner: Arc<dyn Source>,
+    limits: PullLimits,
+}
+
+#[async_trait::async_trait]
+impl Source for Bounded {
+    async fn resolve(&self) -> Result<Resolved> {
+        self.inner.resolve().await
+    }
+
+    async fn read(
+        &self,
+        file: &source::RemoteFile,
+        offset: u64,
+        len: Option<u64>,
+    ) -> Result<futures::stream::BoxStream<'static, Result<bytes::Bytes>>> {
+        self.inner.read(file, offset, len).await
+    }
+
+    fn ranges(&self) -> bool {
+        self.inner.ranges()
+    }
+
+    fn key_scope(&self) -> String {
+        self.inner.key_scope()
+    }
+
+    fn limits(&self) -> Option<PullLimits> {
+        Some(self.limits)
+    }
+}
+
+/// Unpacks a verified layer blob into the model, within `budget`.
+pub fn extract_layer(
+    blob: &Path,
+    c: Compression,
+    dest: &Path,
+    budget: &unpack::Budget,
+) -> Result<Vec<FileEntry>> {
+    unpack::extract(blob, c, dest, budget)
 }

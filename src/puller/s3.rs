@@ -26,7 +26,7 @@ use object_store::{
 use sha2::{Digest, Sha256};
 
 use super::SourceOptions;
-use super::source::{RemoteFile, Resolved, Source, Unpack};
+use super::source::{MAX_LISTED_FILES, RemoteFile, Resolved, Source, Unpack};
 use crate::error::{Error, Result};
 
 /// The accepted form, for error messages.
@@ -337,12 +337,20 @@ impl S3Source {
         };
         // object_store lists `prefix/`, so `models/minilm` never matches
         // `models/minilm-v2/...`.
-        let metas: Vec<ObjectMeta> = self
-            .store
-            .list(prefix_path.as_ref())
-            .try_collect()
+        let mut listing = self.store.list(prefix_path.as_ref());
+        let mut metas: Vec<ObjectMeta> = Vec::new();
+        while let Some(meta) = listing
+            .try_next()
             .await
-            .map_err(|e| map_err(&uri, "list", e))?;
+            .map_err(|e| map_err(&uri, "list", e))?
+        {
+            if metas.len() >= MAX_LISTED_FILES {
+                return Err(Error::ResourceExhausted(format!(
+                    "{uri}: more than {MAX_LISTED_FILES} objects under this prefix"
+                )));
+            }
+            metas.push(meta);
+        }
 
         if metas.is_empty() {
             // Not a directory: perhaps the prefix is one object.
@@ -363,14 +371,26 @@ impl S3Source {
 
         // object_store strips the trailing '/' of a key, so a directory
         // marker `a/b/` arrives as an empty `a/b`.
-        let strip = if prefix.is_empty() {
-            0
-        } else {
-            prefix.len() + 1
-        };
         let mut by_rel: BTreeMap<String, ObjectMeta> = BTreeMap::new();
         for meta in metas {
-            let rel = meta.location.as_ref()[strip.min(meta.location.as_ref().len())..].to_string();
+            let key = meta.location.as_ref();
+            // The server chose what to list; a key outside the prefix is
+            // not part of this model, whatever it says.
+            let rel = if prefix.is_empty() {
+                Some(key)
+            } else if key == prefix {
+                Some("")
+            } else {
+                key.strip_prefix(prefix.as_str())
+                    .and_then(|r| r.strip_prefix('/'))
+            };
+            let Some(rel) = rel else {
+                return Err(Error::SourceFault(format!(
+                    "{uri}: the object store listed the key {key:?}, which is not under the \
+                     requested prefix {prefix:?}"
+                )));
+            };
+            let rel = rel.to_string();
             if rel.is_empty() {
                 continue; // the marker of the prefix itself
             }
@@ -394,7 +414,7 @@ impl S3Source {
                 if meta.size == 0 {
                     continue; // a directory marker
                 }
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::SourceFault(format!(
                     "{}: {rel} is both an object and a directory of other objects; \
                      such a tree cannot be a model directory",
                     self.uri.object_uri(prefix)
@@ -649,8 +669,14 @@ fn map_err(target: &str, op: &str, err: object_store::Error) -> Error {
             root_cause(&err)
         )),
         None => match err {
-            OsError::InvalidPath { source } => Error::FailedPrecondition(format!(
+            OsError::InvalidPath { source } => Error::SourceFault(format!(
                 "{target}: an object key is not a usable relative path: {source}"
+            )),
+            // An answer object_store could not accept (a 200 to a ranged
+            // GET, a bad Content-Range, an unparsable listing): the server's
+            // doing, not a bug here.
+            OsError::Generic { .. } => Error::SourceFault(format!(
+                "{target}: the object store's answer to {op} was invalid: {err}"
             )),
             other => Error::Internal(format!("{target}: {op} failed: {other}")),
         },

@@ -12,7 +12,7 @@
 use bytes::Bytes;
 use futures::stream::BoxStream;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// How the engine turns a downloaded file into model files.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,10 +64,92 @@ pub struct Resolved {
 }
 
 impl Resolved {
-    pub fn total_bytes(&self) -> Option<u64> {
-        self.files.iter().map(|f| f.size).sum()
+    /// The sum of the listed sizes, None when a size is unknown. Sizes come
+    /// from the server: a sum past 2^64 is its fault, not a panic of ours.
+    pub fn total_bytes(&self) -> Result<Option<u64>> {
+        let mut total = Some(0u64);
+        for f in &self.files {
+            let Some(size) = f.size else {
+                total = None;
+                continue;
+            };
+            if let Some(t) = total {
+                total = Some(t.checked_add(size).ok_or_else(|| {
+                    Error::SourceFault(format!(
+                        "{} lists file sizes that add up to more than 2^64 bytes ({:?} is {size} bytes)",
+                        self.uri, f.path
+                    ))
+                })?);
+            }
+        }
+        Ok(total)
+    }
+
+    /// The sum of the sizes that are known, saturating: what a listing
+    /// already says about the model's size even when some sizes are unknown.
+    pub fn known_bytes(&self) -> u64 {
+        self.files
+            .iter()
+            .filter_map(|f| f.size)
+            .fold(0u64, u64::saturating_add)
     }
 }
+
+/// Bounds on one pull: the driver's flags, lowered by a StorageClass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullLimits {
+    /// Bytes of the model: listed files, and what layers unpack to.
+    pub max_bytes: u64,
+    /// Files of the model: listed files, and every entry of a layer.
+    pub max_files: u64,
+}
+
+impl Default for PullLimits {
+    fn default() -> Self {
+        PullLimits {
+            max_bytes: DEFAULT_MAX_MODEL_BYTES,
+            max_files: DEFAULT_MAX_MODEL_FILES,
+        }
+    }
+}
+
+impl PullLimits {
+    /// The tighter of two sets of limits.
+    pub fn lower(self, other: Option<PullLimits>) -> PullLimits {
+        match other {
+            Some(o) => PullLimits {
+                max_bytes: self.max_bytes.min(o.max_bytes),
+                max_files: self.max_files.min(o.max_files),
+            },
+            None => self,
+        }
+    }
+}
+
+/// Bytes with an optional K/M/G/T suffix (powers of 1024, `i` and `B`
+/// optional), e.g. `512Mi` or `50G`: flags and StorageClass parameters.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().trim_end_matches('B').trim_end_matches('i');
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        Some('T') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size like 512Mi or 50G"))
+}
+
+/// `--max-model-bytes` by default: 1 TiB, above any model published today.
+pub const DEFAULT_MAX_MODEL_BYTES: u64 = 1 << 40;
+/// `--max-model-files` by default.
+pub const DEFAULT_MAX_MODEL_FILES: u64 = 100_000;
+/// Entries a source lists before it gives up, whatever the flags say: the
+/// listing is held in memory before the engine can judge it.
+pub const MAX_LISTED_FILES: usize = 1 << 20;
 
 #[async_trait::async_trait]
 pub trait Source: Send + Sync {
@@ -96,5 +178,11 @@ pub trait Source: Send + Sync {
     /// bytes under the key of a real model. Never shown; may hold secrets.
     fn key_scope(&self) -> String {
         String::new()
+    }
+
+    /// Limits the StorageClass set for this source (`maxModelBytes`,
+    /// `maxModelFiles`); they lower the driver's, never raise them.
+    fn limits(&self) -> Option<PullLimits> {
+        None
     }
 }

@@ -17,12 +17,14 @@
 //! one after the other, into the same `dest`; `merge` then combines their
 //! file lists.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, BufReader, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path};
+use std::rc::Rc;
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat};
@@ -35,6 +37,72 @@ use crate::cache::manifest::FileEntry;
 use crate::error::{Error, IoContext, Result};
 use crate::puller::source::Compression;
 
+/// What one layer may still write: what is left of the model's byte and
+/// file limits (and of the cache's room) after the files and layers
+/// before it.
+#[derive(Clone, Debug)]
+pub struct Budget {
+    /// Bytes of regular files the layer may write.
+    pub bytes: u64,
+    /// What `bytes` comes from, for the error: the flag or parameter, or
+    /// the cache's free space.
+    pub bytes_limit: String,
+    /// Tar entries the layer may hold (files, directories, links, whiteouts).
+    pub entries: u64,
+    pub entries_limit: String,
+}
+
+impl Budget {
+    /// No limit but the filesystem's (tests, and callers that check elsewhere).
+    pub fn unlimited() -> Budget {
+        Budget {
+            bytes: u64::MAX,
+            bytes_limit: "no limit".into(),
+            entries: u64::MAX,
+            entries_limit: "no limit".into(),
+        }
+    }
+}
+
+/// Tar metadata read between two entries: GNU long names and links, PAX
+/// extended headers, and whatever data a non-file entry carries. The tar
+/// crate buffers extension headers whole; this is what it may buffer.
+pub const MAX_TAR_METADATA: u64 = 1 << 20;
+
+/// Counts what the tar parser reads from the decompressed layer, and
+/// refuses to feed it more than [`MAX_TAR_METADATA`] while it is looking
+/// for the next entry (so a 1 GiB PAX header is never buffered).
+struct Meter {
+    read: Cell<u64>,
+    /// Set while the parser looks for the next entry: `read` at that time.
+    between_entries: Cell<Option<u64>>,
+    tripped: Cell<bool>,
+}
+
+struct Metered<R> {
+    inner: R,
+    meter: Rc<Meter>,
+}
+
+impl<R: Read> Read for Metered<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let m = &self.meter;
+        let mut want = buf.len();
+        if let Some(start) = m.between_entries.get() {
+            let used = m.read.get().saturating_sub(start);
+            let room = MAX_TAR_METADATA.saturating_sub(used);
+            if room == 0 && !buf.is_empty() {
+                m.tripped.set(true);
+                return Err(io::Error::other("tar metadata over the limit"));
+            }
+            want = want.min(usize::try_from(room).unwrap_or(usize::MAX));
+        }
+        let n = self.inner.read(&mut buf[..want])?;
+        m.read.set(m.read.get().saturating_add(n as u64));
+        Ok(n)
+    }
+}
+
 const WHITEOUT_PREFIX: &str = ".wh.";
 const OPAQUE_WHITEOUT: &str = ".wh..wh..opq";
 
@@ -42,10 +110,20 @@ const OPAQUE_WHITEOUT: &str = ".wh..wh..opq";
 /// every regular file it wrote, with size and sha256, paths relative to
 /// `dest` and '/'-separated, sorted. Blocking: run it in `spawn_blocking`.
 ///
+/// Bounded whatever the layer holds: its files may write at most
+/// `budget.bytes` (a gzip or zstd bomb stops there, `ResourceExhausted`),
+/// it may hold at most `budget.entries` entries, and extension headers
+/// are read up to [`MAX_TAR_METADATA`] (`SourceFault` beyond).
+///
 /// Modes are reduced to 0755 (directories, executables) or 0644; ownership
 /// and times are not restored. Files are fsynced; directories are not (the
 /// caller syncs when it renames the finished tree into place).
-pub fn extract(blob: &Path, compression: Compression, dest: &Path) -> Result<Vec<FileEntry>> {
+pub fn extract(
+    blob: &Path,
+    compression: Compression,
+    dest: &Path,
+    budget: &Budget,
+) -> Result<Vec<FileEntry>> {
     let file = File::open(blob).ctx("open layer", blob)?;
     let reader = BufReader::with_capacity(1 << 20, file);
     let reader: Box<dyn Read> = match compression {
@@ -63,6 +141,15 @@ pub fn extract(blob: &Path, compression: Compression, dest: &Path) -> Result<Vec
         Mode::empty(),
     )
     .map_err(|e| Error::io("open", dest, e.into()))?;
+    let meter = Rc::new(Meter {
+        read: Cell::new(0),
+        between_entries: Cell::new(None),
+        tripped: Cell::new(false),
+    });
+    let reader = Metered {
+        inner: reader,
+        meter: meter.clone(),
+    };
     let mut layer = Layer {
         blob,
         dest,
@@ -70,6 +157,8 @@ pub fn extract(blob: &Path, compression: Compression, dest: &Path) -> Result<Vec
         files: BTreeMap::new(),
         touched: HashSet::new(),
         buf: vec![0; 1 << 20],
+        written: 0,
+        budget,
     };
     let bad_archive = |e: io::Error| {
         Error::FailedPrecondition(format!(
@@ -78,8 +167,33 @@ pub fn extract(blob: &Path, compression: Compression, dest: &Path) -> Result<Vec
         ))
     };
     let mut archive = tar::Archive::new(reader);
-    for entry in archive.entries().map_err(bad_archive)? {
-        let entry = entry.map_err(bad_archive)?;
+    let mut entries = archive.entries().map_err(bad_archive)?;
+    let mut count = 0u64;
+    loop {
+        meter.between_entries.set(Some(meter.read.get()));
+        let next = entries.next();
+        meter.between_entries.set(None);
+        let entry = match next {
+            None => break,
+            Some(Ok(e)) => e,
+            Some(Err(_)) if meter.tripped.get() => {
+                return Err(Error::SourceFault(format!(
+                    "layer {} has more than {MAX_TAR_METADATA} bytes of tar metadata (GNU long \
+                     names, PAX headers, or data of a non-file entry) after entry #{count}",
+                    blob.display()
+                )));
+            }
+            Some(Err(e)) => return Err(bad_archive(e)),
+        };
+        count += 1;
+        if count > budget.entries {
+            return Err(Error::ResourceExhausted(format!(
+                "layer {} holds more than {} entries ({})",
+                blob.display(),
+                budget.entries,
+                budget.entries_limit
+            )));
+        }
         layer.apply(entry)?;
     }
     Ok(layer.files.into_values().collect())
@@ -122,6 +236,9 @@ struct Layer<'a> {
     /// own whiteouts must leave alone.
     touched: HashSet<String>,
     buf: Vec<u8>,
+    /// Bytes of regular files written so far.
+    written: u64,
+    budget: &'a Budget,
 }
 
 fn refuse(name: &str, why: impl std::fmt::Display) -> Error {
@@ -139,6 +256,9 @@ fn components(name: &str) -> Result<Vec<String>> {
         match c {
             "" | "." => {}
             ".." => return Err(refuse(name, "has a '..' component")),
+            c if c.chars().any(char::is_control) => {
+                return Err(refuse(name, "has a control character in its name"));
+            }
             c => out.push(c.to_string()),
         }
     }
@@ -348,6 +468,15 @@ impl Layer<'_> {
             })?;
             if n == 0 {
                 break;
+            }
+            self.written = self.written.saturating_add(n as u64);
+            if self.written > self.budget.bytes {
+                return Err(Error::ResourceExhausted(format!(
+                    "layer {} unpacks to more than {} bytes ({}); stopped at entry {name:?}",
+                    self.blob.display(),
+                    self.budget.bytes,
+                    self.budget.bytes_limit
+                )));
             }
             h.update(&self.buf[..n]);
             out.write_all(&self.buf[..n]).ctx("write", &abs)?;
@@ -618,7 +747,8 @@ mod tests {
         /// next to dest, and returns the message.
         fn refused(&self, t: Tar) -> String {
             let blob = t.write(self.tmp.path(), "layer.tar");
-            let err = extract(&blob, Compression::None, &self.dest()).unwrap_err();
+            let err =
+                extract(&blob, Compression::None, &self.dest(), &Budget::unlimited()).unwrap_err();
             assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
             let outside: Vec<_> = fs::read_dir(self.tmp.path().join("root"))
                 .unwrap()
@@ -651,7 +781,7 @@ mod tests {
             .file(&long, b"long")
             .pax_file(&pax_name, b"pax");
         let blob = t.write(f.tmp.path(), "layer.tar");
-        let files = extract(&blob, Compression::None, &f.dest()).unwrap();
+        let files = extract(&blob, Compression::None, &f.dest(), &Budget::unlimited()).unwrap();
         let names: Vec<_> = files.iter().map(|e| e.path.as_str()).collect();
         let mut want = vec![
             long.as_str(),
@@ -697,14 +827,129 @@ mod tests {
             (&zst_path, Compression::Zstd),
         ] {
             let dest = f.tmp.path().join(format!("{c:?}"));
-            let files = extract(p, c, &dest).unwrap();
+            let files = extract(p, c, &dest, &Budget::unlimited()).unwrap();
             assert_eq!(files.len(), 1);
             assert_eq!(files[0].sha256, sha(b"hello"));
             assert_eq!(fs::read(dest.join("a/b.txt")).unwrap(), b"hello");
         }
         // A gzip layer declared as zstd is a clear refusal, not a panic.
-        let err = extract(&gz_path, Compression::Zstd, &f.tmp.path().join("x")).unwrap_err();
+        let err = extract(
+            &gz_path,
+            Compression::Zstd,
+            &f.tmp.path().join("x"),
+            &Budget::unlimited(),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("not a valid tar archive"), "{err}");
+    }
+
+    /// A tar of one `size`-byte file of zeros, streamed through `wrap`
+    /// (a compressor), never held in memory whole.
+    fn zeros_layer<W: Write>(wrap: W, size: u64) -> W {
+        let mut b = tar::Builder::new(wrap);
+        let mut h = Tar::header(EntryType::Regular, size, 0o644);
+        b.append_data(&mut h, "zeros.bin", io::repeat(0).take(size))
+            .unwrap();
+        b.into_inner().unwrap()
+    }
+
+    fn budget(bytes: u64, entries: u64) -> Budget {
+        Budget {
+            bytes,
+            bytes_limit: "the test's limit".into(),
+            entries,
+            entries_limit: "the test's entry limit".into(),
+        }
+    }
+
+    /// Bombs of zeros stop at the byte budget, with ResourceExhausted
+    /// naming the limit, having written no more than the budget.
+    #[test]
+    fn gzip_and_zstd_bombs_stop_at_the_budget() {
+        let f = Fixture::new();
+        let gz = zeros_layer(
+            flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()),
+            1 << 30,
+        )
+        .finish()
+        .unwrap();
+        let zst = zeros_layer(zstd::Encoder::new(Vec::new(), 3).unwrap(), 1 << 30)
+            .finish()
+            .unwrap();
+        assert!(gz.len() < 8 << 20 && zst.len() < 1 << 20);
+        for (bytes, c) in [(gz, Compression::Gzip), (zst, Compression::Zstd)] {
+            let blob = f.tmp.path().join(format!("bomb-{c:?}"));
+            fs::write(&blob, bytes).unwrap();
+            let dest = f.tmp.path().join(format!("out-{c:?}"));
+            let err = extract(&blob, c, &dest, &budget(8 << 20, 10)).unwrap_err();
+            assert!(
+                matches!(&err, Error::ResourceExhausted(m)
+                    if m.contains("more than 8388608 bytes (the test's limit)") && m.contains("zeros.bin")),
+                "{err:?}"
+            );
+            let written = fs::metadata(dest.join("zeros.bin")).map_or(0, |m| m.len());
+            assert!(written <= 8 << 20, "{written} bytes written");
+        }
+    }
+
+    /// Extension headers larger than MAX_TAR_METADATA are refused while
+    /// being read, never buffered whole: a 64 MiB PAX header, a 64 MiB GNU
+    /// long name, and a directory entry carrying 64 MiB of data.
+    #[test]
+    fn huge_tar_headers_are_refused_not_buffered() {
+        let f = Fixture::new();
+        for (kind, name) in [
+            (EntryType::XHeader, "pax"),
+            (EntryType::GNULongName, "longname"),
+            (EntryType::Directory, "dir"),
+        ] {
+            let size = 64u64 << 20;
+            let mut b = tar::Builder::new(zstd::Encoder::new(Vec::new(), 1).unwrap());
+            let mut h = Tar::header(kind, size, 0o644);
+            h.set_path(name).unwrap();
+            h.set_cksum();
+            b.append(&h, io::repeat(b'a').take(size)).unwrap();
+            let mut h = Tar::header(EntryType::Regular, 1, 0o644);
+            b.append_data(&mut h, "after", &b"x"[..]).unwrap();
+            let blob = f.tmp.path().join(format!("{name}.tar.zst"));
+            fs::write(&blob, b.into_inner().unwrap().finish().unwrap()).unwrap();
+            let err = extract(
+                &blob,
+                Compression::Zstd,
+                &f.tmp.path().join(name),
+                &Budget::unlimited(),
+            )
+            .unwrap_err();
+            assert!(
+                matches!(&err, Error::SourceFault(m) if m.contains("tar metadata")),
+                "{name}: {err:?}"
+            );
+        }
+    }
+
+    /// Many tiny entries stop at the entry budget.
+    #[test]
+    fn many_tiny_entries_stop_at_the_entry_budget() {
+        let f = Fixture::new();
+        let mut t = Tar::new();
+        for i in 0..300 {
+            t = t.file(&format!("d/{i}"), b"");
+        }
+        let blob = t.write(f.tmp.path(), "many.tar");
+        let err = extract(&blob, Compression::None, &f.dest(), &budget(u64::MAX, 100)).unwrap_err();
+        assert!(
+            matches!(&err, Error::ResourceExhausted(m)
+                if m.contains("more than 100 entries (the test's entry limit)")),
+            "{err:?}"
+        );
+        assert!(fs::read_dir(f.dest().join("d")).unwrap().count() <= 100);
+    }
+
+    #[test]
+    fn refuses_control_characters_in_names() {
+        let f = Fixture::new();
+        let err = f.refused(Tar::new().raw(EntryType::Regular, b"a\tb", b"", b"x"));
+        assert!(err.contains("control character"), "{err}");
     }
 
     #[test]
@@ -827,8 +1072,8 @@ mod tests {
             .file("e/.wh.z", b"")
             .file(".wh.missing", b"")
             .write(f.tmp.path(), "l2.tar");
-        let f1 = extract(&l1, Compression::None, &dest).unwrap();
-        let f2 = extract(&l2, Compression::None, &dest).unwrap();
+        let f1 = extract(&l1, Compression::None, &dest, &Budget::unlimited()).unwrap();
+        let f2 = extract(&l2, Compression::None, &dest, &Budget::unlimited()).unwrap();
         assert_eq!(
             f2.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(),
             vec!["d/new"]

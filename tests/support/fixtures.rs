@@ -212,6 +212,8 @@ enum Fault {
     StallAfter(u64),
     /// Send the body at this many bytes per second.
     Throttle(u64),
+    /// Send the body one byte at a time, this long apart.
+    Trickle(Duration),
 }
 
 /// A response to send.
@@ -220,20 +222,49 @@ pub struct Reply {
     headers: Vec<(String, String)>,
     payload: Payload,
     fault: Fault,
+    /// Sent instead of the body's real length (a lying server).
+    content_length: Option<u64>,
 }
 
 impl Reply {
-    fn new(status: u16) -> Reply {
+    pub fn new(status: u16) -> Reply {
         Reply {
             status,
             headers: Vec::new(),
             payload: Payload::Empty,
             fault: Fault::None,
+            content_length: None,
         }
     }
 
-    fn header(mut self, k: &str, v: impl Into<String>) -> Reply {
+    pub fn header(mut self, k: &str, v: impl Into<String>) -> Reply {
         self.headers.push((k.to_string(), v.into()));
+        self
+    }
+
+    /// `body` as the payload.
+    pub fn body(mut self, body: Vec<u8>) -> Reply {
+        let len = body.len() as u64;
+        self.payload = Payload::Bytes(Arc::new(body), 0, len);
+        self
+    }
+
+    /// `len` bytes of the file at `path` from `start` (a sparse file
+    /// serves gigabytes without holding them anywhere).
+    pub fn file(mut self, path: impl Into<PathBuf>, start: u64, len: u64) -> Reply {
+        self.payload = Payload::File(path.into(), start, len);
+        self
+    }
+
+    /// Announces this Content-Length, whatever the body's real length.
+    pub fn content_length(mut self, n: u64) -> Reply {
+        self.content_length = Some(n);
+        self
+    }
+
+    /// Sends the body one byte at a time, `every` apart.
+    pub fn trickle(mut self, every: Duration) -> Reply {
+        self.fault = Fault::Trickle(every);
         self
     }
 
@@ -383,17 +414,40 @@ async fn connection(mut sock: TcpStream, handler: Handler) {
         head.push_str(&format!("{k}: {v}\r\n"));
     }
     head.push_str(&format!(
-        "Content-Length: {len}\r\nConnection: close\r\n\r\n"
+        "Content-Length: {}\r\nConnection: close\r\n\r\n",
+        reply.content_length.unwrap_or(len)
     ));
     if sock.write_all(head.as_bytes()).await.is_err() || req.method == "HEAD" {
         return;
     }
     let send = match reply.fault {
-        Fault::None | Fault::Throttle(_) => len,
+        Fault::None | Fault::Throttle(_) | Fault::Trickle(_) => len,
         Fault::TruncateAfter(n) | Fault::StallAfter(n) => n.min(len),
     };
     if let Fault::Throttle(rate) = reply.fault {
         throttled(&mut sock, reply.payload, send, rate).await;
+        let _ = sock.shutdown().await;
+        return;
+    }
+    if let Fault::Trickle(every) = reply.fault {
+        let body = match reply.payload {
+            Payload::Bytes(b, start, n) => b[start as usize..(start + n) as usize].to_vec(),
+            Payload::File(path, start, n) => {
+                use std::io::{Seek, SeekFrom};
+                let mut f = fs::File::open(path).unwrap();
+                f.seek(SeekFrom::Start(start)).unwrap();
+                let mut v = Vec::new();
+                f.take(n).read_to_end(&mut v).unwrap();
+                v
+            }
+            Payload::Empty => Vec::new(),
+        };
+        for byte in body {
+            if sock.write_all(&[byte]).await.is_err() || sock.flush().await.is_err() {
+                return;
+            }
+            tokio::time::sleep(every).await;
+        }
         let _ = sock.shutdown().await;
         return;
     }
@@ -543,6 +597,7 @@ struct FileKnobs {
     redirects: HashMap<String, String>,
     /// Every body at this many bytes per second.
     throttle: Option<u64>,
+    trickle: HashMap<String, Duration>,
     ignore_ranges: bool,
     no_validators: bool,
 }
@@ -682,6 +737,42 @@ impl FileServer {
     pub fn without_validators(&self) {
         self.knobs().no_validators = true;
     }
+
+    /// Sends GET bodies of `path` one byte at a time, `every` apart.
+    pub fn trickle(&self, path: &str, every: Duration) {
+        self.knobs().trickle.insert(path.into(), every);
+    }
+}
+
+/// Fixture: a server whose every answer a test writes itself, for servers
+/// that lie (listings, lengths, ranges) in ways no knob covers.
+pub struct ScriptServer {
+    server: Server,
+    hits: Arc<Hits>,
+}
+
+impl ScriptServer {
+    pub async fn start(
+        handler: impl Fn(&Request) -> Reply + Send + Sync + 'static,
+    ) -> ScriptServer {
+        let hits = Arc::new(Hits::default());
+        let h = hits.clone();
+        let server = Server::start(Arc::new(move |req: &Request| {
+            h.add(req);
+            handler(req)
+        }))
+        .await;
+        ScriptServer { server, hits }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn base(&self) -> String {
+        self.server.base()
+    }
+
+    pub fn gets(&self, path: &str) -> usize {
+        self.hits.get("GET", path)
+    }
 }
 
 fn serve_file(state: &FileState, req: &Request) -> Reply {
@@ -733,6 +824,11 @@ fn serve_file(state: &FileState, req: &Request) -> Reply {
     }
     if let Some(&n) = k.truncate.get(&path) {
         reply.fault = Fault::TruncateAfter(n);
+    }
+    if let Some(&every) = k.trickle.get(&path)
+        && req.method == "GET"
+    {
+        reply.fault = Fault::Trickle(every);
     }
     if let Some(&n) = k.stall.get(&path) {
         let armed = match k.stalls_left.get_mut(&path) {
