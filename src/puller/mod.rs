@@ -284,3 +284,55 @@ pub fn extract_layer(
 ) -> Result<Vec<FileEntry>> {
     unpack::extract(blob, c, dest, budget)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shown_uris_carry_no_query_or_user_info() {
+        assert_eq!(
+            display_uri("https://h/m.safetensors?X-Amz-Signature=secret#sha256=ab"),
+            "https://h/m.safetensors#sha256=ab"
+        );
+        assert_eq!(
+            display_uri("https://u:p@h/m.json#manifest"),
+            "https://h/m.json#manifest"
+        );
+        for plain in ["hf://org/m@main", "s3://b/p", "oci://r/m:v1", "not a uri"] {
+            assert_eq!(display_uri(plain), plain);
+        }
+    }
+
+    #[test]
+    fn class_limits_lower_and_are_checked() {
+        let p = |kv: &[(&str, &str)]| {
+            class_limits(
+                &kv.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        assert_eq!(p(&[]).unwrap(), None);
+        let l = p(&[
+            (PARAM_MAX_MODEL_BYTES, "2Gi"),
+            (PARAM_MAX_MODEL_FILES, "10"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((l.max_bytes, l.max_files), (2 << 30, 10));
+        let driver = PullLimits::default();
+        assert_eq!(driver.lower(Some(l)), l);
+        let only_files = p(&[(PARAM_MAX_MODEL_FILES, "5")]).unwrap();
+        assert_eq!(driver.lower(only_files).max_bytes, driver.max_bytes);
+        for (k, v) in [
+            (PARAM_MAX_MODEL_BYTES, "lots"),
+            (PARAM_MAX_MODEL_BYTES, "0"),
+            (PARAM_MAX_MODEL_BYTES, "99999999999T"),
+            (PARAM_MAX_MODEL_FILES, "1k"),
+        ] {
+            let e = p(&[(k, v)]).unwrap_err();
+            assert!(e.to_string().contains(&format!("parameters.{k}")), "{e}");
+        }
+    }
+}
