@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""A model origin with a known bandwidth, for the e2e `large` flow.
+
+    throttled-origin.py PORT TOTAL_MIB RATE_MIB_PER_S READY_FILE
+
+Serves a synthetic model of TOTAL_MIB (two shards and a config) generated
+on the fly from a repeating pattern, so nothing of it is on disk, and
+`/manifest.json` listing every file with its size and sha256 (the driver
+verifies them). HEAD, Range (one range) and a strong ETag are supported.
+All responses together are paced to RATE_MIB_PER_S, like one origin link.
+Writes "ready <seconds spent hashing>" to READY_FILE once it listens.
+Listens on 127.0.0.1 only.
+"""
+import hashlib
+import http.server
+import json
+import sys
+import threading
+import time
+
+PORT, TOTAL_MIB, RATE, READY = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+MIB = 1 << 20
+PIECE = 256 << 10
+
+
+def block(seed):
+    h = hashlib.sha256(seed.encode()).digest()
+    return (h * (MIB // len(h)))[:MIB]
+
+
+class Synthetic:
+    """size bytes: a 1 MiB block repeated, then cut."""
+
+    def __init__(self, name, size):
+        self.name, self.size, self.block = name, size, block(name)
+
+    def read(self, start, end):
+        """Bytes [start, end) in pieces."""
+        at = start
+        while at < end:
+            off = at % MIB
+            n = min(MIB - off, end - at, PIECE)
+            yield self.block[off:off + n]
+            at += n
+
+    def sha256(self):
+        h = hashlib.sha256()
+        full, rest = divmod(self.size, MIB)
+        for _ in range(full):
+            h.update(self.block)
+        h.update(self.block[:rest])
+        return h.hexdigest()
+
+
+first = TOTAL_MIB * 3 // 4
+files = {
+    "model-00001-of-00002.safetensors": Synthetic("s1", first * MIB),
+    "model-00002-of-00002.safetensors": Synthetic("s2", (TOTAL_MIB - first) * MIB + 12345),
+}
+t0 = time.time()
+manifest = {"files": [
+    {"path": n, "size": f.size, "sha256": f.sha256()} for n, f in files.items()
+] + [{"path": "config.json", "size": 27, "sha256": hashlib.sha256(b'{"architectures":["E2E"]}\n\n').hexdigest()}]}
+docs = {
+    "/manifest.json": json.dumps(manifest).encode(),
+    "/config.json": b'{"architectures":["E2E"]}\n\n',
+}
+hashing = time.time() - t0
+
+
+class Pace:
+    """A token bucket shared by every connection: the origin's link."""
+
+    def __init__(self, rate):
+        self.rate, self.lock, self.next = rate, threading.Lock(), time.monotonic()
+
+    def take(self, n):
+        with self.lock:
+            now = time.monotonic()
+            start = max(self.next, now)
+            self.next = start + n / self.rate
+            wait = start - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+pace = Pace(RATE * MIB)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):
+        sys.stderr.write("%s %s\n" % (self.requestline, self.headers.get("Range", "")))
+
+    def head_or_get(self, body):
+        path = self.path.split("?")[0]
+        if path in docs:
+            data = docs[path]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("ETag", '"%s"' % hashlib.sha256(data).hexdigest()[:16])
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+            return
+        f = files.get(path.lstrip("/"))
+        if f is None:
+            self.send_error(404)
+            return
+        start, end = 0, f.size
+        rng = self.headers.get("Range")
+        if rng and rng.startswith("bytes="):
+            a, _, b = rng[6:].partition("-")
+            start = int(a) if a else max(0, f.size - int(b))
+            end = min(f.size, int(b) + 1) if (a and b) else f.size
+            self.send_response(206)
+            self.send_header("Content-Range", "bytes %d-%d/%d" % (start, end - 1, f.size))
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", '"%s"' % f.name)
+        self.end_headers()
+        if not body:
+            return
+        for piece in f.read(start, end):
+            pace.take(len(piece))
+            self.wfile.write(piece)
+
+    def do_HEAD(self):
+        self.head_or_get(False)
+
+    def do_GET(self):
+        try:
+            self.head_or_get(True)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", PORT), Handler)
+server.daemon_threads = True
+with open(READY, "w") as r:
+    r.write("ready %.1f\n" % hashing)
+server.serve_forever()
