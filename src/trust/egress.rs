@@ -7,16 +7,13 @@
 //! the check and the connect (rebinding) all reach addresses no check saw.
 //! Here the check and the connect are one step on the resolved address, and
 //! every client library we use (reqwest, object_store, oci-client) honours
-//! a proxy, so no code path can bypass it. The proxy never serves anyone
-//! without the per-process token, and it must never be used for sources an
-//! admin chose (they reach what the admin decided).
+//! a proxy, so no code path can bypass it. It must never be used for
+//! sources an admin chose (they reach what the admin decided).
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use base64::Engine as _;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::Incoming;
@@ -147,30 +144,37 @@ impl Policy {
 }
 
 /// A policy registered with the proxy; unregistered on drop.
+/// One tenant pull's guard: a proxy listener of its own on loopback, so the
+/// port names the policy. (A header would not do: clients drop proxy
+/// credentials when a plain-http redirect changes host.) No credential is
+/// needed, because the guard only narrows what the node's own network
+/// position reaches; a local process that finds the port gains nothing.
 #[derive(Debug)]
 pub struct Guard {
-    id: String,
     pub policy: Arc<Policy>,
     url: String,
+    task: tokio::task::AbortHandle,
 }
 
 impl Guard {
-    /// Starts the proxy if needed and registers `policy` with it.
+    /// Starts a listener for `policy`; it stops when the guard is dropped.
     pub async fn new(policy: Policy) -> Result<Guard> {
-        let proxy = proxy().await?;
+        let listener = TcpListener::bind(("127.0.0.1", 0))
+            .await
+            .map_err(|e| Error::Internal(format!("binding the egress guard on loopback: {e}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Internal(format!("egress guard address: {e}")))?;
         let policy = Arc::new(policy);
-        let id = format!("p{}", uuid::Uuid::new_v4().simple());
-        proxy
-            .policies
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), Arc::downgrade(&policy));
-        let url = format!("http://{id}:{}@{}", proxy.token, proxy.addr);
-        Ok(Guard { id, policy, url })
+        let task = tokio::spawn(serve(listener, policy.clone())).abort_handle();
+        Ok(Guard {
+            policy,
+            url: format!("http://{addr}"),
+            task,
+        })
     }
 
-    /// The proxy URL, credentials included: for client configuration only,
-    /// never for a log line.
+    /// The proxy URL, for client configuration.
     pub fn proxy_url(&self) -> &str {
         &self.url
     }
@@ -188,48 +192,11 @@ impl Guard {
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        if let Some(p) = PROXY.get() {
-            p.policies
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&self.id);
-        }
+        self.task.abort();
     }
 }
 
-struct Proxy {
-    addr: SocketAddr,
-    token: String,
-    policies: Mutex<HashMap<String, Weak<Policy>>>,
-}
-
-static PROXY: OnceLock<Proxy> = OnceLock::new();
-static STARTING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-async fn proxy() -> Result<&'static Proxy> {
-    if let Some(p) = PROXY.get() {
-        return Ok(p);
-    }
-    let _g = STARTING.lock().await;
-    if let Some(p) = PROXY.get() {
-        return Ok(p);
-    }
-    let listener = TcpListener::bind(("127.0.0.1", 0))
-        .await
-        .map_err(|e| Error::Internal(format!("binding the egress guard on loopback: {e}")))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| Error::Internal(format!("egress guard address: {e}")))?;
-    let p = PROXY.get_or_init(|| Proxy {
-        addr,
-        token: uuid::Uuid::new_v4().simple().to_string(),
-        policies: Mutex::new(HashMap::new()),
-    });
-    tokio::spawn(serve(listener, p));
-    Ok(p)
-}
-
-async fn serve(listener: TcpListener, proxy: &'static Proxy) {
+async fn serve(listener: TcpListener, policy: Arc<Policy>) {
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -239,8 +206,9 @@ async fn serve(listener: TcpListener, proxy: &'static Proxy) {
                 continue;
             }
         };
+        let policy = policy.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| handle(proxy, req));
+            let service = hyper::service::service_fn(move |req| handle(policy.clone(), req));
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
                 .with_upgrades();
@@ -263,39 +231,10 @@ fn reply(status: StatusCode, text: String) -> Response<Body> {
     r
 }
 
-/// The policy named by the request's Proxy-Authorization, if the token fits.
-fn policy_of(proxy: &Proxy, req: &Request<Incoming>) -> Option<Arc<Policy>> {
-    let value = req
-        .headers()
-        .get(hyper::header::PROXY_AUTHORIZATION)?
-        .to_str()
-        .ok()?;
-    let decoded = base64::engine::general_purpose::STANDARD
-        .decode(value.strip_prefix("Basic ")?)
-        .ok()?;
-    let text = String::from_utf8(decoded).ok()?;
-    let (id, token) = text.split_once(':')?;
-    if token != proxy.token {
-        return None;
-    }
-    proxy
-        .policies
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(id)?
-        .upgrade()
-}
-
 async fn handle(
-    proxy: &'static Proxy,
+    policy: Arc<Policy>,
     req: Request<Incoming>,
 ) -> std::result::Result<Response<Body>, hyper::Error> {
-    let Some(policy) = policy_of(proxy, &req) else {
-        return Ok(reply(
-            StatusCode::PROXY_AUTHENTICATION_REQUIRED,
-            "the egress guard serves only the driver's own pulls".into(),
-        ));
-    };
     let (host, port) = match target(&req) {
         Some(t) => t,
         None => {
@@ -457,18 +396,9 @@ mod tests {
     async fn ask(g: &Guard, head: String) -> (String, TcpStream) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let url = url::Url::parse(g.proxy_url()).unwrap();
-        let auth = base64::engine::general_purpose::STANDARD.encode(format!(
-            "{}:{}",
-            url.username(),
-            url.password().unwrap()
-        ));
         let mut s = TcpStream::connect((url.host_str().unwrap(), url.port().unwrap()))
             .await
             .unwrap();
-        let head = head.replace(
-            "\r\n\r\n",
-            &format!("\r\nProxy-Authorization: Basic {auth}\r\n\r\n"),
-        );
         s.write_all(head.as_bytes()).await.unwrap();
         let mut buf = Vec::new();
         let mut byte = [0u8; 1];
@@ -547,15 +477,17 @@ mod tests {
         assert!(why.contains("loopback"), "{why}");
         let e = closed.explain(Error::Unavailable("proxy said 403".into()));
         assert!(matches!(e, Error::PermissionDenied(_)), "{e:?}");
-        // Without the token the guard serves no one.
+        // A dropped guard serves no one.
+        let gone = url::Url::parse(open.proxy_url()).unwrap();
         drop(open);
-        let mut s = TcpStream::connect(PROXY.get().unwrap().addr).await.unwrap();
-        s.write_all(format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
-        let mut reply = vec![0u8; 64];
-        let n = s.read(&mut reply).await.unwrap();
-        assert!(String::from_utf8_lossy(&reply[..n]).contains("407"));
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            TcpStream::connect((gone.host_str().unwrap(), gone.port().unwrap()))
+                .await
+                .is_err(),
+            "the guard of a finished pull still listens"
+        );
         assert_eq!(
             served.await.unwrap(),
             2,
