@@ -292,6 +292,7 @@ pub fn sweep(root: &Root) {
             let _ = fs::remove_dir_all(root.sources_dir().join(name));
         }
     }
+    sweep_sealed_pulls(root);
     if let Ok(entries) = fs::read_dir(root.tmp_dir()) {
         for entry in entries.flatten() {
             let path = entry.path();
@@ -301,6 +302,34 @@ pub fn sweep(root: &Root) {
                 }
             }
             let _ = fs::remove_dir(&path);
+        }
+    }
+}
+
+/// A pull killed between its rename into place and its cleanup leaves its
+/// bookkeeping inside the sealed model (the seal lists only `data/`, so no
+/// reader sees it, but nothing else would ever remove it).
+fn sweep_sealed_pulls(root: &Root) {
+    let Ok(entries) = fs::read_dir(root.sources_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !evict::is_model(&name) {
+            continue;
+        }
+        let dir = entry.path();
+        if !dir.join("seal.json").is_file() {
+            continue;
+        }
+        for leftover in ["state", "blobs", "partial", "lock"] {
+            let p = dir.join(leftover);
+            let _ = fs::remove_dir_all(&p).or_else(|_| fs::remove_file(&p));
+        }
+        for hidden in list_hidden(&dir) {
+            if hidden.contains(".tmp-") {
+                let _ = fs::remove_file(dir.join(hidden));
+            }
         }
     }
 }
@@ -425,4 +454,40 @@ pub fn space(root: &Root) -> Result<Space> {
         free,
         reserve: root.reserve.of(total),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn a_pull_killed_after_its_rename_is_tidied_on_restart() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            node_id: Some("n".into()),
+            state_dir: d.path().to_path_buf(),
+            ..Config::default()
+        };
+        let root = Roots::from_config(&cfg).roots.remove(0);
+        let sid = format!("m{}", "a".repeat(31));
+        let dir = root.sources_dir().join(&sid);
+        for sub in ["data", "state", "blobs", "partial"] {
+            fs::create_dir_all(dir.join(sub)).unwrap();
+        }
+        fs::write(dir.join("data/config.json"), b"{}").unwrap();
+        fs::write(dir.join("state/x.json"), b"{}").unwrap();
+        fs::write(dir.join("lock"), b"").unwrap();
+        fs::write(dir.join(".seal.json.tmp-123"), b"{").unwrap();
+        // Not sealed yet: a pull that may still be running keeps everything.
+        sweep(&root);
+        assert!(dir.join("state").exists());
+        fs::write(dir.join("seal.json"), b"{}").unwrap();
+        sweep(&root);
+        for gone in ["state", "blobs", "partial", "lock", ".seal.json.tmp-123"] {
+            assert!(!dir.join(gone).exists(), "{gone} is left");
+        }
+        assert!(dir.join("data/config.json").is_file());
+        assert!(dir.join("seal.json").is_file());
+    }
 }
