@@ -570,3 +570,44 @@ async fn hf_patterns_pick_a_subset_that_is_its_own_model() {
         "{err}"
     );
 }
+
+/// Even a source an admin chose never reaches cloud metadata: a redirect,
+/// a manifest entry or a name pointing at a link-local address is refused
+/// (PermissionDenied, not retried), before any connection is made.
+#[tokio::test]
+async fn no_source_reaches_link_local_metadata() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("w.bin"), b"weights").unwrap();
+    let files = FileServer::start(dir.path()).await;
+    files.redirect(
+        "moved.bin",
+        "http://169.254.169.254/latest/meta-data/iam/w.bin",
+    );
+    files.put(
+        "list.json",
+        serde_json::to_vec(&serde_json::json!({"files": [
+            {"path": "w.bin", "url": "http://169.254.169.254/latest/w.bin"}
+        ]}))
+        .unwrap(),
+    );
+    for uri in [
+        files.url("moved.bin"),
+        format!("{}#manifest", files.url("list.json")),
+        "http://169.254.169.254/latest/w.bin".to_string(),
+        "http://[fe80::1]/w.bin".to_string(),
+    ] {
+        let src = http(&uri);
+        let e = match src.resolve().await {
+            Err(e) => e,
+            Ok(r) => src
+                .read(&r.files[0], 0, None)
+                .await
+                .err()
+                .expect("a link-local read was started"),
+        };
+        assert!(
+            matches!(&e, Error::PermissionDenied(m) if m.contains("link-local")),
+            "{uri}: {e:?}"
+        );
+    }
+}

@@ -39,6 +39,7 @@ use url::Url;
 use super::SourceOptions;
 use super::source::{MAX_LISTED_FILES, RemoteFile, Resolved, Source, Unpack};
 use crate::error::{Error, Result};
+use crate::trust::egress;
 
 pub const FORMS: &str =
     "https://host/path/file[#sha256=<hex>], https://host/path/manifest.json#manifest";
@@ -196,17 +197,29 @@ pub(crate) fn redact(url: &Url) -> String {
 /// egress guard at `proxy`.
 pub(crate) fn client(proxy: Option<&str>) -> Result<Client> {
     let mut b = Client::builder();
-    if let Some(p) = proxy {
-        b = b.proxy(
-            reqwest::Proxy::all(p)
-                .map_err(|e| Error::Internal(format!("configuring the egress guard: {e}")))?,
-        );
+    match proxy {
+        Some(p) => {
+            b = b.proxy(
+                reqwest::Proxy::all(p)
+                    .map_err(|e| Error::Internal(format!("configuring the egress guard: {e}")))?,
+            )
+        }
+        None => b = b.dns_resolver(std::sync::Arc::new(egress::MetadataShield)),
     }
     b.user_agent(concat!("modelcache-csi/", env!("CARGO_PKG_VERSION")))
         .connect_timeout(CONNECT_TIMEOUT)
-        // Follows redirects (CDNs, the Hub's LFS storage); reqwest drops the
-        // Authorization header when a redirect leaves the origin.
-        .redirect(reqwest::redirect::Policy::limited(10))
+        // Follows redirects (CDNs, the Hub's LFS storage), never to a
+        // link-local address; reqwest drops the Authorization header when a
+        // redirect leaves the origin.
+        .redirect(reqwest::redirect::Policy::custom(|attempt| {
+            if attempt.previous().len() >= 10 {
+                return attempt.error("more than 10 redirects");
+            }
+            match egress::check_url(attempt.url()) {
+                Ok(()) => attempt.follow(),
+                Err(e) => attempt.error(egress::Refused(format!("a redirect to {e}"))),
+            }
+        }))
         .build()
         .map_err(|e| Error::Internal(format!("building the HTTP client: {e}")))
 }
@@ -214,6 +227,9 @@ pub(crate) fn client(proxy: Option<&str>) -> Result<Client> {
 /// A failed send or body read: retryable, with the cause chain but never the URL.
 pub(crate) fn request_error(what: &str, err: reqwest::Error) -> Error {
     let err = err.without_url();
+    if let Some(why) = egress::refusal_in(&err) {
+        return Error::PermissionDenied(format!("{what}: {why}"));
+    }
     let mut msg = format!("{what}: {err}");
     let mut cause = std::error::Error::source(&err);
     while let Some(c) = cause {
@@ -313,6 +329,7 @@ pub(crate) async fn get_document(
     what: &str,
     denied_hint: &str,
 ) -> Result<(Bytes, HeaderMap)> {
+    egress::check_url(url)?;
     let mut req = client.get(url.clone());
     if let Some(t) = token {
         req = req.bearer_auth(t);
@@ -426,6 +443,7 @@ pub(crate) async fn probe(
     what: &str,
     denied_hint: &str,
 ) -> Result<Probe> {
+    egress::check_url(url)?;
     let mut req = client.head(url.clone());
     if let Some(t) = token {
         req = req.bearer_auth(t);
@@ -557,6 +575,7 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
         )));
     }
     let ranged_request = r.offset > 0 || r.len.is_some();
+    egress::check_url(&r.url)?;
     let mut req = client.get(r.url.clone());
     if ranged_request {
         let range = match asked_end {

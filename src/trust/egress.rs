@@ -52,6 +52,81 @@ pub fn closed_reason(ip: IpAddr, cluster: &[IpNet]) -> Option<String> {
     Some(reason.to_string())
 }
 
+/// Link-local addresses hold cloud metadata services, which hand out the
+/// node's own credentials: no pull reaches them, whoever chose its source,
+/// because a compromised origin can redirect there or list them in a
+/// manifest. (Tenants' pulls are narrowed further by `Policy`.)
+pub fn metadata_refusal(ip: IpAddr) -> Option<String> {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    };
+    let link_local = match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_unicast_link_local(),
+    };
+    link_local.then(|| {
+        format!("{ip} is link-local, where cloud metadata lives; no model source may reach it")
+    })
+}
+
+/// A refusal raised inside an HTTP client (resolver, redirect policy), found
+/// again in its error chain so the pull fails with it, unretried.
+#[derive(Debug)]
+pub struct Refused(pub String);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// The refusal in an error's source chain, if any.
+pub fn refusal_in(err: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut cur = Some(err);
+    while let Some(e) = cur {
+        if let Some(r) = e.downcast_ref::<Refused>() {
+            return Some(r.0.clone());
+        }
+        cur = e.source();
+    }
+    None
+}
+
+/// A URL whose host is a link-local address literal (no resolver sees it).
+pub fn check_url(url: &url::Url) -> Result<()> {
+    let ip = match url.host() {
+        Some(url::Host::Ipv4(v4)) => IpAddr::V4(v4),
+        Some(url::Host::Ipv6(v6)) => IpAddr::V6(v6),
+        _ => return Ok(()),
+    };
+    match metadata_refusal(ip) {
+        Some(why) => Err(Error::PermissionDenied(why)),
+        None => Ok(()),
+    }
+}
+
+/// reqwest's resolver for sources an admin chose: the system's answers,
+/// less link-local ones (a name pointed at the metadata service).
+pub struct MetadataShield;
+
+impl reqwest::dns::Resolve for MetadataShield {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let host = name.as_str().to_string();
+        Box::pin(async move {
+            let addrs: Vec<SocketAddr> =
+                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            if let Some(why) = addrs.iter().find_map(|a| metadata_refusal(a.ip())) {
+                return Err(Box::new(Refused(format!("{host} resolves to {why}")))
+                    as Box<dyn std::error::Error + Send + Sync>);
+            }
+            Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
 /// What one tenant pull may reach.
 #[derive(Debug)]
 pub struct Policy {
