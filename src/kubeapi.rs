@@ -108,6 +108,26 @@ fn api_error(what: &str, e: kube::Error) -> Error {
     }
 }
 
+/// The component an admin applies to let the driver read source secrets in
+/// one namespace (a Role and RoleBinding there).
+pub const SECRET_GRANT: &str = "deploy/csi-driver/components/tenant-source-secrets";
+
+/// The driver holds no cluster-wide Secret access, so a 403 here means no
+/// admin granted this namespace; say exactly what to grant.
+fn secret_error(namespace: &str, name: &str, e: kube::Error) -> Error {
+    match e {
+        kube::Error::Api(s) if s.code == 403 => Error::FailedPrecondition(format!(
+            "the driver may not read Secret {namespace}/{name}, named by PVC annotation \
+             {SECRET_ANNOTATION} ({}). An admin must grant the driver's service accounts \
+             `get` on Secrets in namespace {namespace}: a Role and RoleBinding there, for \
+             example the kustomize component {SECRET_GRANT} with `namespace: {namespace}` \
+             (docs/kubernetes.md, \"Source secrets of tenants\")",
+            s.message
+        )),
+        e => api_error(&format!("Secret {namespace}/{name}"), e),
+    }
+}
+
 impl KubeApi {
     pub fn new(client: Client, driver: &str) -> KubeApi {
         KubeApi {
@@ -146,7 +166,7 @@ impl KubeApi {
         let s = Api::<Secret>::namespaced(self.client.clone(), namespace)
             .get(name)
             .await
-            .map_err(|e| api_error(&format!("Secret {namespace}/{name}"), e))?;
+            .map_err(|e| secret_error(namespace, name, e))?;
         let mut out = BTreeMap::new();
         for (k, v) in s.data.unwrap_or_default() {
             let v = String::from_utf8(v.0).map_err(|_| {
@@ -301,6 +321,40 @@ mod tests {
         ] {
             assert!(!is_object_name(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_forbidden_secret_says_what_to_grant() {
+        let forbidden = kube::Error::Api(
+            kube::core::Status::failure(
+                "secrets \"creds\" is forbidden: User \"system:serviceaccount:modelcache-csi:modelcache-csi-node\" cannot get resource \"secrets\" in API group \"\" in the namespace \"team\"",
+                "Forbidden",
+            )
+            .with_code(403)
+            .boxed(),
+        );
+        let e = secret_error("team", "creds", forbidden);
+        assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+        let m = e.to_string();
+        for want in [
+            "Secret team/creds",
+            SECRET_ANNOTATION,
+            "namespace team",
+            "Role and RoleBinding",
+            SECRET_GRANT,
+            "system:serviceaccount:modelcache-csi:modelcache-csi-node",
+        ] {
+            assert!(m.contains(want), "{want:?} missing from {m}");
+        }
+        let missing = kube::Error::Api(
+            kube::core::Status::failure("not found", "NotFound")
+                .with_code(404)
+                .boxed(),
+        );
+        assert!(matches!(
+            secret_error("team", "creds", missing),
+            Error::NotFound(m) if m.contains("Secret team/creds")
+        ));
     }
 
     #[test]

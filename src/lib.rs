@@ -21,3 +21,4 @@ pub mod rpc; // the edge of every handler: required fields, logging, status
 pub mod server; // binding the endpoint and serving
 pub mod state; // atomic, durable JSON records
 pub mod trust; // what a tenant may name as a source, and the network its pull may reach
+pub mod uds; // binding our Unix sockets, and the shim that lets any gRPC client in

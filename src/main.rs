@@ -364,7 +364,7 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     // The CSI socket is bound before kubelet can hear of it: kubelet calls
     // NodeGetInfo on it as soon as it sees the registration socket.
-    let listener = server::bind(&server::socket_path(&a.endpoint)?)?;
+    let listener = modelcache_csi::uds::bind(&server::socket_path(&a.endpoint)?)?;
     // Sidecars hold their connections open, so a graceful shutdown alone
     // would wait for them forever; in-flight calls get SHUTDOWN_GRACE, and
     // an interrupted pull resumes on the provisioner's retry.

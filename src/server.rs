@@ -1,10 +1,10 @@
-//! Binds the CSI endpoint and serves the chosen services on it.
+//! Binds the CSI endpoint and serves the chosen services on it (through
+//! the `uds` shim, so any gRPC client is answered).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::config::Config;
 use crate::controller::{ControllerService, Provisioner};
@@ -34,20 +34,6 @@ pub fn socket_path(endpoint: &str) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(p))
 }
 
-/// Binds a Unix socket, replacing one a killed predecessor left.
-pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    // A socket left by a killed predecessor would make bind fail.
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e.into()),
-    }
-    Ok(UnixListener::bind(path)?)
-}
-
 pub async fn serve(
     cfg: Arc<Config>,
     mode: Mode,
@@ -55,7 +41,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let path = socket_path(endpoint)?;
-    let listener = bind(&path)?;
+    let listener = crate::uds::bind(&path)?;
     serve_on(cfg, mode, listener, shutdown).await
 }
 
@@ -119,8 +105,10 @@ pub async fn serve_on(
             node.then(|| NodeServer::new(NodeService::new(Arc::new(NodeOps::new(cfg.clone()))))),
         );
     tracing::info!(driver = %cfg.driver_name, ?mode, node = ?cfg.node_id, "serving CSI");
+    // Through the shim, so gRPC clients that send their own :authority for
+    // a Unix socket (C-core: Python, C++) are served too.
     router
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(crate::uds::incoming(listener), shutdown)
         .await?;
     Ok(())
 }

@@ -1,9 +1,16 @@
 //! deploy/csi-driver is valid Kubernetes: applied to a real kube-apiserver,
 //! first as a server-side dry run (full schema and admission checks, no
-//! guessing), then for real, and read back.
+//! guessing), then for real, and read back. Its RBAC is least privilege:
+//! each service account's rights are checked with `kubectl auth can-i`
+//! against a table of what it must and must not do, and the driver, run as
+//! its own service account, reads a tenant's source secret only where the
+//! tenant-source-secrets component grants it.
 
 #[path = "support/apiserver.rs"]
 mod apiserver;
+mod common;
+
+use std::path::Path;
 
 fn kubectl_ok(api: &apiserver::ApiServer, args: &[&str]) -> String {
     let out = api.kubectl(args);
@@ -110,4 +117,419 @@ fn manifests_bound_disk_use() {
         }
         assert!(text.contains("- --min-free="), "{file} sets no --min-free");
     }
+}
+
+const NS: &str = "modelcache-csi";
+const NODE: &str = "modelcache-csi-node";
+const CONTROLLER: &str = "modelcache-csi-controller";
+const RESCHEDULER: &str = "modelcache-csi-rescheduler";
+/// A tenant: `edit` in namespace team-a, nothing else.
+const TENANT: &str = "tenant-a";
+const VERBS: [&str; 8] = [
+    "get",
+    "list",
+    "watch",
+    "create",
+    "update",
+    "patch",
+    "delete",
+    "deletecollection",
+];
+/// `-A`: every namespace at once (a cluster-wide grant).
+const ALL: &str = "*";
+
+/// Exactly these verbs on PVs and PVCs, cluster-wide; every other verb of
+/// VERBS is refused. Writes only where a sidecar or the rescheduler calls them.
+const PV_PVC_VERBS: &[(&str, &str, &[&str])] = &[
+    (
+        NODE,
+        "persistentvolumes",
+        &["get", "list", "watch", "create", "delete", "patch"],
+    ),
+    (
+        NODE,
+        "persistentvolumeclaims",
+        &["get", "list", "watch", "update"],
+    ),
+    (NODE, "persistentvolumeclaims/status", &[]),
+    (
+        CONTROLLER,
+        "persistentvolumes",
+        &["get", "list", "watch", "create", "delete", "patch"],
+    ),
+    (
+        CONTROLLER,
+        "persistentvolumeclaims",
+        &["get", "list", "watch", "update"],
+    ),
+    (CONTROLLER, "persistentvolumeclaims/status", &["patch"]),
+    (RESCHEDULER, "persistentvolumes", &["get", "list", "watch"]),
+    (
+        RESCHEDULER,
+        "persistentvolumeclaims",
+        &["get", "list", "watch", "patch"],
+    ),
+    (RESCHEDULER, "persistentvolumeclaims/status", &[]),
+];
+
+/// The base alone: (who, verb, resource, namespace or ALL, allowed).
+const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
+    // No Secret of a tenant, and none cluster-wide.
+    (NODE, "get", "secrets", "team-a", false),
+    (NODE, "get", "secrets", ALL, false),
+    (CONTROLLER, "get", "secrets", "team-a", false),
+    (CONTROLLER, "get", "secrets", ALL, false),
+    (RESCHEDULER, "get", "secrets", "team-a", false),
+    (RESCHEDULER, "get", "secrets", NS, false),
+    // The provisioner secrets, by name, in the driver's own namespace only.
+    (NODE, "get", "secrets", NS, true),
+    (NODE, "list", "secrets", NS, false),
+    (CONTROLLER, "get", "secrets", NS, true),
+    (CONTROLLER, "watch", "secrets", NS, false),
+    // Events: the sidecars write core events, the driver and rescheduler
+    // events.k8s.io; nobody reads them.
+    (NODE, "create", "events", "team-a", true),
+    (NODE, "create", "events.events.k8s.io", "team-a", true),
+    (NODE, "list", "events", ALL, false),
+    (CONTROLLER, "patch", "events", "team-a", true),
+    (CONTROLLER, "watch", "events", ALL, false),
+    (
+        RESCHEDULER,
+        "create",
+        "events.events.k8s.io",
+        "team-a",
+        true,
+    ),
+    (RESCHEDULER, "create", "events", "team-a", false),
+    // Nothing to attach, nothing else to touch.
+    (NODE, "list", "volumeattachments", ALL, false),
+    (CONTROLLER, "list", "volumeattachments", ALL, false),
+    (NODE, "get", "daemonsets.apps", NS, false),
+    (NODE, "get", "pods", NS, true),
+    (NODE, "get", "pods", "team-a", false),
+    (
+        NODE,
+        "create",
+        "csistoragecapacities.storage.k8s.io",
+        NS,
+        true,
+    ),
+    (CONTROLLER, "list", "pods", ALL, true),
+    (CONTROLLER, "update", "leases.coordination.k8s.io", NS, true),
+    (NODE, "update", "leases.coordination.k8s.io", NS, false),
+    (RESCHEDULER, "update", "nodes", ALL, false),
+    // A tenant with `edit` in team-a reads its own Secrets and claims,
+    // nothing of the driver's and nothing of the cluster's.
+    (TENANT, "get", "secrets", "team-a", true),
+    (TENANT, "create", "persistentvolumeclaims", "team-a", true),
+    (TENANT, "get", "secrets", NS, false),
+    (TENANT, "get", "secrets", "team-b", false),
+    (TENANT, "create", "pods", NS, false),
+    (TENANT, "create", "serviceaccounts/token", NS, false),
+    (
+        TENANT,
+        "create",
+        "rolebindings.rbac.authorization.k8s.io",
+        "team-a",
+        false,
+    ),
+    (TENANT, "get", "persistentvolumes", ALL, false),
+];
+
+/// With the component applied for team-a.
+const GRANTED_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
+    (NODE, "get", "secrets", "team-a", true),
+    (CONTROLLER, "get", "secrets", "team-a", true),
+    (NODE, "list", "secrets", "team-a", false),
+    (NODE, "get", "secrets", "team-b", false),
+    (CONTROLLER, "get", "secrets", "team-b", false),
+    (NODE, "get", "secrets", ALL, false),
+    (RESCHEDULER, "get", "secrets", "team-a", false),
+    (TENANT, "get", "secrets", NS, false),
+];
+
+fn identity(who: &str) -> String {
+    match who {
+        TENANT => TENANT.to_string(),
+        sa => format!("system:serviceaccount:{NS}:{sa}"),
+    }
+}
+
+/// `kubectl auth can-i` as `who`: "yes" or "no".
+fn can_i(api: &apiserver::ApiServer, who: &str, verb: &str, resource: &str, at: &str) -> bool {
+    let (resource, sub) = match resource.split_once('/') {
+        Some((r, s)) => (r, Some(format!("--subresource={s}"))),
+        None => (resource, None),
+    };
+    let scope = match at {
+        ALL => "--all-namespaces".to_string(),
+        ns => format!("--namespace={ns}"),
+    };
+    let who = format!("--as={}", identity(who));
+    let mut args = vec!["auth", "can-i", verb, resource, &scope, &who];
+    args.extend(sub.as_deref());
+    let out = api.kubectl(&args);
+    match String::from_utf8_lossy(&out.stdout).trim() {
+        "yes" => true,
+        "no" => false,
+        other => panic!(
+            "kubectl {args:?}: {other:?} {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// Every row that does not hold, so one run reports them all.
+fn broken(api: &apiserver::ApiServer, promises: &[(&str, &str, &str, &str, bool)]) -> Vec<String> {
+    promises
+        .iter()
+        .filter(|(who, verb, res, at, may)| can_i(api, who, verb, res, at) != *may)
+        .map(|(who, verb, res, at, may)| {
+            format!(
+                "{who} {} {verb} {res} in {at}",
+                if *may { "cannot" } else { "can" }
+            )
+        })
+        .collect()
+}
+
+/// `kubectl auth can-i --list` as `who` in namespace `ns`: the resources
+/// it may touch there, cluster-wide rules included.
+fn resources_listed(api: &apiserver::ApiServer, who: &str, ns: &str) -> Vec<String> {
+    let out = kubectl_ok(
+        api,
+        &[
+            "auth",
+            "can-i",
+            "--list",
+            &format!("--namespace={ns}"),
+            &format!("--as={}", identity(who)),
+        ],
+    );
+    out.lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect()
+}
+
+fn apply_tenant_grant(api: &apiserver::ApiServer, ns: &str) {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let overlay = tempfile::tempdir().unwrap();
+    // kustomize takes a component only by a relative path.
+    let up = "../".repeat(overlay.path().components().count() - 1);
+    let component = format!(
+        "{up}{}/deploy/csi-driver/components/tenant-source-secrets",
+        root.trim_start_matches('/')
+    );
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {ns}\ncomponents:\n  - {component}\n"
+        ),
+    )
+    .unwrap();
+    let dir = overlay.path().to_str().unwrap();
+    kubectl_ok(api, &["apply", "--dry-run=server", "-k", dir]);
+    kubectl_ok(api, &["apply", "-k", dir]);
+}
+
+fn apply_yaml(api: &apiserver::ApiServer, yaml: &str) {
+    let out = api.kubectl_stdin(&["apply", "-f", "-"], yaml);
+    assert!(
+        out.status.success(),
+        "kubectl apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Namespaces team-a and team-b, and user tenant-a with what the built-in
+/// `edit` role aggregates (no controller-manager runs here to aggregate it)
+/// in team-a only.
+fn tenants(api: &apiserver::ApiServer) {
+    apply_yaml(
+        api,
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: team-a}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: team-b}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {name: tenant-edit, namespace: team-a}\nsubjects: [{kind: User, name: tenant-a, apiGroup: rbac.authorization.k8s.io}]\nroleRef: {kind: ClusterRole, name: system:aggregate-to-edit, apiGroup: rbac.authorization.k8s.io}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {name: tenant-view, namespace: team-a}\nsubjects: [{kind: User, name: tenant-a, apiGroup: rbac.authorization.k8s.io}]\nroleRef: {kind: ClusterRole, name: system:aggregate-to-view, apiGroup: rbac.authorization.k8s.io}\n",
+    );
+}
+
+#[test]
+fn rbac_is_least_privilege() {
+    let api = apiserver::ApiServer::start().expect("start apiserver");
+    let base = format!("{}/deploy/csi-driver/base", env!("CARGO_MANIFEST_DIR"));
+    kubectl_ok(&api, &["apply", "-f", &format!("{base}/namespace.yaml")]);
+    kubectl_ok(&api, &["apply", "-k", &base]);
+    tenants(&api);
+
+    let mut wrong = Vec::new();
+    for (who, resource, verbs) in PV_PVC_VERBS {
+        let allowed: Vec<&str> = VERBS
+            .into_iter()
+            .filter(|v| can_i(&api, who, v, resource, ALL))
+            .collect();
+        let promised: Vec<&str> = VERBS.into_iter().filter(|v| verbs.contains(v)).collect();
+        if allowed != promised {
+            wrong.push(format!(
+                "{who} on {resource}: {allowed:?}, promised {verbs:?}"
+            ));
+        }
+    }
+    wrong.extend(broken(&api, BASE_PROMISES));
+    for who in [NODE, CONTROLLER, RESCHEDULER] {
+        let listed = resources_listed(&api, who, "team-a");
+        if listed.iter().any(|r| r.starts_with("secrets")) {
+            wrong.push(format!("{who} may touch secrets in team-a: {listed:?}"));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "the base breaks its promises:\n{}",
+        wrong.join("\n")
+    );
+
+    apply_tenant_grant(&api, "team-a");
+    let mut wrong = broken(&api, GRANTED_PROMISES);
+    for (who, ns, may) in [
+        (NODE, "team-a", true),
+        (NODE, "team-b", false),
+        (CONTROLLER, "team-a", true),
+        (RESCHEDULER, "team-a", false),
+    ] {
+        let listed = resources_listed(&api, who, ns);
+        if listed.iter().any(|r| r.starts_with("secrets")) != may {
+            wrong.push(format!(
+                "{who} in {ns}: secrets listed {}: {listed:?}",
+                !may
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "with the component for team-a:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// A kubeconfig for service account `sa`, with a TokenRequest token.
+fn service_account_kubeconfig(
+    api: &apiserver::ApiServer,
+    sa: &str,
+    dir: &Path,
+) -> std::path::PathBuf {
+    let token = kubectl_ok(api, &["-n", NS, "create", "token", sa, "--duration=1h"]);
+    let path = dir.join(format!("{sa}.kubeconfig"));
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {{server: \"{}\", certificate-authority: \"{}\"}}\nusers:\n- name: {sa}\n  user: {{token: \"{}\"}}\ncontexts:\n- name: c\n  context: {{cluster: c, user: {sa}}}\ncurrent-context: c\n",
+            api.server(),
+            api.ca_path().display(),
+            token.trim()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn events_on(api: &apiserver::ApiServer, ns: &str, pvc: &str) -> String {
+    let selector = format!("regarding.name={pvc},type=Warning");
+    for _ in 0..100 {
+        let out = kubectl_ok(
+            api,
+            &[
+                "-n",
+                ns,
+                "get",
+                "events.events.k8s.io",
+                "--field-selector",
+                &selector,
+                "-o",
+                "jsonpath={range .items[*]}{.reason}: {.note}{\"\\n\"}{end}",
+            ],
+        );
+        if !out.trim().is_empty() {
+            return out;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    String::new()
+}
+
+/// The driver, as the node plugin's service account with the base RBAC,
+/// reads a PVC's source secret only where an admin applied the component;
+/// elsewhere the PVC hears what to grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_secrets_need_the_tenant_grant() {
+    use common::{Driver, READER, assert_code, create_req, write_model};
+    let api = apiserver::ApiServer::start().expect("start apiserver");
+    let base = format!("{}/deploy/csi-driver/base", env!("CARGO_MANIFEST_DIR"));
+    kubectl_ok(&api, &["apply", "-f", &format!("{base}/namespace.yaml")]);
+    kubectl_ok(&api, &["apply", "-k", &base]);
+    tenants(&api);
+    apply_tenant_grant(&api, "team-a");
+    let creds = tempfile::tempdir().unwrap();
+    let kubeconfig = service_account_kubeconfig(&api, NODE, creds.path());
+    let d = Driver::start_with(&[
+        "--kube-api",
+        "on",
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+    ])
+    .await;
+    let model = d.dir.join("model");
+    write_model(&model, 21);
+    let source = format!("file://{}", model.display());
+
+    for ns in ["team-a", "team-b"] {
+        apply_yaml(
+            &api,
+            &format!(
+                "apiVersion: v1\nkind: Secret\nmetadata: {{name: creds, namespace: {ns}}}\nstringData: {{httpBearerToken: x}}\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: model\n  namespace: {ns}\n  annotations: {{modelcache.csi.io/source-secret: creds}}\nspec:\n  accessModes: [ReadOnlyMany]\n  resources: {{requests: {{storage: 1Gi}}}}\n"
+            ),
+        );
+    }
+    let request = |name: &str, ns: &str| {
+        create_req(
+            name,
+            &[
+                ("csi.storage.k8s.io/pvc/name", "model"),
+                ("csi.storage.k8s.io/pvc/namespace", ns),
+                ("backend", "local"),
+                ("source", &source),
+            ],
+            READER,
+        )
+    };
+
+    // No grant in team-b: refused, and the PVC is told what to grant.
+    let st = assert_code(
+        d.create(request("pvc-b", "team-b")).await,
+        tonic::Code::FailedPrecondition,
+        "Secret team-b/creds",
+    );
+    for want in [
+        "modelcache.csi.io/source-secret",
+        "namespace team-b",
+        "deploy/csi-driver/components/tenant-source-secrets",
+        "system:serviceaccount:modelcache-csi:modelcache-csi-node",
+    ] {
+        assert!(
+            st.message().contains(want),
+            "{want:?} missing: {}",
+            st.message()
+        );
+    }
+    let events = events_on(&api, "team-b", "model");
+    assert!(
+        events.contains("PullFailed")
+            && events.contains("Secret team-b/creds")
+            && events.contains("tenant-source-secrets"),
+        "no Warning event naming the grant on PVC team-b/model: {events:?}"
+    );
+
+    // Granted in team-a: the same request succeeds.
+    let v = d
+        .create(request("pvc-a", "team-a"))
+        .await
+        .expect("create with the source secret of team-a");
+    assert_eq!(v.volume_context["model"], source);
 }

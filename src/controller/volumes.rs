@@ -247,7 +247,14 @@ impl Provisioner {
                 secrets.clear();
             }
             if let Some(secret) = claim.annotations().get(kubeapi::SECRET_ANNOTATION) {
-                secrets.extend(k.secret(ns, secret).await?);
+                // A missing grant is the admin's to fix: say so on the PVC too.
+                let read = k.secret(ns, secret).await.inspect_err(|e| {
+                    if let Some(ev) = &events {
+                        let uri = params.source.as_deref().unwrap_or("the model");
+                        ev.failed(crate::trust::allowed::shown(uri), &e.to_string());
+                    }
+                })?;
+                secrets.extend(read);
             }
         }
         // A pvc:// source is either one of our volumes (read like a clone)

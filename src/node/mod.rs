@@ -1,6 +1,5 @@
 //! CSI Node service: validate the request, lock the volume, call `ops`.
 
-pub mod authority;
 pub mod ops;
 pub mod registration;
 pub mod verify;

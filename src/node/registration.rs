@@ -117,7 +117,7 @@ pub async fn run(reg: Registrar, state: RegistrationState) -> anyhow::Result<()>
         };
         tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(svc))
-            .serve_with_incoming_shutdown(super::authority::incoming(listener), gone(path.clone()))
+            .serve_with_incoming_shutdown(crate::uds::incoming(listener), gone(path.clone()))
             .await?;
         tracing::warn!(socket = %path.display(), "registration socket removed; binding it again");
     }
@@ -130,7 +130,7 @@ fn bind(path: &Path) -> anyhow::Result<UnixListener> {
         "--registration-dir {} does not exist: mount kubelet's plugins_registry directory there",
         dir.display()
     );
-    crate::server::bind(path)
+    crate::uds::bind(path)
 }
 
 /// Resolves once the socket file is gone.

@@ -1,18 +1,22 @@
-//! Makes kubelet's plugin-registration requests acceptable to h2.
+//! The Unix sockets our gRPC servers listen on (the CSI endpoint and
+//! kubelet's registration socket): binding them, and a shim in front of h2
+//! so that every gRPC client is answered, whatever `:authority` it sends.
 //!
-//! Kubelet's plugin watcher dials the registration socket with grpc-go and a
-//! bare path as the target, so its requests carry the socket path as the
-//! HTTP/2 `:authority`. h2, under tonic, rejects that as a malformed header
-//! and resets the stream with PROTOCOL_ERROR, so kubelet never registers
-//! the driver (kubernetes/kubernetes#108254, seen with kubelet v1.36 here).
+//! A Unix socket has no host, so clients make one up. grpc-go with a bare
+//! path as the target (kubelet's plugin watcher) sends the socket path;
+//! gRPC C-core (Python grpcio, C++) sends the path percent-encoded, e.g.
+//! `tmp%2Fcsi.sock`. h2, under tonic, rejects both as malformed and resets
+//! every stream with PROTOCOL_ERROR (kubernetes/kubernetes#108254).
 //!
-//! This shim sits between the socket and the gRPC server. It re-encodes
+//! The shim sits between the socket and the gRPC server. It re-encodes
 //! each request header block, putting `:authority: localhost` in place of a
 //! value that is not a valid authority, which is what grpc-go itself sends
 //! for `unix://` targets. Every other frame, and the whole server-to-client
-//! direction, passes through byte for byte.
+//! direction, passes through byte for byte; message bodies are never
+//! looked at. A header block it cannot decode ends the connection.
 
 use std::io;
+use std::path::Path;
 
 use loona_hpack::{Decoder, Encoder};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
@@ -29,8 +33,22 @@ const FLAG_PADDED: u8 = 0x8;
 const FLAG_PRIORITY: u8 = 0x20;
 /// SETTINGS_MAX_FRAME_SIZE's initial value; h2 never asks for less.
 const MAX_FRAME: usize = 16_384;
-/// A request header block larger than this is not kubelet's.
+/// No client sends a request header block larger than this.
 const MAX_BLOCK: usize = 1 << 20;
+
+/// Binds a Unix socket, replacing one a killed predecessor left.
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    // A socket left by a killed predecessor would make bind fail.
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(UnixListener::bind(path)?)
+}
 
 /// Connections accepted on `listener`, each relayed through the shim to
 /// the in-process end that the gRPC server reads.
@@ -48,7 +66,7 @@ pub fn incoming(listener: UnixListener) -> ReceiverStream<io::Result<DuplexStrea
                 let (ours, theirs) = tokio::io::duplex(64 * 1024);
                 tokio::spawn(async move {
                     if let Err(e) = relay(sock, ours).await {
-                        tracing::debug!(error = %e, "registration connection ended");
+                        tracing::debug!(error = %e, "a gRPC connection ended");
                     }
                 });
                 theirs
