@@ -268,7 +268,7 @@ impl HfSource {
         url: &Url,
         what: &str,
     ) -> Result<(T, HeaderMap)> {
-        crate::trust::egress::check_url(&url)?;
+        crate::trust::egress::check_url(url)?;
         let mut req = self.client.get(url.clone());
         if let Some(t) = self.token_for(url) {
             req = req.bearer_auth(t);
