@@ -118,7 +118,8 @@ pub fn usage(root: &Root) -> Result<u64> {
 /// Bytes a new model may still use: the filesystem's free space beyond the
 /// root's reserve (`--min-free`), bounded by the configured capacity.
 pub fn available(root: &Root, capacity: Option<u64>) -> Result<u64> {
-    let free = super::space(root)?.usable();
+    let space = super::space(root)?;
+    let free = space.usable();
     Ok(match capacity {
         Some(c) => free.min(c.saturating_sub(usage(root)?)),
         None => free,
@@ -181,7 +182,8 @@ pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -
         .fold(0u64, u64::saturating_add);
     // The best eviction could do: the free space plus every unused model,
     // within what the capacity leaves to models still in use.
-    let free = super::space(root)?.usable();
+    let space = super::space(root)?;
+    let free = space.usable();
     let best = match capacity {
         Some(c) => {
             let in_use = usage(root)?.saturating_sub(evictable);
@@ -194,8 +196,8 @@ pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -
         .unwrap_or_default();
     if need > best {
         return Err(Error::ResourceExhausted(format!(
-            "the model needs {need} bytes but {} could offer at most {best}{cap_note}, even \
-             after evicting all {} unused models; nothing was evicted",
+            "the model needs {need} bytes but {} could offer at most {best} bytes available{cap_note} \
+             ({space}), even after evicting all {} unused models; nothing was evicted",
             root.describe(),
             candidates.len()
         )));
