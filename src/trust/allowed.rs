@@ -110,7 +110,7 @@ impl AllowedSources {
     /// what is allowed.
     pub fn permits(&self, uri: &str) -> Result<(), String> {
         refuse_hostile_form(uri)?;
-        let parts = split(uri).ok_or_else(|| format!("{uri:?} is not a model URI"))?;
+        let parts = split(uri).ok_or_else(|| format!("{:?} is not a model URI", shown(uri)))?;
         let scheme = parts.scheme.to_ascii_lowercase();
         let authority = parts.authority.to_ascii_lowercase();
         let ok = self.prefixes.iter().any(|p| {
@@ -181,7 +181,7 @@ fn refuse_hostile_form(uri: &str) -> Result<(), String> {
     if uri.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return Err("a source URI must not contain control characters or spaces".into());
     }
-    let parts = split(uri).ok_or_else(|| format!("{uri:?} is not a model URI"))?;
+    let parts = split(uri).ok_or_else(|| format!("{:?} is not a model URI", shown(uri)))?;
     if parts.authority.contains('@') {
         return Err(format!(
             "{}: user info in a source URI is refused; credentials go in the PVC's source secret",
@@ -281,5 +281,16 @@ mod tests {
             .permits("https://h/x?X-Amz-Signature=secret")
             .unwrap_err();
         assert!(!e.contains("secret"), "{e}");
+    }
+
+    /// Found by fuzz/fuzz_targets/allowed_sources.rs: a URI without "://"
+    /// was refused with the whole URI, query included.
+    #[test]
+    fn a_malformed_uri_is_refused_without_its_query() {
+        let e = allowed("hf://")
+            .permits("https:/h/x?X-Amz-Signature=secret")
+            .unwrap_err();
+        assert!(!e.contains("secret"), "{e}");
+        assert!(e.contains("https:/h/x"), "{e}");
     }
 }
