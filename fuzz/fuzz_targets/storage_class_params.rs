@@ -15,8 +15,9 @@ use modelcache_csi::cache::{Backend, Role};
 use modelcache_csi::controller::params::{self, Params, parse_mutable};
 use modelcache_csi::error::Error;
 
-/// The keys a StorageClass may set (besides csi.storage.k8s.io/ ones).
-const CLASS_KEYS: [&str; 17] = [
+/// The keys a StorageClass may set, besides `params::SOURCE_OPTIONS` and
+/// csi.storage.k8s.io/ ones.
+const CLASS_KEYS: [&str; 9] = [
     params::BACKEND,
     params::ROLE,
     params::SHARED_PATH,
@@ -26,15 +27,13 @@ const CLASS_KEYS: [&str; 17] = [
     params::SOURCE,
     params::ALLOW_CROSS_NAMESPACE,
     params::ALLOWED_SOURCES,
-    "s3Endpoint",
-    "s3Region",
-    "s3PathStyle",
-    "ociPlainHTTP",
-    "hfEndpoint",
-    "hfAllowPatterns",
-    "hfIgnorePatterns",
-    "modelRegistryURL",
 ];
+
+fn known(key: &str) -> bool {
+    CLASS_KEYS.contains(&key)
+        || params::SOURCE_OPTIONS.contains(&key)
+        || key.starts_with("csi.storage.k8s.io/")
+}
 
 fn entries(lines: &str) -> HashMap<String, String> {
     lines
@@ -84,11 +83,10 @@ fuzz_target!(|data: &[u8]| {
                 assert!(p.allowed_sources.is_none() && p.source_options.is_empty());
             }
             for k in map.keys() {
-                assert!(
-                    CLASS_KEYS.contains(&k.as_str()) || k.starts_with("csi.storage.k8s.io/"),
-                    "unknown key {k:?} accepted"
-                );
+                assert!(known(k), "unknown key {k:?} accepted");
             }
+            // Limits were checked when the class was.
+            assert!(modelcache_csi::puller::class_limits(&p.source_options).is_ok());
         }
         Err(e) => assert!(invalid_field(e).starts_with("parameters."), "{e}"),
     }
