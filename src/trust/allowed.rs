@@ -5,9 +5,12 @@
 //! the path must continue at a boundary, so `s3://models/llama` admits
 //! `s3://models/llama/7b` but not `s3://models/llama-evil`, and
 //! `https://cdn.example.com` never admits `https://cdn.example.com.evil.net`
-//! or `https://cdn.example.com@evil.net`. A tenant URI with user info or a
-//! dot segment is refused before any matching, so no spelling of a path can
-//! climb out of an allowed prefix.
+//! or `https://cdn.example.com@evil.net`. What may continue a prefix's last
+//! segment depends on the scheme: a tag or digest for `oci`, a revision for
+//! `hf`, a query or fragment for `http(s)`, nothing for the others, where
+//! `file:///models?x` is a sibling directory. A tenant URI with user info
+//! or a dot segment is refused before any matching, so no spelling of a
+//! path can climb out of an allowed prefix.
 
 use std::fmt;
 
@@ -44,13 +47,37 @@ pub struct AllowedSources {
 struct Parts<'a> {
     scheme: &'a str,
     authority: &'a str,
-    /// From the first '/' after the authority (query and fragment included).
+    /// From the end of the authority (query and fragment included).
     rest: &'a str,
+}
+
+/// Only http(s) URIs have a query and a fragment. Elsewhere '?' and '#' are
+/// part of a name (`file:///m?x` is the directory "m?x") or refused by the
+/// scheme's parser.
+fn has_query(scheme: &str) -> bool {
+    scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https")
+}
+
+/// What may follow a prefix that does not end in '/': a new segment, or
+/// what the scheme reads as not part of the name (`:tag`, `@digest`,
+/// `@revision`, a query).
+fn boundaries(scheme: &str) -> &'static [char] {
+    match scheme {
+        "oci" => &['/', ':', '@'],
+        "hf" => &['/', '@'],
+        "http" | "https" => &['/', '?', '#'],
+        _ => &['/'],
+    }
 }
 
 fn split(uri: &str) -> Option<Parts<'_>> {
     let (scheme, after) = uri.split_once("://")?;
-    let end = after.find(['/', '?', '#']).unwrap_or(after.len());
+    let end = if has_query(scheme) {
+        after.find(['/', '?', '#'])
+    } else {
+        after.find('/')
+    }
+    .unwrap_or(after.len());
     Some(Parts {
         scheme,
         authority: &after[..end],
@@ -78,12 +105,12 @@ impl AllowedSources {
             if parts.authority.contains('@') {
                 return Err(format!("{raw:?} must not carry user info"));
             }
-            if has_dot_segment(parts.rest) || raw.chars().any(char::is_control) {
+            if has_dot_segment(parts.scheme, parts.rest) || raw.chars().any(char::is_control) {
                 return Err(format!(
                     "{raw:?} has a '.' or '..' segment or a control character"
                 ));
             }
-            if parts.rest.contains(['?', '#']) {
+            if parts.authority.contains(['?', '#']) || parts.rest.contains(['?', '#']) {
                 return Err(format!("{raw:?}: a prefix cannot have a query or fragment"));
             }
             let authority = match (parts.authority.is_empty(), parts.rest.is_empty()) {
@@ -110,14 +137,14 @@ impl AllowedSources {
     /// what is allowed.
     pub fn permits(&self, uri: &str) -> Result<(), String> {
         refuse_hostile_form(uri)?;
-        let parts = split(uri).ok_or_else(|| format!("{uri:?} is not a model URI"))?;
+        let parts = split(uri).ok_or_else(|| format!("{:?} is not a model URI", shown(uri)))?;
         let scheme = parts.scheme.to_ascii_lowercase();
         let authority = parts.authority.to_ascii_lowercase();
         let ok = self.prefixes.iter().any(|p| {
             p.scheme == scheme
                 && match &p.authority {
                     None => true,
-                    Some(a) => *a == authority && path_within(&p.path, parts.rest),
+                    Some(a) => *a == authority && path_within(&scheme, &p.path, parts.rest),
                 }
         });
         if ok {
@@ -156,20 +183,25 @@ pub fn shown(uri: &str) -> &str {
     &uri[..end]
 }
 
-/// `rest` continues `prefix` at a path boundary.
-fn path_within(prefix: &str, rest: &str) -> bool {
+/// `rest` continues `prefix` at a boundary of `scheme` (lowercase).
+fn path_within(scheme: &str, prefix: &str, rest: &str) -> bool {
     if prefix.is_empty() || prefix == "/" {
         return true;
     }
     let Some(tail) = rest.strip_prefix(prefix) else {
         return false;
     };
-    prefix.ends_with('/') || tail.is_empty() || tail.starts_with(['/', '@', ':', '?', '#'])
+    prefix.ends_with('/') || tail.is_empty() || tail.starts_with(boundaries(scheme))
 }
 
 /// A '.' or '..' path segment, literal or percent-encoded, or a backslash.
-fn has_dot_segment(rest: &str) -> bool {
-    let path = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+fn has_dot_segment(scheme: &str, rest: &str) -> bool {
+    let end = if has_query(scheme) {
+        rest.find(['?', '#'])
+    } else {
+        None
+    };
+    let path = &rest[..end.unwrap_or(rest.len())];
     path.split('/').any(|seg| {
         let decoded = percent_encoding::percent_decode_str(seg).decode_utf8_lossy();
         decoded == "." || decoded == ".." || decoded.contains(['\\', '/'])
@@ -181,14 +213,14 @@ fn refuse_hostile_form(uri: &str) -> Result<(), String> {
     if uri.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return Err("a source URI must not contain control characters or spaces".into());
     }
-    let parts = split(uri).ok_or_else(|| format!("{uri:?} is not a model URI"))?;
+    let parts = split(uri).ok_or_else(|| format!("{:?} is not a model URI", shown(uri)))?;
     if parts.authority.contains('@') {
         return Err(format!(
             "{}: user info in a source URI is refused; credentials go in the PVC's source secret",
             parts.scheme
         ));
     }
-    if has_dot_segment(parts.rest) {
+    if has_dot_segment(parts.scheme, parts.rest) {
         return Err(format!(
             "{} has a '.' or '..' path segment (or a backslash); name the path directly",
             shown(uri)
@@ -281,5 +313,63 @@ mod tests {
             .permits("https://h/x?X-Amz-Signature=secret")
             .unwrap_err();
         assert!(!e.contains("secret"), "{e}");
+    }
+
+    /// Found with fuzz/fuzz_targets/allowed_sources.rs (its boundary and
+    /// user-info properties): a prefix admitted any URI that continued it
+    /// with '?', '#', ':' or '@', whatever the scheme, and '?' ended the
+    /// authority of every scheme. Only http(s) has a query and fragment, and
+    /// only oci and hf read ':' or '@' as a tag or revision; elsewhere these
+    /// name a sibling of the allowed directory, key prefix or file.
+    #[test]
+    fn a_prefix_continues_only_where_its_scheme_has_a_boundary() {
+        let a = allowed(
+            "file:///models, s3://models/llama, pvc://team-a:weights/bert, \
+             https://cdn.example.com/m/model.bin, oci://registry.example.com/repo, hf://org/repo",
+        );
+        for bad in [
+            "file:///models?x",
+            "file:///models#x",
+            "file:///models:old",
+            "file:///models@x",
+            "file:///models#/../../etc",
+            "s3://models/llama@x/y",
+            "s3://models/llama:x",
+            "s3://models/llama?/../secret",
+            "pvc://team-a:weights/bert@x",
+            "pvc://team-a:weights?/bert",
+            "https://cdn.example.com/m/model.bin:x",
+            "https://cdn.example.com/m/model.bin@x",
+            "oci://registry.example.com/repo?x",
+            "hf://org/repo:x",
+        ] {
+            assert!(a.permits(bad).is_err(), "{bad} was permitted");
+        }
+        for ok in [
+            "file:///models",
+            "file:///models/bert",
+            "s3://models/llama/7b",
+            "pvc://team-a:weights/bert/onnx",
+            "https://cdn.example.com/m/model.bin?sig=1",
+            "https://cdn.example.com/m/model.bin#sha256=00",
+            "oci://registry.example.com/repo:v1",
+            "oci://registry.example.com/repo@sha256:00",
+            "hf://org/repo@main",
+        ] {
+            assert_eq!(a.permits(ok), Ok(()), "{ok}");
+        }
+        assert!(AllowedSources::parse("s3://models?x").is_err());
+        assert!(allowed("hf://").permits("hf://org?sig=2#x@evil").is_err());
+    }
+
+    /// Found by fuzz/fuzz_targets/allowed_sources.rs: a URI without "://"
+    /// was refused with the whole URI, query included.
+    #[test]
+    fn a_malformed_uri_is_refused_without_its_query() {
+        let e = allowed("hf://")
+            .permits("https:/h/x?X-Amz-Signature=secret")
+            .unwrap_err();
+        assert!(!e.contains("secret"), "{e}");
+        assert!(e.contains("https:/h/x"), "{e}");
     }
 }

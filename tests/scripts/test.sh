@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's one test command: installs what it needs, checks formatting
 # and lints, runs unit and integration tests (real mounts, in a private mount
-# namespace), csi-sanity against every backend, then the e2e suite on a
+# namespace), csi-sanity against every backend, the cargo-fuzz targets for
+# a bounded time (tests/scripts/fuzz.sh), then the e2e suite on a
 # single-node Kubernetes cluster built from real binaries (e2e/up, e2e/run,
 # e2e/down). MODELCACHE_E2E=0 leaves the e2e suite out (reported as such).
 source "$(dirname "$0")/lib.sh"
@@ -32,6 +33,9 @@ cargo_rc=${PIPESTATUS[0]}
 log "csi-sanity"
 "$ROOT/tests/scripts/csi-sanity.sh" "$TARGET/debug/modelcache-csi" 2>&1 | tee "$TARGET/csi-sanity.log"
 sanity_rc=${PIPESTATUS[0]}
+log "fuzz (tests/scripts/fuzz.sh: each cargo-fuzz target for a bounded time)"
+"$ROOT/tests/scripts/fuzz.sh" 2>&1 | tee "$TARGET/fuzz.log"
+fuzz_rc=${PIPESTATUS[0]}
 e2e_rc=0
 : > "$TARGET/e2e.log"
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
@@ -53,12 +57,12 @@ set -e
 read -r passed failed < <(awk '
   /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   /Passed \| .* Failed/ { for (i = 1; i <= NF; i++) { if ($(i+1) == "Passed") p += $i; if ($(i+1) == "Failed") f += $i } }
-  /^e2e: [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
-  END { print p + 0, f + 0 }' "$TARGET/cargo-test.log" "$TARGET/csi-sanity.log" "$TARGET/e2e.log")
+  /^(e2e|fuzz): [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
+  END { print p + 0, f + 0 }' "$TARGET/cargo-test.log" "$TARGET/csi-sanity.log" "$TARGET/fuzz.log" "$TARGET/e2e.log")
 leaks=$(losetup -a | grep -c -E '/tmp/(\.tmp|mc-)' || true)
 if [ "$leaks" -gt 0 ]; then
   echo "leaked loop devices:" >&2; losetup -a >&2
 fi
 echo
 echo "summary: $passed passed, $failed failed"
-[ "$cargo_rc" -eq 0 ] && [ "$sanity_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$leaks" -eq 0 ]
+[ "$cargo_rc" -eq 0 ] && [ "$sanity_rc" -eq 0 ] && [ "$fuzz_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$leaks" -eq 0 ]

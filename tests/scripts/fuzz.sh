@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds the cargo-fuzz targets in fuzz/ and runs each for a bounded time
+# (MODELCACHE_FUZZ_SECONDS each, 30 by default: 2.5 minutes for the five),
+# starting from the committed seeds in fuzz/corpus/<target>/. New inputs go
+# to fuzz/target/corpus/<target>/ (not committed), crashes to
+# fuzz/artifacts/<target>/. Prints a line per target and, last,
+# `fuzz: N passed, M failed`, which test.sh counts; exits non-zero when a
+# target crashed, hung or did not build. docs/testing.md says how to run
+# them longer.
+source "$(dirname "$0")/lib.sh"
+SECS="${MODELCACHE_FUZZ_SECONDS:-30}"
+TARGETS=(uri allowed_sources storage_class_params volume_id registration_frames)
+FUZZ="$ROOT/fuzz"
+LOG="${CARGO_TARGET_DIR:-$ROOT/target}/fuzz"
+mkdir -p "$LOG"
+export PATH="$("$ROOT/tests/scripts/deps/cargo-fuzz.sh"):$PATH"
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+# -s none: the other sanitizers need nightly rustc; panics and overflow
+# (-a: debug assertions, so overflow checks) are what we look for.
+# --codegen-units: cargo-fuzz would otherwise build everything, the whole
+# driver and its dependencies, as one codegen unit per crate: minutes more.
+FLAGS=(--fuzz-dir "$FUZZ" --sanitizer none --debug-assertions --codegen-units 16)
+
+passed=0 failed=0
+log "cargo fuzz build (log: $LOG/build.log)"
+if ! cargo fuzz build "${FLAGS[@]}" >"$LOG/build.log" 2>&1; then
+  tail -n 40 "$LOG/build.log" >&2
+  echo "fuzz: the targets did not build"
+  echo "fuzz: 0 passed, ${#TARGETS[@]} failed"
+  exit 1
+fi
+for t in "${TARGETS[@]}"; do
+  mkdir -p "$FUZZ/target/corpus/$t"
+  # -timeout: one input running 10 s is a hang; a crash writes
+  # fuzz/artifacts/$t/crash-*.
+  rc=0
+  cargo fuzz run "${FLAGS[@]}" "$t" "$FUZZ/target/corpus/$t" "$FUZZ/corpus/$t" -- \
+    -max_total_time="$SECS" -timeout=10 -print_final_stats=1 >"$LOG/$t.log" 2>&1 || rc=$?
+  runs=$(awk '/^stat::number_of_executed_units:/ { print $2 }' "$LOG/$t.log")
+  rate=$(awk '/^stat::average_exec_per_sec:/ { print $2 }' "$LOG/$t.log")
+  cov=$(grep -o 'cov: [0-9]*' "$LOG/$t.log" | tail -n1 | cut -d' ' -f2 || true)
+  if [ "$rc" -eq 0 ]; then
+    passed=$((passed + 1))
+    echo "fuzz $t: ok, ${runs:-?} runs in ${SECS} s (${rate:-?}/s), coverage ${cov:-?}"
+  else
+    failed=$((failed + 1))
+    echo "fuzz $t: FAILED (exit $rc) after ${runs:-?} runs; log $LOG/$t.log"
+    grep -E "panicked at|SUMMARY|Failing input|artifact" "$LOG/$t.log" | head -n 8 | sed 's/^/    /' || true
+  fi
+done
+echo "fuzz: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
