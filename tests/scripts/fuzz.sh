@@ -19,7 +19,11 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # (-a: debug assertions, so overflow checks) are what we look for.
 # --codegen-units: cargo-fuzz would otherwise build everything, the whole
 # driver and its dependencies, as one codegen unit per crate: minutes more.
-FLAGS=(--fuzz-dir "$FUZZ" --sanitizer none --debug-assertions --codegen-units 16)
+# The instrumented build is a second full compile of the driver and its
+# dependencies; it is kept beside the tool cache, so a clean checkout (CI's)
+# rebuilds only the driver itself.
+FUZZ_TARGET="${MODELCACHE_FUZZ_TARGET_DIR:-$(dirname "$TOOLS")/fuzz-target}"
+FLAGS=(--fuzz-dir "$FUZZ" --target-dir "$FUZZ_TARGET" --sanitizer none --debug-assertions --codegen-units 16)
 
 passed=0 failed=0
 log "cargo fuzz build (log: $LOG/build.log)"
