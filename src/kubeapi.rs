@@ -187,13 +187,11 @@ impl KubeApi {
     /// `every`; they carry bytes, rate and ETA, never a credential.
     pub fn pull_events(&self, pvc: &PersistentVolumeClaim, every: Duration) -> PvcEvents {
         PvcEvents {
-            recorder: Recorder::new(
-                self.client.clone(),
-                Reporter {
-                    controller: self.driver.clone(),
-                    instance: std::env::var("NODE_NAME").ok(),
-                },
-            ),
+            client: self.client.clone(),
+            reporter: Reporter {
+                controller: self.driver.clone(),
+                instance: std::env::var("NODE_NAME").ok(),
+            },
             reference: pvc.object_ref(&()),
             every,
             last: Mutex::new(None),
@@ -203,7 +201,8 @@ impl KubeApi {
 }
 
 pub struct PvcEvents {
-    recorder: Recorder,
+    client: Client,
+    reporter: Reporter,
     reference: ObjectReference,
     every: Duration,
     last: Mutex<Option<Instant>>,
@@ -216,7 +215,11 @@ fn mib(b: u64) -> String {
 
 impl PvcEvents {
     fn emit(&self, type_: EventType, reason: &str, note: String) {
-        let (recorder, reference) = (self.recorder.clone(), self.reference.clone());
+        // A recorder of its own for every event: one shared recorder folds
+        // events of one reason into a series that keeps the first note, so
+        // `kubectl describe pvc` would show the first progress for ever.
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        let reference = self.reference.clone();
         let event = Event {
             type_,
             reason: reason.into(),
