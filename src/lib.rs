@@ -15,6 +15,7 @@ pub mod lock; // per-volume operation guards
 pub mod metrics; // Prometheus metrics and the /metrics, /healthz endpoint
 pub mod mount; // mounts, the mount table, loop devices, safe subpaths
 pub mod node; // CSI Node service: stage, publish, stats
+pub mod outcome; // one result of work that outlives its callers, awaited within each deadline
 pub mod puller; // model URIs fetched and sealed by the driver
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
 pub mod rpc; // the edge of every handler: required fields, logging, status

@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use crate::cache::manifest::{self, Seal};
 use crate::error::{Error, Result};
 
-type Outcome = Option<std::result::Result<(), Arc<Error>>>;
+type Outcome = crate::outcome::Outcome<()>;
 
 struct Job {
     done: watch::Receiver<Outcome>,
@@ -58,35 +58,16 @@ impl Verifier {
             return Ok(());
         }
         let job = self.join_or_start(&k, seal, staging);
-        let mut done = job.done.clone();
-        let finished = async {
-            loop {
-                if let Some(o) = done.borrow_and_update().clone() {
-                    return o;
-                }
-                if done.changed().await.is_err() {
-                    return Err(Arc::new(Error::Internal(
-                        "a verification ended without an outcome".into(),
-                    )));
-                }
-            }
-        };
-        let outcome = match wait {
-            None => finished.await,
-            Some(w) => match tokio::time::timeout(w, finished).await {
-                Ok(o) => o,
-                Err(_) => {
-                    let mib = |b: u64| b as f64 / 1048576.0;
-                    return Err(Error::Unavailable(format!(
-                        "verifying source {} (verify: full) for {}s: {:.1} of {:.1} MiB rehashed; \
-                         the rehash goes on, and a retry of NodeStage joins it",
-                        seal.source,
-                        job.started.elapsed().as_secs(),
-                        mib(job.hashed.load(Ordering::Relaxed)),
-                        mib(job.total)
-                    )));
-                }
-            },
+        let Some(outcome) = crate::outcome::wait(&job.done, "a verification", wait).await else {
+            let mib = |b: u64| b as f64 / 1048576.0;
+            return Err(Error::Unavailable(format!(
+                "verifying source {} (verify: full) for {}s: {:.1} of {:.1} MiB rehashed; \
+                 the rehash goes on, and a retry of NodeStage joins it",
+                seal.source,
+                job.started.elapsed().as_secs(),
+                mib(job.hashed.load(Ordering::Relaxed)),
+                mib(job.total)
+            )));
         };
         self.running
             .lock()
@@ -100,7 +81,7 @@ impl Verifier {
                     .insert(k);
                 Ok(())
             }
-            Err(e) => Err(e.replay()),
+            Err(e) => Err(e),
         }
     }
 

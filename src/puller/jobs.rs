@@ -20,7 +20,7 @@ use super::source::Source;
 use crate::cache::Root;
 use crate::error::{Error, Result};
 
-type Outcome = Option<std::result::Result<Arc<Pulled>, Arc<Error>>>;
+type Outcome = crate::outcome::Outcome<Arc<Pulled>>;
 
 /// One running pull.
 struct Job {
@@ -101,28 +101,12 @@ impl Jobs {
         wait: Option<Duration>,
     ) -> Result<Arc<Pulled>> {
         let job = self.join_or_start(engine, req);
-        let mut done = job.done.clone();
-        let finished = async {
-            loop {
-                if let Some(outcome) = done.borrow_and_update().clone() {
-                    return outcome;
-                }
-                if done.changed().await.is_err() {
-                    return Err(Arc::new(Error::Internal(
-                        "a pull job ended without an outcome".into(),
-                    )));
-                }
-            }
-        };
-        let outcome = match wait {
-            None => finished.await,
-            Some(w) => match tokio::time::timeout(w, finished).await {
-                Ok(o) => o,
-                Err(_) => return Err(Error::Unavailable(still_pulling(&job))),
-            },
+        let outcome = crate::outcome::wait(&job.done, "a pull job", wait).await;
+        let Some(outcome) = outcome else {
+            return Err(Error::Unavailable(still_pulling(&job)));
         };
         self.forget(&job);
-        outcome.map_err(|e| e.replay())
+        outcome
     }
 
     fn join_or_start(&self, engine: &Arc<Engine>, req: Request) -> Arc<Job> {
