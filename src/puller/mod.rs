@@ -140,20 +140,14 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
             ));
         }
     };
-    let source: Arc<dyn Source> = match &opts.tenant {
-        Some(t) => Arc::new(Guarded {
-            inner: source,
-            tenant: t.clone(),
-        }),
-        None => source,
-    };
-    Ok(match limits {
-        Some(limits) => Arc::new(Bounded {
-            inner: source,
-            limits,
-        }),
-        None => source,
-    })
+    if opts.tenant.is_none() && limits.is_none() {
+        return Ok(source);
+    }
+    Ok(Arc::new(Scoped {
+        inner: source,
+        tenant: opts.tenant.clone(),
+        limits,
+    }))
 }
 
 fn explain(opts: &SourceOptions, e: Error) -> Error {
@@ -163,20 +157,28 @@ fn explain(opts: &SourceOptions, e: Error) -> Error {
     }
 }
 
-/// A tenant's source: a request the egress guard refused fails with the
-/// guard's reason (PermissionDenied, never retried) instead of a proxy error.
-struct Guarded {
+/// A source within what its StorageClass allows: a tenant's request the
+/// egress guard refused fails with the guard's reason (PermissionDenied,
+/// never retried) instead of a proxy error, and the class's limits apply.
+struct Scoped {
     inner: Arc<dyn Source>,
-    tenant: Arc<Tenant>,
+    tenant: Option<Arc<Tenant>>,
+    limits: Option<PullLimits>,
+}
+
+impl Scoped {
+    fn explain(&self, e: Error) -> Error {
+        match &self.tenant {
+            Some(t) => t.guard.explain(e),
+            None => e,
+        }
+    }
 }
 
 #[async_trait::async_trait]
-impl Source for Guarded {
+impl Source for Scoped {
     async fn resolve(&self) -> Result<Resolved> {
-        self.inner
-            .resolve()
-            .await
-            .map_err(|e| self.tenant.guard.explain(e))
+        self.inner.resolve().await.map_err(|e| self.explain(e))
     }
 
     async fn read(
@@ -186,12 +188,14 @@ impl Source for Guarded {
         len: Option<u64>,
     ) -> Result<futures::stream::BoxStream<'static, Result<bytes::Bytes>>> {
         use futures::StreamExt;
-        let tenant = self.tenant.clone();
         let stream = self
             .inner
             .read(file, offset, len)
             .await
-            .map_err(|e| self.tenant.guard.explain(e))?;
+            .map_err(|e| self.explain(e))?;
+        let Some(tenant) = self.tenant.clone() else {
+            return Ok(stream);
+        };
         Ok(stream
             .map(move |r| r.map_err(|e| tenant.guard.explain(e)))
             .boxed())
@@ -203,6 +207,10 @@ impl Source for Guarded {
 
     fn key_scope(&self) -> String {
         self.inner.key_scope()
+    }
+
+    fn limits(&self) -> Option<PullLimits> {
+        self.limits.or_else(|| self.inner.limits())
     }
 }
 
@@ -239,40 +247,6 @@ pub fn class_limits(
         max_bytes: bytes.unwrap_or(u64::MAX),
         max_files: files.unwrap_or(u64::MAX),
     }))
-}
-
-/// A source with the limits of its StorageClass.
-struct Bounded {
-    inner: Arc<dyn Source>,
-    limits: PullLimits,
-}
-
-#[async_trait::async_trait]
-impl Source for Bounded {
-    async fn resolve(&self) -> Result<Resolved> {
-        self.inner.resolve().await
-    }
-
-    async fn read(
-        &self,
-        file: &source::RemoteFile,
-        offset: u64,
-        len: Option<u64>,
-    ) -> Result<futures::stream::BoxStream<'static, Result<bytes::Bytes>>> {
-        self.inner.read(file, offset, len).await
-    }
-
-    fn ranges(&self) -> bool {
-        self.inner.ranges()
-    }
-
-    fn key_scope(&self) -> String {
-        self.inner.key_scope()
-    }
-
-    fn limits(&self) -> Option<PullLimits> {
-        Some(self.limits)
-    }
 }
 
 /// Unpacks a verified layer blob into the model, within `budget`.
