@@ -100,7 +100,12 @@ pub async fn serve_on(
             cfg.clone(),
             controller,
         )))
-        .add_optional_service(provisioner.map(|p| ControllerServer::new(ControllerService::new(p))))
+        .add_optional_service(provisioner.map(|p| {
+            let svc = ControllerService::new(p);
+            let resume = svc.clone();
+            tokio::spawn(async move { resume.resume_wanted().await });
+            ControllerServer::new(svc)
+        }))
         .add_optional_service(
             node.then(|| NodeServer::new(NodeService::new(Arc::new(NodeOps::new(cfg.clone()))))),
         );

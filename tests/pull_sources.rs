@@ -649,3 +649,87 @@ async fn a_pull_outlives_its_callers_deadline_and_retries_join_it() {
     d.unpublish(&v.volume_id, &target).await.unwrap();
     d.unstage(&v.volume_id, &staging).await.unwrap();
 }
+
+/// A restart resumes the pulls that were running, without waiting for a
+/// call: the driver recorded which volumes wanted them. The transfer goes
+/// on from where it was, and the provisioner's next call finds the volume
+/// ready at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_resumes_a_wanted_pull_without_a_new_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let size: usize = 24 << 20;
+    let weights: Vec<u8> = (0..size).map(|i| (i * 13 % 251) as u8).collect();
+    fs::write(dir.path().join("weights.bin"), &weights).unwrap();
+    let files = FileServer::start(dir.path()).await;
+    files.throttle(2 << 20);
+    let mut d = driver(&[]).await;
+    let uri = files.url("weights.bin");
+    let call = |timeout: Duration| {
+        let mut req = tonic::Request::new(create_req(
+            "pvc-resumed",
+            &[("backend", "local"), ("source", &uri)],
+            READER,
+        ));
+        req.set_timeout(timeout);
+        req
+    };
+    let e = d
+        .client
+        .clone()
+        .controller
+        .create_volume(call(Duration::from_secs(2)))
+        .await
+        .expect_err("6 s of transfer cannot fit a 2 s call");
+    assert!(e.message().contains("still pulling"), "{}", e.message());
+    d.kill_9();
+    let gets_before = files.gets("weights.bin");
+    d.restart().await;
+    // No call: the restarted driver fetches the rest on its own.
+    let finished = eventually(Duration::from_secs(30), || {
+        fs::read_dir(d.state_dir.join("local/sources"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| e.path().join("seal.json").exists())
+    });
+    assert!(
+        finished,
+        "the pull did not finish after the restart without a call ({} GETs after the kill)",
+        files.gets("weights.bin") - gets_before
+    );
+    let t = Instant::now();
+    let v = d
+        .client
+        .clone()
+        .controller
+        .create_volume(call(Duration::from_secs(5)))
+        .await
+        .expect("the volume is ready at the next call")
+        .into_inner()
+        .volume
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(
+        files.gets("weights.bin") <= chunks(size as u64) + 4,
+        "{} GETs for {} chunks: the restart started over",
+        files.gets("weights.bin"),
+        chunks(size as u64)
+    );
+    let (staging, target) = (d.staging("resumed"), d.target("resumed"));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    assert!(fs::read(target.join("weights.bin")).unwrap() == weights);
+    d.unpublish(&v.volume_id, &target).await.unwrap();
+    d.unstage(&v.volume_id, &staging).await.unwrap();
+    // Nothing is left recorded as wanted once the volume exists.
+    assert!(
+        fs::read_dir(d.state_dir.join("local/wanted"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .all(|owner| fs::read_dir(owner.path()).unwrap().next().is_none()),
+        "a wanted record outlived its pull"
+    );
+}

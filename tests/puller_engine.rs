@@ -343,6 +343,44 @@ async fn an_interrupted_pull_resumes_without_refetching_finished_chunks() {
     );
 }
 
+/// A chunk in flight when the run dies is not lost whole: its progress is
+/// recorded every few MiB, so the retry resumes inside the chunk. With
+/// 32 MiB chunks (the default) a `kill -9` used to cost every chunk in
+/// flight, up to 128 MiB per file at four connections.
+#[tokio::test]
+async fn an_interrupted_pull_resumes_inside_a_chunk() {
+    let t = tempfile::tempdir().unwrap();
+    let want = model(&t.path().join("m"), 40);
+    let root = root_at(&t.path().join("state"));
+    let cfg = EngineConfig {
+        chunk_bytes: 32 << 20,
+        connections: 1,
+        files: 1,
+        ..fast(EngineConfig::default())
+    };
+    let engine = || Engine::new(cfg.clone(), modelcache_csi::puller::extract_layer);
+    // Dies 28 MiB into the first 32 MiB chunk of model.safetensors.
+    let dying = Faulty::new(
+        &t.path().join("m"),
+        Faults {
+            die_after: Some(28 << 20),
+            ..Faults::default()
+        },
+    );
+    assert!(engine().pull(&root, dying, &NoProgress).await.is_err());
+    let healthy = Faulty::new(&t.path().join("m"), Faults::default());
+    let p = engine()
+        .pull(&root, healthy.clone(), &NoProgress)
+        .await
+        .unwrap();
+    assert_eq!(sealed_files(&root, &p.sid), want);
+    let refetched = healthy.served.load(Ordering::SeqCst);
+    assert!(
+        refetched <= 24 << 20,
+        "the retry fetched {refetched} bytes of 40 MiB: the chunk in flight started over"
+    );
+}
+
 /// A kill can land after a file was renamed into place but before its
 /// sha256 was recorded: its state then lists every chunk as done while the
 /// `.part` those chunks were written to is gone. The retry must fetch the

@@ -5,6 +5,7 @@
 
 pub mod params;
 pub mod volumes;
+mod wanted;
 
 use std::sync::Arc;
 
@@ -23,6 +24,7 @@ use crate::rpc::{require, respond};
 
 pub use volumes::Provisioner;
 
+#[derive(Clone)]
 pub struct ControllerService {
     provisioner: Arc<Provisioner>,
     locks: OpLocks,
@@ -33,6 +35,41 @@ impl ControllerService {
         ControllerService {
             provisioner,
             locks: OpLocks::default(),
+        }
+    }
+
+    /// Starts again the pulls that were running when this process
+    /// stopped: each joins its pull job and leaves it running, and the
+    /// provisioner's next call finds it (see `wanted`).
+    pub async fn resume_wanted(&self) {
+        for mut req in self.provisioner.wanted().await {
+            let name = req.name.clone();
+            let Ok(guard) = self.locks.try_lock(&format!("name/{name}")) else {
+                continue;
+            };
+            req.budget = Some(std::time::Duration::from_secs(1));
+            let p = self.provisioner.clone();
+            let span = info_span!("resume", volume.name = %name);
+            tokio::spawn(
+                async move {
+                    let _guard = guard;
+                    match p.create(req).await {
+                        Ok(_) => tracing::info!("a wanted pull had finished; volume ready"),
+                        Err(_) if p.jobs.is_running(&name) => {
+                            tracing::info!("resumed a pull that was running before the restart")
+                        }
+                        Err(e @ Error::NotFound(_)) => {
+                            tracing::info!(error = %e, "a wanted pull is no longer wanted");
+                            p.forget_wanted(&name).await;
+                        }
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            "a wanted pull did not resume; the provisioner's next call retries it"
+                        ),
+                    }
+                }
+                .instrument(span),
+            );
         }
     }
 

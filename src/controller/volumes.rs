@@ -17,6 +17,8 @@ use crate::kubeapi::{self, KubeApi};
 use crate::lock::KeyedMutex;
 use crate::puller::engine::{Engine, NoProgress, ProgressSink};
 use crate::puller::jobs::{self, Jobs};
+
+use super::wanted;
 use crate::puller::{self, SourceOptions};
 use crate::trust::Tenant;
 use kube::ResourceExt;
@@ -26,6 +28,7 @@ use super::params::{ImageLocation, Params};
 /// Nominal size of a directory-backed source when the request names none.
 pub const DEFAULT_CAPACITY: i64 = 1 << 30;
 
+#[derive(Clone)]
 pub struct CreateRequest {
     pub name: String,
     pub params: HashMap<String, String>,
@@ -495,8 +498,21 @@ impl Provisioner {
                             source,
                             sink,
                         };
+                        // Recorded so that a restart resumes it; a class
+                        // secret would have to be written too, so such a
+                        // pull waits for the provisioner's next call.
+                        let resumable = req.secrets.is_empty() || tenant.is_some();
+                        if resumable {
+                            let (r, o, w) = (root.clone(), self.owner(), req.clone());
+                            blocking(move || wanted::save(&r, &o, &w)).await?;
+                        }
                         tracing::debug!(budget = ?req.budget, "joining the pull job");
-                        let pulled = self.jobs.pull(&self.engine, job, req.budget).await?;
+                        let pulled = self.jobs.pull(&self.engine, job, req.budget).await;
+                        if resumable && !self.jobs.is_running(&req.name) {
+                            let (r, o, n) = (root.clone(), self.owner(), req.name.clone());
+                            blocking(move || wanted::remove(&r, &o, &n)).await?;
+                        }
+                        let pulled = pulled?;
                         rec.model = pulled.seal.origin.clone().into();
                         rec.revision = pulled.seal.revision.clone();
                         pulled.sid.clone()
@@ -703,8 +719,38 @@ impl Provisioner {
             };
             if gone {
                 self.jobs.cancel(&key);
+                self.forget_wanted(&key).await;
             }
         }
+    }
+
+    /// Who owns this process's wanted-pull records: its node, or the
+    /// central controller.
+    fn owner(&self) -> String {
+        self.cfg
+            .node_id
+            .clone()
+            .unwrap_or_else(|| "controller".into())
+    }
+
+    /// The requests whose pulls were running when this process last
+    /// stopped (see `wanted`).
+    pub async fn wanted(&self) -> Vec<CreateRequest> {
+        let (roots, owner) = (self.roots.roots.clone(), self.owner());
+        let load = move || Ok(roots.iter().flat_map(|r| wanted::load(r, &owner)).collect());
+        blocking(load).await.unwrap_or_default()
+    }
+
+    /// Drops the record of the pull for volume `name`, in whichever root.
+    pub async fn forget_wanted(&self, name: &str) {
+        let (roots, owner, name) = (self.roots.roots.clone(), self.owner(), name.to_string());
+        let _ = blocking(move || {
+            for r in &roots {
+                wanted::remove(r, &owner, &name)?;
+            }
+            Ok(())
+        })
+        .await;
     }
 
     /// Evicts pulled models nobody has used for `idle`, in every root.

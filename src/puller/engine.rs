@@ -156,6 +156,11 @@ struct FileState {
     path: String,
     /// Finished chunk indexes, whose bytes are durable.
     done: BTreeSet<u64>,
+    /// Chunks in flight when last recorded: index -> leading bytes that are
+    /// durable. A restart resumes each after them, so a `kill -9` costs
+    /// at most [`PARTIAL_EVERY`] per connection instead of whole chunks.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    partial: BTreeMap<u64, u64>,
     /// The chunk size `done` counts in; another size starts over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     chunk_bytes: Option<u64>,
@@ -1105,6 +1110,19 @@ fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
     out
 }
 
+/// How far a range gets between records of its progress: finer than a
+/// chunk, coarse enough that recording (one fdatasync and one small state
+/// write, batched across connections) stays out of the way.
+const PARTIAL_EVERY: u64 = 8 << 20;
+
+/// What a connection tells the committer.
+enum Finished {
+    /// Chunk `i` is written whole.
+    Chunk(u64),
+    /// Chunk `i`'s first `n` bytes are written.
+    Prefix(u64, u64),
+}
+
 /// Parallel ranges written with positioned writes and hashed by a
 /// [`Frontier`]. A finished range is handed to a committer, which makes
 /// every range finished so far durable with one fdatasync and only then
@@ -1123,17 +1141,27 @@ async fn ranged_download(
     // the server now lists at another size.
     if st.chunk_bytes != Some(chunk) || st.size_listed != Some(size) {
         st.done.clear();
+        st.partial.clear();
         st.chunk_bytes = Some(chunk);
         st.size_listed = Some(size);
     }
     let all = chunks(size, chunk);
     let n = all.len() as u64;
     st.done.retain(|i| *i < n);
+    let done = st.done.clone();
+    st.partial.retain(|i, b| {
+        *i < n && !done.contains(i) && *b > 0 && *b < all[*i as usize].1 - all[*i as usize].0
+    });
     let frontier = ctx.frontier(Some(size));
     for i in &st.done {
         let (start, end) = all[*i as usize];
         frontier.mark_written(start, end);
         ctx.bytes.fetch_add(end - start, Ordering::Relaxed);
+    }
+    for (i, b) in &st.partial {
+        let start = all[*i as usize].0;
+        frontier.mark_written(start, start + b);
+        ctx.bytes.fetch_add(*b, Ordering::Relaxed);
     }
     let hasher = {
         let (f, out, part) = (frontier.clone(), out.clone(), part.to_path_buf());
@@ -1142,7 +1170,7 @@ async fn ranged_download(
     // This future is dropped mid-way when another file of the pull fails;
     // the hasher thread must then stop waiting for writers that are gone.
     let _close = CloseOnDrop(frontier.clone());
-    let (finished_tx, finished_rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
+    let (finished_tx, finished_rx) = tokio::sync::mpsc::unbounded_channel::<Finished>();
     let committer = tokio::spawn(commit_ranges(
         ctx.clone(),
         work.clone(),
@@ -1165,10 +1193,18 @@ async fn ranged_download(
             );
             let file = file.clone();
             let (start, end) = all[i as usize];
+            let resume_at = start + st.partial.get(&i).copied().unwrap_or(0);
             let part = part.to_path_buf();
             async move {
-                fetch_range(&ctx, &file, &out, &part, start, end, &frontier).await?;
-                let _ = tx.send(i);
+                let reported = AtomicU64::new(resume_at);
+                let report = |pos: u64| {
+                    if pos.saturating_sub(reported.load(Ordering::Relaxed)) >= PARTIAL_EVERY {
+                        reported.store(pos, Ordering::Relaxed);
+                        let _ = tx.send(Finished::Prefix(i, pos - start));
+                    }
+                };
+                fetch_range(&ctx, &file, &out, &part, resume_at, end, &frontier, &report).await?;
+                let _ = tx.send(Finished::Chunk(i));
                 Ok(())
             }
         })
@@ -1204,16 +1240,28 @@ async fn commit_ranges(
     part: PathBuf,
     mut st: FileState,
     record: bool,
-    mut finished: tokio::sync::mpsc::UnboundedReceiver<u64>,
+    mut finished: tokio::sync::mpsc::UnboundedReceiver<Finished>,
 ) -> Result<FileState> {
     while let Some(first) = finished.recv().await {
         let mut batch = vec![first];
-        while let Ok(i) = finished.try_recv() {
-            batch.push(i);
+        while let Ok(f) = finished.try_recv() {
+            batch.push(f);
         }
         let (o, p) = (out.clone(), part.clone());
         blocking(move || o.sync_data().ctx("sync", &p)).await?;
-        st.done.extend(batch);
+        for f in batch {
+            match f {
+                Finished::Chunk(i) => {
+                    st.partial.remove(&i);
+                    st.done.insert(i);
+                }
+                Finished::Prefix(i, n) if !st.done.contains(&i) => {
+                    let b = st.partial.entry(i).or_default();
+                    *b = (*b).max(n);
+                }
+                Finished::Prefix(..) => {}
+            }
+        }
         if !record {
             continue;
         }
@@ -1228,7 +1276,8 @@ async fn commit_ranges(
 }
 
 /// Fetches `[start, end)` into `out`, resuming after the last byte written
-/// when a stream fails or stalls.
+/// when a stream fails or stalls; `report` hears each written position.
+#[allow(clippy::too_many_arguments)]
 async fn fetch_range(
     ctx: &Ctx,
     file: &RemoteFile,
@@ -1237,11 +1286,23 @@ async fn fetch_range(
     start: u64,
     end: u64,
     frontier: &Arc<Frontier>,
+    report: &(dyn Fn(u64) + Send + Sync),
 ) -> Result<()> {
     let mut pos = start;
     let mut attempt = 0u32;
     loop {
-        let r = stream_into(ctx, file, out, part, &mut pos, Some(end), true, frontier).await;
+        let r = stream_into(
+            ctx,
+            file,
+            out,
+            part,
+            &mut pos,
+            Some(end),
+            true,
+            frontier,
+            report,
+        )
+        .await;
         match r {
             Ok(()) if pos == end => return Ok(()),
             Ok(()) => {
@@ -1280,7 +1341,12 @@ async fn whole_download(
         let frontier = ctx.frontier(file.size);
         // A listed size bounds the stream: a longer body is refused as it
         // arrives, not after it filled the disk.
-        match stream_into(ctx, file, out, part, &mut pos, file.size, false, &frontier).await {
+        let (size, report) = (file.size, &|_| {});
+        match stream_into(
+            ctx, file, out, part, &mut pos, size, false, &frontier, report,
+        )
+        .await
+        {
             Ok(()) if file.size.is_none_or(|s| s == pos) => {
                 let (o, p) = (out.clone(), part.to_path_buf());
                 let sha = blocking(move || {
@@ -1312,8 +1378,8 @@ async fn whole_download(
 }
 
 /// Streams one request into `out` at `*pos`, advancing it as bytes are
-/// written, refusing bytes past `end`; with `ranged`, asks for
-/// `[*pos, end)` only. Returns Ok when the stream ends (the caller checks length), and
+/// written (telling `report` each new position), refusing bytes past
+/// `end`; with `ranged`, asks for `[*pos, end)` only. Returns Ok when the stream ends (the caller checks length), and
 /// Unavailable when it stalls: fewer than `stall_min_bytes_per_sec x stall`
 /// bytes in a stall window, so a trickle counts as a stall too.
 #[allow(clippy::too_many_arguments)]
@@ -1326,6 +1392,7 @@ async fn stream_into(
     end: Option<u64>,
     ranged: bool,
     frontier: &Arc<Frontier>,
+    report: &(dyn Fn(u64) + Send + Sync),
 ) -> Result<()> {
     let len = end.filter(|_| ranged).map(|e| e.saturating_sub(*pos));
     let start = *pos;
@@ -1400,6 +1467,7 @@ async fn stream_into(
             rest = win.fill(rest);
             if win.is_full() {
                 flush(out, part, pos, &mut win, frontier, ctx).await?;
+                report(*pos);
             }
         }
     }

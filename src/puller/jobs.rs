@@ -175,6 +175,14 @@ impl Jobs {
         }
     }
 
+    /// Whether a pull for `key` runs (or ended with nobody told yet).
+    pub fn is_running(&self, key: &str) -> bool {
+        self.running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(key)
+    }
+
     /// How many pulls run.
     pub fn len(&self) -> usize {
         self.running.lock().unwrap_or_else(|e| e.into_inner()).len()
