@@ -12,10 +12,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{
-    ObjectReference, PersistentVolume, PersistentVolumeClaim, Secret,
+    ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod, Secret,
 };
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::{Api, Client, Resource};
+use kube::api::ListParams;
+use kube::{Api, Client, Resource, ResourceExt};
 
 use crate::error::{Error, Result};
 use crate::puller::engine::{Progress, ProgressSink};
@@ -184,7 +185,9 @@ impl KubeApi {
     }
 
     /// Events on `pvc` for a pull, rate-limited to one progress event per
-    /// `every`; they carry bytes, rate and ETA, never a credential.
+    /// `every`; they carry bytes, rate and ETA, never a credential. Pods
+    /// waiting for the PVC get the same news, so `kubectl describe pod`
+    /// says why the pod waits.
     pub fn pull_events(&self, pvc: &PersistentVolumeClaim, every: Duration) -> PvcEvents {
         PvcEvents {
             client: self.client.clone(),
@@ -213,8 +216,38 @@ fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / 1048576.0)
 }
 
+/// What a pod waiting for the PVC is told, for each PVC event.
+fn pod_reason(pvc_reason: &str) -> &'static str {
+    match pvc_reason {
+        "ModelSealed" => "ModelReady",
+        "PullFailed" => "ModelPullFailed",
+        "SourceRefused" => "ModelSourceRefused",
+        _ => "WaitingForModel",
+    }
+}
+
+/// Whether `pod` has not started and mounts claim `pvc` (directly, or as
+/// the claim of a generic ephemeral volume, named `<pod>-<volume>`).
+fn waits_for(pod: &Pod, pvc: &str) -> bool {
+    let started = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|p| p != "Pending");
+    let name = pod.name_any();
+    let volumes = pod.spec.iter().flat_map(|s| s.volumes.iter().flatten());
+    !started
+        && volumes.into_iter().any(|v| {
+            v.persistent_volume_claim
+                .as_ref()
+                .is_some_and(|c| c.claim_name == pvc)
+                || (v.ephemeral.is_some() && format!("{name}-{}", v.name) == pvc)
+        })
+}
+
 impl PvcEvents {
     fn emit(&self, type_: EventType, reason: &str, note: String) {
+        self.tell_waiting_pods(type_.clone(), reason, &note);
         // A recorder of its own for every event: one shared recorder folds
         // events of one reason into a series that keeps the first note, so
         // `kubectl describe pvc` would show the first progress for ever.
@@ -237,6 +270,41 @@ impl PvcEvents {
 }
 
 impl PvcEvents {
+    /// The same news on every pod waiting for the PVC. Best effort: a
+    /// driver without `list pods` only narrates on the PVC.
+    fn tell_waiting_pods(&self, type_: EventType, reason: &str, note: &str) {
+        let (Some(ns), Some(pvc)) = (self.reference.namespace.clone(), self.reference.name.clone())
+        else {
+            return;
+        };
+        let (client, reporter) = (self.client.clone(), self.reporter.clone());
+        let event = Event {
+            type_,
+            reason: pod_reason(reason).into(),
+            note: Some(format!("PVC {pvc}: {note}")),
+            action: "WaitForModel".into(),
+            secondary: Some(self.reference.clone()),
+        };
+        self.handle.spawn(async move {
+            let pods = match Api::<Pod>::namespaced(client.clone(), &ns)
+                .list(&ListParams::default())
+                .await
+            {
+                Ok(l) => l.items,
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not list pods waiting for the PVC");
+                    return;
+                }
+            };
+            for pod in pods.iter().filter(|p| waits_for(p, &pvc)) {
+                let recorder = Recorder::new(client.clone(), reporter.clone());
+                if let Err(e) = recorder.publish(&event, &pod.object_ref(&())).await {
+                    tracing::debug!(error = %e, "could not record an event on a waiting pod");
+                }
+            }
+        });
+    }
+
     /// A source the PVC named was refused before any pull.
     pub fn refused(&self, error: &str) {
         self.emit(EventType::Warning, "SourceRefused", error.to_string());
@@ -305,6 +373,27 @@ impl ProgressSink for PvcEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pods_that_wait_for_a_claim() {
+        let pod = |phase: &str, volumes: serde_json::Value| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "web", "namespace": "team"},
+                "spec": {"containers": [], "volumes": volumes},
+                "status": {"phase": phase},
+            }))
+            .unwrap()
+        };
+        let claim = serde_json::json!([{"name": "m", "persistentVolumeClaim": {"claimName": "minilm"}}]);
+        let eph = serde_json::json!([{"name": "model", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}}]);
+        assert!(waits_for(&pod("Pending", claim.clone()), "minilm"));
+        assert!(!waits_for(&pod("Running", claim.clone()), "minilm"));
+        assert!(!waits_for(&pod("Pending", claim), "other"));
+        assert!(waits_for(&pod("Pending", eph.clone()), "web-model"));
+        assert!(!waits_for(&pod("Pending", eph), "model"));
+        assert_eq!(pod_reason("PullProgress"), "WaitingForModel");
+        assert_eq!(pod_reason("PullFailed"), "ModelPullFailed");
+    }
 
     #[test]
     fn object_names() {

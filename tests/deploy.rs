@@ -207,6 +207,9 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
     (NODE, "get", "daemonsets.apps", NS, false),
     (NODE, "get", "pods", NS, true),
     (NODE, "get", "pods", "team-a", false),
+    // Pods waiting for a PVC hear of its pull: found by listing.
+    (NODE, "list", "pods", "team-a", true),
+    (NODE, "watch", "pods", "team-a", false),
     (
         NODE,
         "create",

@@ -101,6 +101,11 @@ async fn per_pvc_sources_and_pvc_claims() {
             model.display()
         ),
     );
+    // A pod waiting for the claim (nothing schedules it here) hears why.
+    apply(
+        &api,
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: reader, namespace: team}\nspec:\n  containers: [{name: c, image: busybox}]\n  volumes: [{name: m, persistentVolumeClaim: {claimName: minilm}}]\n",
+    );
     let class_source = format!("file://{}", class_model.display());
     // PVCs may name their own source only within what the class allows.
     let allowed = format!("file://{}/", d.dir.display());
@@ -144,6 +149,29 @@ async fn per_pvc_sources_and_pvc_claims() {
     assert!(
         reasons.contains(&"PullStarted".into()) && reasons.contains(&"ModelSealed".into()),
         "{reasons:?}"
+    );
+    let mut on_pod = String::new();
+    for _ in 0..50 {
+        let out = api.kubectl(&[
+            "-n",
+            "team",
+            "get",
+            "events.events.k8s.io",
+            "--field-selector",
+            "regarding.name=reader",
+            "-o",
+            "jsonpath={range .items[*]}{.reason}: {.note}{\"\\n\"}{end}",
+        ]);
+        on_pod = String::from_utf8_lossy(&out.stdout).into_owned();
+        if on_pod.contains("ModelReady") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        on_pod.contains("WaitingForModel: PVC minilm: pulling file://")
+            && on_pod.contains("ModelReady: PVC minilm:"),
+        "the waiting pod was not told why it waits: {on_pod}"
     );
 
     // 2. A pull secret is looked up in the PVC's own namespace only.
