@@ -8,6 +8,10 @@
 #
 #   e2e/images.sh            build what is missing; print NAME=VALUE lines:
 #                            PAUSE_TAR, BUSYBOX_TAR, PAUSE_IMAGE, BUSYBOX_IMAGE
+#   e2e/images.sh s5cmd BIN  also a storage-initializer image: busybox plus the
+#                            s5cmd binary BIN at /usr/local/bin/s5cmd (the
+#                            copy-per-pod peer of the time-to-Ready benchmark);
+#                            prints S5CMD_TAR, S5CMD_IMAGE as well
 #
 # The tarballs are reproducible (sorted entries, owner 0, mtime 0) and cached in
 # <tools>/e2e-images-<key>/, where the key hashes this script, pause.c and the
@@ -61,6 +65,22 @@ oci_tar() {
     rm -rf "$lay"
 }
 
+SH_CONFIG='{"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],"Cmd":["sh"]}'
+
+# busybox_root DIR: the static binary, a symlink per applet, and the few
+# files programs expect.
+busybox_root() {
+    local r=$1 a
+    mkdir -p "$r/bin" "$r/etc" "$r/tmp" "$r/root" "$r/proc" "$r/sys" "$r/dev" "$r/usr/bin" "$r/sbin" "$r/var"
+    chmod 1777 "$r/tmp"
+    cp "$BUSYBOX" "$r/bin/busybox"
+    for a in $("$BUSYBOX" --list); do
+        [[ $a == busybox ]] || ln -s busybox "$r/bin/$a"
+    done
+    printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' > "$r/etc/passwd"
+    printf 'root:x:0:\nnogroup:x:65534:\n' > "$r/etc/group"
+}
+
 if [[ ! -s $OUT/pause.tar || ! -s $OUT/busybox.tar ]]; then
     mkdir -p "$OUT"
     work=$(mktemp -d)
@@ -71,22 +91,30 @@ if [[ ! -s $OUT/pause.tar || ! -s $OUT/busybox.tar ]]; then
     gcc -static -O2 -s -o "$work/pause/pause" "$HERE/lib/pause.c"
     oci_tar "$work/pause" '{"Entrypoint":["/pause"],"User":"65535:65535"}' "$PAUSE_IMAGE" "$OUT/pause.tar"
 
-    # busybox: the static binary, a symlink per applet, and the few files
-    # programs expect.
-    r=$work/busybox
-    mkdir -p "$r/bin" "$r/etc" "$r/tmp" "$r/root" "$r/proc" "$r/sys" "$r/dev" "$r/usr/bin" "$r/sbin" "$r/var"
-    chmod 1777 "$r/tmp"
-    cp "$BUSYBOX" "$r/bin/busybox"
-    for a in $("$BUSYBOX" --list); do
-        [[ $a == busybox ]] || ln -s busybox "$r/bin/$a"
-    done
-    printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' > "$r/etc/passwd"
-    printf 'root:x:0:\nnogroup:x:65534:\n' > "$r/etc/group"
-    oci_tar "$r" '{"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],"Cmd":["sh"]}' \
-        "$BUSYBOX_IMAGE" "$OUT/busybox.tar"
+    busybox_root "$work/busybox"
+    oci_tar "$work/busybox" "$SH_CONFIG" "$BUSYBOX_IMAGE" "$OUT/busybox.tar"
     log "built $OUT/{pause,busybox}.tar"
+    rm -rf "$work"
+    trap - EXIT
 fi
 
+if [[ ${1:-} == s5cmd ]]; then
+    bin=${2:?usage: e2e/images.sh s5cmd BIN}
+    ver=$("$bin" version | grep -o 'v[0-9][0-9.]*' | head -n 1)
+    S5CMD_IMAGE=localhost/modelcache-e2e/storage-initializer:s5cmd-${ver:-unknown}
+    S5CMD_TAR=$OUT/s5cmd-$(sha "$bin" | cut -c1-12).tar
+    if [[ ! -s $S5CMD_TAR ]]; then
+        work=$(mktemp -d)
+        trap 'rm -rf "$work"' EXIT
+        busybox_root "$work/r"
+        mkdir -p "$work/r/usr/local/bin"
+        cp "$bin" "$work/r/usr/local/bin/s5cmd"
+        oci_tar "$work/r" "$SH_CONFIG" "$S5CMD_IMAGE" "$S5CMD_TAR"
+        log "built $S5CMD_TAR"
+    fi
+    echo "S5CMD_TAR=$S5CMD_TAR"
+    echo "S5CMD_IMAGE=$S5CMD_IMAGE"
+fi
 echo "PAUSE_TAR=$OUT/pause.tar"
 echo "BUSYBOX_TAR=$OUT/busybox.tar"
 echo "PAUSE_IMAGE=$PAUSE_IMAGE"
