@@ -101,9 +101,9 @@ drop_caches() {
 }
 
 TSV="$RESULTS/results.tsv"
-printf 'rep\tdataset\tclient\tbytes\tseconds\tsync_seconds\tpeak_rss_kib\tcpu_user\tcpu_sys\tminio_cpu\tbusy_cpu\tload1\n' >"$TSV"
+printf 'rep\tdataset\tclient\tbytes\tseconds\tsync_seconds\tverify_seconds\tverify_cpu\tpeak_rss_kib\tcpu_user\tcpu_sys\tminio_cpu\tbusy_cpu\tload1\n' >"$TSV"
 printf 'dataset\tbinary\tflags\tspilled_bytes\n' >"$RESULTS/spilled.tsv"
-record() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$TSV"; }
+record() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$TSV"; }
 load1() { cut -d' ' -f1 /proc/loadavg; }
 # CPU seconds the whole machine has been busy (user, nice, system, irq,
 # softirq): minus the bench's own, what other work took during a run.
@@ -294,9 +294,17 @@ run_aws() { # data set, config file
 }
 
 # Peers write through the page cache and return; `sync -f` after them is
-# timed separately (the driver's time already includes its fsyncs).
+# timed separately (the driver's time already includes its fsyncs), and so
+# is `sha256sum` of every file they wrote, with its CPU: the driver's time
+# includes verifying every byte, so "durable and verified" is the same work.
+verify() { # dir
+  /usr/bin/time -f '%U %S' -o "$WORK/verify.time" bash -c \
+    'cd "$1" && find . -type f -print0 | xargs -0 sha256sum > /dev/null' _ "$1"
+  awk '{printf "%.2f", $1 + $2}' "$WORK/verify.time"
+}
+
 pull() { # rep data set client
-  local rep="$1" ds="$2" client="$3" sync_secs=0 t0 load minio0 minio_cpu busy0 busy_cpu flags bin
+  local rep="$1" ds="$2" client="$3" sync_secs=0 verify_secs=0 verify_cpu=0 t0 load minio0 minio_cpu busy0 busy_cpu flags bin
   rm -rf "$WORK/dest" "$WORK/driver-state"
   drop_caches
   load="$(load1)"
@@ -322,6 +330,9 @@ pull() { # rep data set client
     t0="$(now)"
     sync -f "$DEST"
     sync_secs="$(since "$t0")"
+    t0="$(now)"
+    verify_cpu="$(verify "$DEST")"
+    verify_secs="$(since "$t0")"
     manifest_of "$DEST" >"$WORK/got.manifest"
   fi
   cmp -s "$WORK/got.manifest" "$WORK/$ds.manifest" || {
@@ -329,9 +340,9 @@ pull() { # rep data set client
     diff "$WORK/$ds.manifest" "$WORK/got.manifest" >&2 || true
     return 1
   }
-  record "$rep" "$ds" "$client" "$(bytes_of "$ds")" "$SECS" "$sync_secs" "$RSS_KIB" \
+  record "$rep" "$ds" "$client" "$(bytes_of "$ds")" "$SECS" "$sync_secs" "$verify_secs" "$verify_cpu" "$RSS_KIB" \
     "$CPU_USER" "$CPU_SYS" "$minio_cpu" "$busy_cpu" "$load"
-  log "rep $rep $ds $client: ${SECS}s (+${sync_secs}s sync), peak RSS ${RSS_KIB} KiB," \
+  log "rep $rep $ds $client: ${SECS}s (+${sync_secs}s sync, +${verify_secs}s sha256sum), peak RSS ${RSS_KIB} KiB," \
     "CPU ${CPU_USER}u+${CPU_SYS}s, MinIO CPU ${minio_cpu}s, machine busy ${busy_cpu}s, load $load"
   rm -rf "$WORK/dest" "$WORK/driver-state"
 }
@@ -444,8 +455,10 @@ for tool in dict.fromkeys(s["tool"] for s in sha):
     print(f"| {tool} | {med(float(s['mb_per_s']) for s in sha if s['tool'] == tool):.0f} |")
 print("\n## Pulls, medians\n")
 print("MB/s = bytes / wall seconds / 1e6. *Durable* adds the `sync -f` run after a peer;")
-print("the driver's time already includes its fsyncs and its sha256 of every byte, and it")
+print("*durable+verified* adds `sha256sum` of every file too: the same work as the driver,")
+print("whose time already includes its fsyncs and its sha256 of every byte, and which")
 print("returns only once the model is sealed. CPU = the client's user+system seconds per GB;")
+print("*CPU s/GB verified* adds sha256sum's.")
 print(f"MinIO = the server's. CPU ceiling = what {cpus} idle cores could move at that cost.")
 print("Others = CPU the rest of the machine (other users' work) took during the run, as a")
 print(f"share of the {cpus} cores: the contention each number was measured under.\n")
@@ -453,41 +466,47 @@ for ds in dict.fromkeys(r["dataset"] for r in runs):
     rows = [r for r in runs if r["dataset"] == ds]
     size = int(rows[0]["bytes"])
     print(f"### {ds}: {size / 1e6:.1f} MB\n")
-    print("| client | s | MB/s | MB/s durable | peak RSS MiB | CPU s/GB | MinIO CPU s/GB "
-          "| CPU ceiling MB/s | runs s | others % |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| client | s | MB/s | MB/s durable | MB/s durable+verified | peak RSS MiB | CPU s/GB "
+          "| CPU s/GB verified | MinIO CPU s/GB | CPU ceiling MB/s | runs s | others % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     stat = {}
     for client in dict.fromkeys(r["client"] for r in rows):
         rs = [r for r in rows if r["client"] == client]
         s = med(float(r["seconds"]) for r in rs)
         sd = med(float(r["seconds"]) + float(r["sync_seconds"]) for r in rs)
+        sv = med(float(r["seconds"]) + float(r["sync_seconds"]) + float(r["verify_seconds"]) for r in rs)
+        vcpu = med(float(r["verify_cpu"]) for r in rs)
         rss = med(int(r["peak_rss_kib"]) for r in rs) / 1024
         cpu = med(float(r["cpu_user"]) + float(r["cpu_sys"]) for r in rs)
         mcpu = med(float(r["minio_cpu"]) for r in rs)
         ceiling = size / ((cpu + mcpu) / cpus) / 1e6 if cpu + mcpu > 0 else float("inf")
-        stat[client] = (size / s / 1e6, size / sd / 1e6)
+        stat[client] = (size / s / 1e6, size / sd / 1e6, size / sv / 1e6)
         each = ", ".join("%.2f" % float(r["seconds"]) for r in rs)
         others = lambda r: max(0.0, float(r["busy_cpu"]) - float(r["cpu_user"])
                                - float(r["cpu_sys"]) - float(r["minio_cpu"]))
         loads = ", ".join("%.0f" % (100 * others(r) / cpus / float(r["seconds"])) for r in rs)
-        print(f"| {client} | {s:.2f} | {stat[client][0]:.0f} | {stat[client][1]:.0f} | {rss:.0f} "
-              f"| {cpu / size * 1e9:.2f} | {mcpu / size * 1e9:.2f} | {ceiling:.0f} "
-              f"| {each} | {loads} |")
+        print(f"| {client} | {s:.2f} | {stat[client][0]:.0f} | {stat[client][1]:.0f} "
+              f"| {stat[client][2]:.0f} | {rss:.0f} "
+              f"| {cpu / size * 1e9:.2f} | {(cpu + vcpu) / size * 1e9:.2f} | {mcpu / size * 1e9:.2f} "
+              f"| {ceiling:.0f} | {each} | {loads} |")
     if "driver" in stat:
         d = stat["driver"][0]
         peers = {c: v for c, v in stat.items() if not c.startswith("driver")}
-        for c, (v, _) in stat.items():
+        for c, (v, _, _) in stat.items():
             if c.startswith("driver@"):
                 print(f"\ndriver/{c} = {d / v:.2f}x (this tree against another build).")
         if peers:
-            print("\n| driver vs | ratio, peer as returned | ratio, peer durable |")
-            print("|---|---|---|")
-            for c, (v, vd) in peers.items():
-                print(f"| {c} | {d / v:.2f}x | {d / vd:.2f}x |")
+            print("\n| driver vs | ratio, peer as returned | ratio, peer durable "
+                  "| ratio, peer durable+verified |")
+            print("|---|---|---|---|")
+            for c, (v, vd, vv) in peers.items():
+                print(f"| {c} | {d / v:.2f}x | {d / vd:.2f}x | {d / vv:.2f}x |")
             best = max(peers, key=lambda c: peers[c][0])
             bestd = max(peers, key=lambda c: peers[c][1])
+            bestv = max(peers, key=lambda c: peers[c][2])
             print(f"\nFastest peer as returned: {best}, driver/{best} = {d / peers[best][0]:.2f}x; "
-                  f"durable: {bestd}, driver/{bestd} = {d / peers[bestd][1]:.2f}x.")
+                  f"durable: {bestd}, driver/{bestd} = {d / peers[bestd][1]:.2f}x; "
+                  f"durable+verified: {bestv}, driver/{bestv} = {d / peers[bestv][2]:.2f}x.")
         for mode, v in dd.items():
             if mode.startswith("big") == (ds == "big"):
                 print(f"Driver = {100 * d / v:.0f}% of dd {mode} ({v:.0f} MB/s).")
