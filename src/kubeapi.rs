@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{
     ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod, Secret,
 };
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::api::ListParams;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource, ResourceExt};
 
 use crate::error::{Error, Result};
@@ -247,7 +247,7 @@ fn waits_for(pod: &Pod, pvc: &str) -> bool {
 
 impl PvcEvents {
     fn emit(&self, type_: EventType, reason: &str, note: String) {
-        self.tell_waiting_pods(type_.clone(), reason, &note);
+        self.tell_waiting_pods(type_, reason, &note);
         // A recorder of its own for every event: one shared recorder folds
         // events of one reason into a series that keeps the first note, so
         // `kubectl describe pvc` would show the first progress for ever.
@@ -273,8 +273,10 @@ impl PvcEvents {
     /// The same news on every pod waiting for the PVC. Best effort: a
     /// driver without `list pods` only narrates on the PVC.
     fn tell_waiting_pods(&self, type_: EventType, reason: &str, note: &str) {
-        let (Some(ns), Some(pvc)) = (self.reference.namespace.clone(), self.reference.name.clone())
-        else {
+        let (Some(ns), Some(pvc)) = (
+            self.reference.namespace.clone(),
+            self.reference.name.clone(),
+        ) else {
             return;
         };
         let (client, reporter) = (self.client.clone(), self.reporter.clone());
@@ -384,7 +386,8 @@ mod tests {
             }))
             .unwrap()
         };
-        let claim = serde_json::json!([{"name": "m", "persistentVolumeClaim": {"claimName": "minilm"}}]);
+        let claim =
+            serde_json::json!([{"name": "m", "persistentVolumeClaim": {"claimName": "minilm"}}]);
         let eph = serde_json::json!([{"name": "model", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}}]);
         assert!(waits_for(&pod("Pending", claim.clone()), "minilm"));
         assert!(!waits_for(&pod("Running", claim.clone()), "minilm"));

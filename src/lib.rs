@@ -1,6 +1,7 @@
 //! modelcache-csi: a CSI driver that puts sealed, verified machine-learning
 //! models into pods as shared read-only volumes.
 
+pub mod admin; // `modelcache-csi cache`: the node operator's view of the cache
 pub mod cache; // sealed sources, seals and volume records on disk
 pub mod capability; // what a VolumeCapability asks for, and whether we can give it
 pub mod client; // CSI client over a Unix socket

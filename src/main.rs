@@ -32,6 +32,18 @@ enum Command {
     Demo(modelcache_csi::demo::DemoArgs),
     /// Clear selected-node from pending PVCs whose node has no running driver.
     Rescheduler(ReschedulerArgs),
+    /// What this node caches, and the operator's verbs on it (ls, show, verify, pin, unpin, evict, prefetch).
+    Cache {
+        /// The driver's own flags (--state-dir, --node-id, --shared-path, --backends, ...):
+        /// the same as the node plugin's, so it sees the same roots.
+        #[command(flatten)]
+        serve: Box<ServeArgs>,
+        /// table for people, json for scripts.
+        #[arg(long, value_enum, default_value = "table", global = true)]
+        output: modelcache_csi::admin::Output,
+        #[command(subcommand)]
+        command: modelcache_csi::admin::CacheCommand,
+    },
     /// Seal a source volume through a running controller (ControllerModifyVolume sealed=true).
     Seal {
         #[arg(long, default_value = "unix:///csi/csi.sock")]
@@ -300,6 +312,20 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .map_err(|s| anyhow::anyhow!("seal {volume_id}: {}: {}", s.code(), s.message()))?;
             println!("sealed {volume_id}");
+            Ok(())
+        }
+        Some(Command::Cache {
+            serve,
+            output,
+            command,
+        }) => {
+            init_logging(&serve.log_format, "warn");
+            let cfg = config(&serve)?;
+            // An operator's command: the reason, without a backtrace.
+            if let Err(e) = modelcache_csi::admin::run(cfg, output, command).await {
+                eprintln!("error: {e}");
+                std::process::exit(1);
+            }
             Ok(())
         }
         Some(Command::Serve(a)) => run_serve(*a).await,

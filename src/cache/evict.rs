@@ -60,7 +60,7 @@ pub fn is_pinned(root: &Root, sid: &str) -> bool {
 
 /// Live references: those whose volume record exists. References left by
 /// a create that died are dropped on the way.
-fn live_refs(root: &Root, sid: &str) -> Result<Vec<String>> {
+pub fn live_refs(root: &Root, sid: &str) -> Result<Vec<String>> {
     let mut live = Vec::new();
     for r in refs(root, sid)? {
         if read_volume(root, &r)?.is_some() {

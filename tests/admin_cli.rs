@@ -1,0 +1,217 @@
+//! `modelcache-csi cache`: the operator's CLI, run as a separate process on
+//! the state directory of a running driver, as `kubectl exec` into the
+//! node plugin would: ls, show, verify (directory and XFS image), pin,
+//! unpin, evict (refused while in use or pinned), prefetch (a later
+//! CreateVolume of the model fetches nothing).
+
+mod common;
+
+use std::fs;
+use std::process::Command;
+
+use common::*;
+use serde_json::Value;
+
+struct Run {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+fn cli(d: &Driver, args: &[&str]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
+        .arg("cache")
+        .arg("--state-dir")
+        .arg(&d.state_dir)
+        .arg("--shared-path")
+        .arg(&d.shared_dir)
+        .arg("--node-id")
+        .arg(NODE)
+        .args(args)
+        .output()
+        .expect("run modelcache-csi cache");
+    Run {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+#[track_caller]
+fn json(r: &Run) -> Value {
+    assert!(r.ok, "failed: {}{}", r.stdout, r.stderr);
+    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout))
+}
+
+fn models(d: &Driver) -> Vec<Value> {
+    json(&cli(d, &["ls", "--output", "json"]))
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "model")
+        .cloned()
+        .collect()
+}
+
+#[tokio::test]
+async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
+    let d = Driver::start().await;
+    let dir = d.dir.join("model");
+    let model = write_model(&dir, 7);
+    let uri = format!("file://{}", dir.display());
+    let v = d
+        .create(create_req(
+            "pvc-cli",
+            &[("backend", "local"), ("source", &uri)],
+            READER,
+        ))
+        .await
+        .expect("create from the model URI");
+
+    // ls: the pulled model, its origin, size, files and the volume using it.
+    let m = models(&d);
+    assert_eq!(m.len(), 1, "{m:?}");
+    let id = m[0]["id"].as_str().unwrap().to_string();
+    assert_eq!(m[0]["origin"], uri.as_str());
+    assert_eq!(m[0]["files"], model.files.len());
+    let bytes: usize = model.files.iter().map(|(_, b)| b.len()).sum();
+    assert_eq!(m[0]["bytes"], bytes);
+    assert_eq!(m[0]["volumes"], serde_json::json!([v.volume_id]));
+    assert_eq!(m[0]["pinned"], false);
+    let table = cli(&d, &["ls"]);
+    assert!(table.ok && table.stdout.contains(&id) && table.stdout.contains("LAST USED"));
+    let shown = cli(&d, &["show", &id]);
+    assert!(
+        shown.ok
+            && shown.stdout.contains("model.safetensors")
+            && shown.stdout.contains(&v.volume_id),
+        "{}",
+        shown.stdout
+    );
+
+    // evict refuses a model in use, and names who uses it.
+    let r = cli(&d, &["evict", &id]);
+    assert!(!r.ok, "evicted a model in use: {}", r.stdout);
+    assert!(
+        r.stderr.contains(&v.volume_id) && r.stderr.contains("in use"),
+        "{}",
+        r.stderr
+    );
+
+    // verify: clean, then a flipped byte is reported with the file's name.
+    let report = json(&cli(&d, &["verify", &id, "--output", "json"]));
+    assert_eq!(report["mismatches"], serde_json::json!([]));
+    let weights = d
+        .source_dir("local", &id)
+        .join("data")
+        .join("model.safetensors");
+    let mut b = fs::read(&weights).unwrap();
+    b[4096] ^= 1;
+    fs::write(&weights, &b).unwrap();
+    let r = cli(&d, &["verify", &id]);
+    assert!(!r.ok, "a flipped byte went unnoticed");
+    assert!(
+        r.stdout.contains("model.safetensors: sha256") && r.stderr.contains("does not match"),
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
+
+    // pin and unpin; a pinned model is not evicted even when unused.
+    d.delete(&v.volume_id).await.unwrap();
+    assert!(cli(&d, &["pin", &id]).ok);
+    assert_eq!(models(&d)[0]["pinned"], true);
+    let r = cli(&d, &["evict", &id]);
+    assert!(!r.ok && r.stderr.contains("pinned"), "{}", r.stderr);
+    assert!(cli(&d, &["unpin", &id]).ok);
+    let gone = json(&cli(&d, &["evict", &id, "--output", "json"]));
+    assert_eq!(gone["id"], id.as_str());
+    assert!(models(&d).is_empty());
+    assert!(!d.source_dir("local", &id).exists());
+
+    // Nonsense is refused with the field named.
+    let r = cli(&d, &["show", "../etc"]);
+    assert!(!r.ok && r.stderr.contains("ID"), "{}", r.stderr);
+    let r = cli(&d, &["evict", &format!("m{}", "f".repeat(31))]);
+    assert!(
+        !r.ok && r.stderr.contains("none of this node's roots"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[tokio::test]
+async fn a_prefetched_model_is_ready_for_the_next_volume_at_no_cost() {
+    let d = Driver::start().await;
+    let dir = d.dir.join("model");
+    write_model(&dir, 8);
+    let uri = format!("file://{}", dir.display());
+    // Not a terminal: plain progress lines on stderr, the outcome on stdout.
+    let r = cli(&d, &["prefetch", &uri, "--pin"]);
+    assert!(r.ok, "{}{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("pulling file://"), "{}", r.stderr);
+    assert!(
+        r.stdout.contains("pulled, verified and sealed"),
+        "{}",
+        r.stdout
+    );
+    let m = models(&d);
+    assert_eq!(m.len(), 1);
+    assert_eq!(m[0]["pinned"], true);
+    let again = json(&cli(&d, &["prefetch", &uri, "--output", "json"]));
+    assert_eq!(again["already_cached"], true);
+
+    let v = d
+        .create(create_req(
+            "pvc-after-prefetch",
+            &[("backend", "local"), ("source", &uri)],
+            READER,
+        ))
+        .await
+        .expect("create after prefetch");
+    assert_eq!(
+        v.volume_context.get("model").map(String::as_str),
+        Some(uri.as_str())
+    );
+    let m = models(&d);
+    assert_eq!(m.len(), 1, "the volume pulled a model of its own: {m:?}");
+    let prefetched = m.iter().find(|e| e["id"] == again["id"]).unwrap();
+    assert!(
+        prefetched["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x == v.volume_id.as_str()),
+        "the volume does not use the prefetched model: {m:?}"
+    );
+}
+
+#[tokio::test]
+async fn verify_reads_an_xfs_image_through_a_read_only_mount() {
+    let d = Driver::start().await;
+    let dir = d.dir.join("model");
+    write_model(&dir, 9);
+    let uri = format!("file://{}", dir.display());
+    let v = d
+        .create(create_req(
+            "pvc-xfs-cli",
+            &[("backend", "xfs"), ("source", &uri)],
+            READER,
+        ))
+        .await
+        .expect("create an xfs volume from the model URI");
+    let m = models(&d);
+    let id = m[0]["id"].as_str().unwrap().to_string();
+    assert_eq!(m[0]["backend"], "xfs");
+    let report = json(&cli(&d, &["verify", &id, "--output", "json"]));
+    assert_eq!(report["mismatches"], serde_json::json!([]));
+    assert_eq!(report["files"], 4);
+    // Nothing of the check stays mounted or attached.
+    assert!(
+        mounts_below(&d.state_dir).is_empty(),
+        "{:?}",
+        mounts_below(&d.state_dir)
+    );
+    assert!(loop_devices_under(&d.state_dir).is_empty());
+    d.delete(&v.volume_id).await.unwrap();
+}
