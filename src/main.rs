@@ -320,6 +320,11 @@ async fn main() -> anyhow::Result<()> {
             command,
         }) => {
             init_logging(&serve.log_format, "warn");
+            // In the node plugin's container, NODE_NAME is what --node-id is made of.
+            let mut serve = serve;
+            if serve.node_id.is_none() {
+                serve.node_id = std::env::var("NODE_NAME").ok();
+            }
             let cfg = config(&serve)?;
             // An operator's command: the reason, without a backtrace.
             if let Err(e) = modelcache_csi::admin::run(cfg, output, command).await {
