@@ -88,7 +88,7 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
     if roots.roots.is_empty() {
         return Err(Error::invalid(
             "--node-id",
-            "no root is enabled: node-local backends need --node-id (or NODE_ID), shared ones --shared-path",
+            "no root is enabled: node-local backends need --node-id (or NODE_ID, or NODE_NAME as in the node plugin's container), shared ones --shared-path",
         ));
     }
     match cmd {
