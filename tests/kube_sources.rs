@@ -49,6 +49,31 @@ fn bind(api: &apiserver::ApiServer, ns: &str, pvc: &str, pv: &str, spec: &str) {
     );
 }
 
+/// The events.k8s.io events of `ns` (with `selector`) as `jsonpath`
+/// prints them, once `done` holds or after 5 s.
+async fn events_until(
+    api: &apiserver::ApiServer,
+    ns: &str,
+    selector: Option<&str>,
+    jsonpath: &str,
+    done: impl Fn(&str) -> bool,
+) -> String {
+    let jsonpath = format!("jsonpath={jsonpath}");
+    let mut args = vec!["-n", ns, "get", "events.events.k8s.io", "-o", &jsonpath];
+    if let Some(sel) = selector {
+        args.extend(["--field-selector", sel]);
+    }
+    let mut out = String::new();
+    for _ in 0..50 {
+        out = String::from_utf8_lossy(&api.kubectl(&args).stdout).into_owned();
+        if done(&out) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    out
+}
+
 fn request(name: &str, ns: &str, pvc: &str, params: &[(&str, &str)]) -> CreateVolumeRequest {
     let mut all = vec![
         ("csi.storage.k8s.io/pvc/name", pvc),
@@ -127,47 +152,22 @@ async fn per_pvc_sources_and_pvc_claims() {
     assert_erofs(&target.join("config.json"));
     d.unpublish(&v.volume_id, &target).await.unwrap();
     d.unstage(&v.volume_id, &staging).await.unwrap();
-    let mut reasons = Vec::new();
-    for _ in 0..50 {
-        let out = api.kubectl(&[
-            "-n",
-            "team",
-            "get",
-            "events.events.k8s.io",
-            "-o",
-            "jsonpath={.items[*].reason}",
-        ]);
-        reasons = String::from_utf8_lossy(&out.stdout)
-            .split_whitespace()
-            .map(String::from)
-            .collect();
-        if reasons.contains(&"ModelSealed".to_string()) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    let reasons = events_until(&api, "team", None, "{.items[*].reason}", |o| {
+        o.contains("ModelSealed")
+    })
+    .await;
     assert!(
-        reasons.contains(&"PullStarted".into()) && reasons.contains(&"ModelSealed".into()),
+        reasons.contains("PullStarted") && reasons.contains("ModelSealed"),
         "{reasons:?}"
     );
-    let mut on_pod = String::new();
-    for _ in 0..50 {
-        let out = api.kubectl(&[
-            "-n",
-            "team",
-            "get",
-            "events.events.k8s.io",
-            "--field-selector",
-            "regarding.name=reader",
-            "-o",
-            "jsonpath={range .items[*]}{.reason}: {.note}{\"\\n\"}{end}",
-        ]);
-        on_pod = String::from_utf8_lossy(&out.stdout).into_owned();
-        if on_pod.contains("ModelReady") {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    let on_pod = events_until(
+        &api,
+        "team",
+        Some("regarding.name=reader"),
+        "{range .items[*]}{.reason}: {.note}{\"\\n\"}{end}",
+        |o| o.contains("ModelReady"),
+    )
+    .await;
     assert!(
         on_pod.contains("WaitingForModel: PVC minilm: pulling file://")
             && on_pod.contains("ModelReady: PVC minilm:"),
@@ -217,24 +217,14 @@ async fn per_pvc_sources_and_pvc_claims() {
         ))
         .await;
     assert_code(r, Code::NotFound, "/nonexistent/model");
-    let mut notes = String::new();
-    for _ in 0..50 {
-        let out = api.kubectl(&[
-            "-n",
-            "team",
-            "get",
-            "events.events.k8s.io",
-            "--field-selector",
-            "regarding.name=broken,reason=PullFailed",
-            "-o",
-            "jsonpath={.items[*].note}",
-        ]);
-        notes = String::from_utf8_lossy(&out.stdout).into_owned();
-        if !notes.is_empty() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    let notes = events_until(
+        &api,
+        "team",
+        Some("regarding.name=broken,reason=PullFailed"),
+        "{.items[*].note}",
+        |o| !o.is_empty(),
+    )
+    .await;
     assert!(
         notes.contains("does not exist"),
         "no PullFailed event: {notes:?}"

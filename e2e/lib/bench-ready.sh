@@ -95,90 +95,71 @@ bench_emptydir_bytes() {
     echo $n
 }
 
-BENCH_MAIN='    - name: server
-      image: '"$BUSYBOX_IMAGE"'
-      imagePullPolicy: Never
-      command: [sh, -c, "ls /model > /dev/null && exec sleep 3600"]'
+# bench_workload KIND N POD_SPEC_EXTRA VOLUMES_OR_TEMPLATES: a Deployment
+# or StatefulSet of N busybox replicas reading /model. POD_SPEC_EXTRA goes
+# into the pod spec (indented 6), the last argument after it.
+bench_workload() {
+    local kind=$1 n=$2 extra=$3 tail=$4
+    kctl apply -n $BENCH_NS -f - >/dev/null <<YAML
+apiVersion: apps/v1
+kind: $kind
+metadata: {name: bench}
+spec:
+  replicas: $n
+  selector: {matchLabels: {app: bench}}
+$([[ $kind == StatefulSet ]] && printf '  podManagementPolicy: Parallel\n  serviceName: bench\n')
+  template:
+    metadata: {labels: {app: bench}}
+    spec:
+      terminationGracePeriodSeconds: 1
+$extra
+      containers:
+        - name: server
+          image: $BUSYBOX_IMAGE
+          imagePullPolicy: Never
+          command: [sh, -c, "ls /model > /dev/null && exec sleep 3600"]
+          volumeMounts: [{name: model, mountPath: /model, readOnly: true}]
+$tail
+YAML
+}
+
+# s5cmd_env INDENT: the env list of a container that runs s5cmd against MinIO.
+s5cmd_env() {
+    printf '%s- {name: %s, value: %s}\n' "$1" AWS_ACCESS_KEY_ID "$MINIO_USER" \
+        "$1" AWS_SECRET_ACCESS_KEY "$MINIO_PASSWORD" "$1" AWS_REGION us-east-1
+}
 
 # bench_apply METHOD MODEL N PREFIX: the workload of one run.
 bench_apply() {
     local method=$1 model=$2 n=$3 prefix=$4
     case $method in
     copy)
-        kctl apply -n $BENCH_NS -f - >/dev/null <<YAML
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: bench}
-spec:
-  replicas: $n
-  selector: {matchLabels: {app: bench}}
-  template:
-    metadata: {labels: {app: bench}}
-    spec:
-      # MinIO listens on the node's loopback, as it does for the driver.
+        bench_workload Deployment "$n" "      # MinIO listens on the node's loopback, as it does for the driver.
       hostNetwork: true
-      terminationGracePeriodSeconds: 1
       initContainers:
         - name: storage-initializer
           image: $S5CMD_IMAGE
           imagePullPolicy: Never
           env:
-            - {name: AWS_ACCESS_KEY_ID, value: $MINIO_USER}
-            - {name: AWS_SECRET_ACCESS_KEY, value: $MINIO_PASSWORD}
-            - {name: AWS_REGION, value: us-east-1}
-          command: [s5cmd, --endpoint-url, "$MINIO_URL", cp, "s3://models/$prefix/*", /model/]
-          volumeMounts: [{name: model, mountPath: /model}]
-      containers:
-$BENCH_MAIN
-          volumeMounts: [{name: model, mountPath: /model, readOnly: true}]
-      volumes: [{name: model, emptyDir: {}}]
-YAML
+$(s5cmd_env "            ")
+          command: [s5cmd, --endpoint-url, \"$MINIO_URL\", cp, \"s3://models/$prefix/*\", /model/]
+          volumeMounts: [{name: model, mountPath: /model}]" \
+            "      volumes: [{name: model, emptyDir: {}}]"
         ;;
     uri)
         pvc $BENCH_NS model e2e-s3 ReadWriteOnce \
             "\"modelcache.csi.io/source\": \"s3://models/$prefix\", \"modelcache.csi.io/source-secret\": \"minio\""
-        kctl apply -n $BENCH_NS -f - >/dev/null <<YAML
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: bench}
-spec:
-  replicas: $n
-  selector: {matchLabels: {app: bench}}
-  template:
-    metadata: {labels: {app: bench}}
-    spec:
-      terminationGracePeriodSeconds: 1
-      containers:
-$BENCH_MAIN
-          volumeMounts: [{name: model, mountPath: /model, readOnly: true}]
-      volumes: [{name: model, persistentVolumeClaim: {claimName: model, readOnly: true}}]
-YAML
+        bench_workload Deployment "$n" "" \
+            "      volumes: [{name: model, persistentVolumeClaim: {claimName: model, readOnly: true}}]"
         ;;
     clone)
-        kctl apply -n $BENCH_NS -f - >/dev/null <<YAML
-apiVersion: apps/v1
-kind: StatefulSet
-metadata: {name: bench}
-spec:
-  replicas: $n
-  podManagementPolicy: Parallel
-  serviceName: bench
-  selector: {matchLabels: {app: bench}}
-  template:
-    metadata: {labels: {app: bench}}
-    spec:
-      terminationGracePeriodSeconds: 1
-      containers:
-$BENCH_MAIN
-          volumeMounts: [{name: model, mountPath: /model, readOnly: true}]
-  volumeClaimTemplates:
+        bench_workload StatefulSet "$n" "" "  volumeClaimTemplates:
     - metadata: {name: model}
       spec:
         storageClassName: modelcache-cache-local
         accessModes: [ReadWriteOnce]
         resources: {requests: {storage: 512Mi}}
-        dataSource: {kind: PersistentVolumeClaim, name: src}
-YAML
+        dataSource: {kind: PersistentVolumeClaim, name: src}"
         ;;
     esac
 }
@@ -200,9 +181,7 @@ spec:
       image: $S5CMD_IMAGE
       imagePullPolicy: Never
       env:
-        - {name: AWS_ACCESS_KEY_ID, value: $MINIO_USER}
-        - {name: AWS_SECRET_ACCESS_KEY, value: $MINIO_PASSWORD}
-        - {name: AWS_REGION, value: us-east-1}
+$(s5cmd_env "        ")
       command: [sh, -c, "s5cmd --endpoint-url $MINIO_URL cp 's3://models/$prefix/*' /model/ && sync"]
       volumeMounts: [{name: model, mountPath: /model}]
   volumes: [{name: model, persistentVolumeClaim: {claimName: src}}]
