@@ -17,6 +17,7 @@ use crate::cache::manifest::{self, Seal};
 use crate::cache::{self, Backend, Root, Roots, evict};
 use crate::config::Config;
 use crate::error::{Error, IoContext, Result};
+use crate::offload::blocking;
 use crate::puller::engine::{Engine, Progress, ProgressSink};
 use crate::puller::{self, SourceOptions};
 use crate::{mount, state};
@@ -176,12 +177,6 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
             .await
         }
     }
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
 }
 
 fn print<T: Serialize>(output: Output, value: &T, human: impl FnOnce() -> String) -> Result<()> {

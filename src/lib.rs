@@ -16,6 +16,7 @@ pub mod lock; // per-volume operation guards
 pub mod metrics; // Prometheus metrics and the /metrics, /healthz endpoint
 pub mod mount; // mounts, the mount table, loop devices, safe subpaths
 pub mod node; // CSI Node service: stage, publish, stats
+pub mod offload; // blocking filesystem work, off the async runtime's threads
 pub mod outcome; // one result of work that outlives its callers, awaited within each deadline
 pub mod puller; // model URIs fetched and sealed by the driver
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver

@@ -69,14 +69,7 @@ enum PvcSource {
     },
 }
 
-/// Runs blocking filesystem work off the async runtime.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
-}
+pub use crate::offload::blocking;
 
 impl Provisioner {
     pub fn new(cfg: Arc<Config>) -> Provisioner {

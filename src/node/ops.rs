@@ -42,13 +42,7 @@ pub struct Condition {
     pub message: String,
 }
 
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
-}
+pub use crate::offload::blocking;
 
 fn node_id(cfg: &Config) -> Result<String> {
     cfg.node_id.clone().ok_or_else(|| {

@@ -47,6 +47,7 @@ use crate::cache::manifest::{self, FileEntry, LinkEntry, Tree};
 use crate::cache::{self, Backend, Root, Seal};
 use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;
+use crate::offload::blocking;
 use crate::{mount, state};
 
 /// Unpacks a verified layer blob into a directory within a budget,
@@ -378,12 +379,6 @@ fn check_listing(r: &Resolved, limits: &PullLimits) -> Result<Option<u64>> {
         )));
     }
     Ok(total)
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
 }
 
 impl Engine {
