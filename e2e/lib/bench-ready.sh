@@ -84,7 +84,7 @@ bench_ready() { kctl get pods -n $BENCH_NS -l app=bench \
     | grep -c True; }
 
 # Bytes under the driver's sources (pulled models and source volumes).
-bench_state_bytes() { du -sb "$STATE_DIR"/*/sources 2>/dev/null | awk '{n+=$1} END {print n+0}'; }
+bench_state_bytes() { du -sb "$STATE_DIR"/*/sources 2>/dev/null | awk '{n+=$1} END {printf "%.0f\n", n}'; }
 # Bytes in the emptyDirs of the bench's pods.
 bench_emptydir_bytes() {
     local uid n=0 b
@@ -231,7 +231,7 @@ bench_one() {
     fi
     check "$method $model N=$n: all Ready in ${secs}s; origin $origin B, disk $disk B" test "$origin" -gt 0
     printf '%s\t%s\t%s\t%.2f\t%s\t%s\t%s\n' "$model" "$method" "$n" "$secs" "$origin" "$disk" \
-        "$(awk '{n += $2} END {print n}' "$RESULTS/$model.sizes")" >> "$RESULTS/bench-ready.tsv"
+        "$(awk '{n += $2} END {printf "%.0f", n}' "$RESULTS/$model.sizes")" >> "$RESULTS/bench-ready.tsv"
     bench_clear
     bench_delete_objects "$model" "$prefix"
 }
