@@ -189,6 +189,9 @@ impl Provisioner {
     }
 
     pub async fn create(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
+        // The caller's budget runs from now: what comes before the pull
+        // (the API, opening the source, the record) spends it too.
+        let deadline = req.budget.map(|b| std::time::Instant::now() + b);
         let mut params = Params::parse(&req.params)?;
         let mutable = super::params::parse_mutable(&req.mutable)?;
         let mut secrets: std::collections::BTreeMap<String, String> =
@@ -495,12 +498,14 @@ impl Provisioner {
                         // secret would have to be written too, so such a
                         // pull waits for the provisioner's next call.
                         let resumable = req.secrets.is_empty() || tenant.is_some();
-                        if resumable {
+                        if resumable && !self.jobs.is_running(&req.name) {
                             let (r, o, w) = (root.clone(), self.owner(), req.clone());
                             blocking(move || wanted::save(&r, &o, &w)).await?;
                         }
-                        tracing::debug!(budget = ?req.budget, "joining the pull job");
-                        let pulled = self.jobs.pull(&self.engine, job, req.budget).await;
+                        let left = deadline
+                            .map(|d| d.saturating_duration_since(std::time::Instant::now()));
+                        tracing::debug!(budget = ?left, "joining the pull job");
+                        let pulled = self.jobs.pull(&self.engine, job, left).await;
                         if resumable && !self.jobs.is_running(&req.name) {
                             let (r, o, n) = (root.clone(), self.owner(), req.name.clone());
                             blocking(move || wanted::remove(&r, &o, &n)).await?;
