@@ -98,7 +98,7 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
             print(output, &entries, || table(&entries))
         }
         CacheCommand::Show { id } => {
-            let (root, _) = find(&roots, &id)?;
+            let root = find(&roots, &id)?;
             let (e, seal) = blocking(move || {
                 let e = entry(&root, &id)?;
                 Ok((e, cache::read_seal(&root, &id)?))
@@ -117,7 +117,7 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
             print(output, &shown, || show(&e, seal.as_ref()))
         }
         CacheCommand::Verify { id } => {
-            let (root, _) = find(&roots, &id)?;
+            let root = find(&roots, &id)?;
             let report = blocking(move || verify(&root, &id, output)).await?;
             print(output, &report, || {
                 if report.mismatches.is_empty() {
@@ -153,7 +153,7 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
         CacheCommand::Pin { id } => set_pinned(&roots, &id, true, output).await,
         CacheCommand::Unpin { id } => set_pinned(&roots, &id, false, output).await,
         CacheCommand::Evict { id } => {
-            let (root, _) = find(&roots, &id)?;
+            let root = find(&roots, &id)?;
             let gone = blocking(move || do_evict(&root, &id)).await?;
             print(output, &gone, || format!("{} evicted", gone.id))
         }
@@ -192,7 +192,7 @@ fn print<T: Serialize>(output: Output, value: &T, human: impl FnOnce() -> String
 }
 
 /// The root that holds `id`.
-fn find(roots: &Roots, id: &str) -> Result<(Root, ())> {
+fn find(roots: &Roots, id: &str) -> Result<Root> {
     if !crate::cache::layout::is_source_id(id) {
         return Err(Error::invalid(
             "ID",
@@ -203,7 +203,7 @@ fn find(roots: &Roots, id: &str) -> Result<(Root, ())> {
         .roots
         .iter()
         .find(|r| cache::source_exists(r, id))
-        .map(|r| (r.clone(), ()))
+        .cloned()
         .ok_or_else(|| {
             Error::NotFound(format!(
                 "{id} is in none of this node's roots ({}); see `modelcache-csi cache ls`",
@@ -237,9 +237,6 @@ fn entry(root: &Root, sid: &str) -> Result<Entry> {
         .iter()
         .map(|uuid| root.volume_id(uuid))
         .collect();
-    let used = std::fs::read_to_string(root.source(sid).dir.join("last-used"))
-        .ok()
-        .and_then(|s| s.trim().parse().ok());
     let bytes = match &seal {
         Some(s) => s.total_bytes,
         None => du(&root.source(sid).data()),
@@ -254,7 +251,7 @@ fn entry(root: &Root, sid: &str) -> Result<Entry> {
         bytes,
         files: seal.as_ref().map(|s| s.files.len()).unwrap_or(0),
         sealed_unix: seal.as_ref().map(|s| s.sealed_unix),
-        last_used_unix: used.or(seal.as_ref().map(|s| s.sealed_unix)),
+        last_used_unix: Some(evict::last_used(root, sid)).filter(|t| *t > 0),
         pinned: evict::is_pinned(root, sid),
         volumes,
         writers: cache::writers(root, sid)?,
@@ -475,7 +472,7 @@ struct Changed {
 }
 
 async fn set_pinned(roots: &Roots, id: &str, pinned: bool, output: Output) -> Result<()> {
-    let (root, _) = find(roots, id)?;
+    let root = find(roots, id)?;
     if !evict::is_model(id) {
         return Err(Error::FailedPrecondition(format!(
             "{id} is a source volume, never evicted: only pulled models are pinned"

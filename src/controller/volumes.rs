@@ -499,16 +499,16 @@ impl Provisioner {
                         // pull waits for the provisioner's next call.
                         let resumable = req.secrets.is_empty() || tenant.is_some();
                         if resumable && !self.jobs.is_running(&req.name) {
-                            let (r, o, w) = (root.clone(), self.owner(), req.clone());
-                            blocking(move || wanted::save(&r, &o, &w)).await?;
+                            let (d, w) = (self.wanted_dir(), req.clone());
+                            blocking(move || wanted::save(&d, &w)).await?;
                         }
                         let left = deadline
                             .map(|d| d.saturating_duration_since(std::time::Instant::now()));
                         tracing::debug!(budget = ?left, "joining the pull job");
                         let pulled = self.jobs.pull(&self.engine, job, left).await;
                         if resumable && !self.jobs.is_running(&req.name) {
-                            let (r, o, n) = (root.clone(), self.owner(), req.name.clone());
-                            blocking(move || wanted::remove(&r, &o, &n)).await?;
+                            let (d, n) = (self.wanted_dir(), req.name.clone());
+                            blocking(move || wanted::remove(&d, &n)).await?;
                         }
                         let pulled = pulled?;
                         rec.model = pulled.seal.origin.clone().into();
@@ -722,33 +722,24 @@ impl Provisioner {
         }
     }
 
-    /// Who owns this process's wanted-pull records: its node, or the
-    /// central controller.
-    fn owner(&self) -> String {
-        self.cfg
-            .node_id
-            .clone()
-            .unwrap_or_else(|| "controller".into())
+    /// This process's wanted-pull records (see `wanted`).
+    fn wanted_dir(&self) -> std::path::PathBuf {
+        self.cfg.state_dir.join("wanted")
     }
 
     /// The requests whose pulls were running when this process last
     /// stopped (see `wanted`).
     pub async fn wanted(&self) -> Vec<CreateRequest> {
-        let (roots, owner) = (self.roots.roots.clone(), self.owner());
-        let load = move || Ok(roots.iter().flat_map(|r| wanted::load(r, &owner)).collect());
-        blocking(load).await.unwrap_or_default()
+        let d = self.wanted_dir();
+        blocking(move || Ok(wanted::load(&d)))
+            .await
+            .unwrap_or_default()
     }
 
-    /// Drops the record of the pull for volume `name`, in whichever root.
+    /// Drops the record of the pull for volume `name`.
     pub async fn forget_wanted(&self, name: &str) {
-        let (roots, owner, name) = (self.roots.roots.clone(), self.owner(), name.to_string());
-        let _ = blocking(move || {
-            for r in &roots {
-                wanted::remove(r, &owner, &name)?;
-            }
-            Ok(())
-        })
-        .await;
+        let (d, name) = (self.wanted_dir(), name.to_string());
+        let _ = blocking(move || wanted::remove(&d, &name)).await;
     }
 
     /// Evicts pulled models nobody has used for `idle`, in every root.

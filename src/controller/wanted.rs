@@ -1,22 +1,22 @@
 //! Pulls this process was asked for, kept on disk until they end, so a
 //! restart resumes them without waiting for a new call.
 //!
-//! A record is the CreateVolume request that started a pull, written into
-//! the root the pull fills, under the process that owns it (a node's
-//! provisioner, or the central controller: they share `shared` roots).
-//! Secrets never touch the disk: a pull that needs the class's secret is
+//! A record is the CreateVolume request that started a pull, written under
+//! this process's own `--state-dir` (`wanted/`), never into a root: a
+//! `shared` root is writable by every node, and a record there could make
+//! a driver pull, with an admin's authority, a source no StorageClass
+//! named. Secrets never touch the disk: a pull that needs the class's secret is
 //! not recorded and resumes at the provisioner's next call, which brings
 //! the secret again; a PVC's own secret is read again from the API.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use prost::Message;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::volumes::CreateRequest;
-use crate::cache::Root;
 use crate::csi::{CapacityRange, TopologyRequirement, VolumeCapability};
 use crate::error::{IoContext, Result};
 use crate::state;
@@ -34,18 +34,14 @@ struct Record {
     topology: Option<String>,
 }
 
-fn dir(root: &Root, owner: &str) -> PathBuf {
-    root.dir.join("wanted").join(owner)
-}
-
 /// Volume names are the caller's strings: the file is named by their hash.
-fn path(root: &Root, owner: &str, name: &str) -> PathBuf {
+fn path(dir: &Path, name: &str) -> PathBuf {
     let h = hex::encode(Sha256::digest(name.as_bytes()));
-    dir(root, owner).join(format!("{}.json", &h[..32]))
+    dir.join(format!("{}.json", &h[..32]))
 }
 
-/// Records that `req` wants a pull into `root`.
-pub fn save(root: &Root, owner: &str, req: &CreateRequest) -> Result<()> {
+/// Records in `dir` that `req` wants a pull.
+pub fn save(dir: &Path, req: &CreateRequest) -> Result<()> {
     let rec = Record {
         name: req.name.clone(),
         params: req.params.clone().into_iter().collect(),
@@ -65,21 +61,20 @@ pub fn save(root: &Root, owner: &str, req: &CreateRequest) -> Result<()> {
             .as_ref()
             .map(|t| hex::encode(t.encode_to_vec())),
     };
-    let p = path(root, owner, &req.name);
+    let p = path(dir, &req.name);
     state::write_json(&p, &rec).ctx("record a wanted pull", &p)
 }
 
 /// The pull for `name` ended (or nothing wants it any more).
-pub fn remove(root: &Root, owner: &str, name: &str) -> Result<()> {
-    let p = path(root, owner, name);
+pub fn remove(dir: &Path, name: &str) -> Result<()> {
+    let p = path(dir, name);
     state::remove_file(&p).ctx("remove a wanted pull", &p)
 }
 
-/// Every recorded request of `owner` in `root`. A record that cannot be
-/// read is dropped with a warning: the provisioner's retry still comes.
-pub fn load(root: &Root, owner: &str) -> Vec<CreateRequest> {
-    let d = dir(root, owner);
-    let names = state::list_names(&d).unwrap_or_default();
+/// Every request recorded in `dir`. A record that cannot be read is
+/// dropped with a warning: the provisioner's retry still comes.
+pub fn load(d: &Path) -> Vec<CreateRequest> {
+    let names = state::list_names(d).unwrap_or_default();
     let mut out = Vec::new();
     for n in names.iter().filter(|n| n.ends_with(".json")) {
         let p = d.join(n);
@@ -130,18 +125,11 @@ fn decode(r: Record) -> std::io::Result<CreateRequest> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::Roots;
-    use crate::config::Config;
 
     #[test]
     fn a_request_survives_the_round_trip_without_its_secrets() {
         let tmp = tempfile::tempdir().unwrap();
-        let cfg = Config {
-            node_id: Some("n1".into()),
-            state_dir: tmp.path().to_path_buf(),
-            ..Config::default()
-        };
-        let root = Roots::from_config(&cfg).roots.remove(0);
+        let dir = tmp.path().join("wanted");
         let cap = VolumeCapability {
             access_mode: Some(crate::csi::volume_capability::AccessMode { mode: 5 }),
             access_type: None,
@@ -160,20 +148,19 @@ mod tests {
             secrets: [("k".to_string(), "secret".to_string())].into(),
             budget: Some(std::time::Duration::from_secs(3)),
         };
-        save(&root, "n1", &req).unwrap();
-        let on_disk = std::fs::read_dir(dir(&root, "n1")).unwrap().count();
+        save(&dir, &req).unwrap();
+        let on_disk = std::fs::read_dir(&dir).unwrap().count();
         assert_eq!(on_disk, 1);
-        let text = std::fs::read_to_string(path(&root, "n1", &req.name)).unwrap();
+        let text = std::fs::read_to_string(path(&dir, &req.name)).unwrap();
         assert!(!text.contains("secret"), "{text}");
-        assert!(load(&root, "controller").is_empty(), "another owner's");
-        let back = load(&root, "n1");
+        let back = load(&dir);
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].name, req.name);
         assert_eq!(back[0].params, req.params);
         assert_eq!(back[0].capabilities, vec![cap]);
         assert_eq!(back[0].capacity, req.capacity);
         assert!(back[0].secrets.is_empty());
-        remove(&root, "n1", &req.name).unwrap();
-        assert!(load(&root, "n1").is_empty());
+        remove(&dir, &req.name).unwrap();
+        assert!(load(&dir).is_empty());
     }
 }
