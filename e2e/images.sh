@@ -12,6 +12,14 @@
 #                            s5cmd binary BIN at /usr/local/bin/s5cmd (the
 #                            copy-per-pod peer of the time-to-Ready benchmark);
 #                            prints S5CMD_TAR, S5CMD_IMAGE as well
+#   e2e/images.sh deploy DRIVER_BIN PROVISIONER_BIN RESIZER_BIN
+#                            also the images deploy/csi-driver names, under the
+#                            names it uses: modelcache-csi:latest (the root
+#                            filesystem deploy/csi-driver/image/rootfs.sh makes,
+#                            as its Containerfile does) and the two sidecars
+#                            at registry.k8s.io/sig-storage/<name>:<version>
+#                            (the binary and its libraries, entrypoint the
+#                            binary, as upstream's images); prints DEPLOY_TARS
 #
 # The tarballs are reproducible (sorted entries, owner 0, mtime 0) and cached in
 # <tools>/e2e-images-<key>/, where the key hashes this script, pause.c and the
@@ -114,6 +122,47 @@ if [[ ${1:-} == s5cmd ]]; then
     fi
     echo "S5CMD_TAR=$S5CMD_TAR"
     echo "S5CMD_IMAGE=$S5CMD_IMAGE"
+fi
+if [[ ${1:-} == deploy ]]; then
+    driver=${2:?usage: e2e/images.sh deploy DRIVER_BIN PROVISIONER_BIN RESIZER_BIN}
+    provisioner=${3:?usage: e2e/images.sh deploy DRIVER_BIN PROVISIONER_BIN RESIZER_BIN}
+    resizer=${4:?usage: e2e/images.sh deploy DRIVER_BIN PROVISIONER_BIN RESIZER_BIN}
+    tars=()
+    # image NAME TAR_KEY ROOTFS_BUILDER ARGS...: build the tarball unless cached.
+    image() {
+        local name=$1 tar=$OUT/$2.tar builder=$3 cfg=$4
+        shift 4
+        if [[ ! -s $tar ]]; then
+            local work
+            work=$(mktemp -d)
+            "$builder" "$work/r" "$@"
+            oci_tar "$work/r" "$cfg" "$name" "$tar"
+            rm -rf "$work"
+            log "built $tar ($name)"
+        fi
+        tars+=("$tar")
+    }
+    sidecar_root() {
+        local r=$1 bin=$2 lib
+        install -D -m 0755 "$bin" "$r/$(basename "$bin")"
+        ldd "$bin" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
+            [[ -e $r$lib ]] || install -D -m 0755 "$(readlink -f "$lib")" "$r$lib"
+        done
+        mkdir -p "$r/tmp" && chmod 1777 "$r/tmp"
+    }
+    key=$(cat "$driver" "$HERE/../deploy/csi-driver/image/rootfs.sh" | sha256sum | cut -c1-12)
+    # One driver tarball at a time: a debug build changes with every commit.
+    find "$OUT" -maxdepth 1 -name 'driver-*.tar' ! -name "driver-$key.tar" -delete
+    image docker.io/library/modelcache-csi:latest "driver-$key" "$HERE/../deploy/csi-driver/image/rootfs.sh" \
+        '{"Entrypoint":["/usr/local/bin/modelcache-csi"],"Env":["PATH=/usr/local/bin:/usr/sbin:/usr/bin:/bin"]}' "$driver"
+    for bin in "$provisioner" "$resizer"; do
+        n=$(basename "$bin")
+        v=$(basename "$(dirname "$bin")")
+        v=${v#"$n"-}
+        image "registry.k8s.io/sig-storage/$n:$v" "$n-$v" sidecar_root \
+            "{\"Entrypoint\":[\"/$n\"]}" "$bin"
+    done
+    echo "DEPLOY_TARS=\"${tars[*]}\""
 fi
 echo "PAUSE_TAR=$OUT/pause.tar"
 echo "BUSYBOX_TAR=$OUT/busybox.tar"

@@ -11,6 +11,7 @@ use crate::controller::{ControllerService, Provisioner};
 use crate::csi::controller_server::ControllerServer;
 use crate::csi::identity_server::IdentityServer;
 use crate::csi::node_server::NodeServer;
+use crate::node::absent::AbsentNode;
 use crate::identity::IdentityService;
 use crate::node::{NodeOps, NodeService};
 
@@ -108,7 +109,8 @@ pub async fn serve_on(
         }))
         .add_optional_service(
             node.then(|| NodeServer::new(NodeService::new(Arc::new(NodeOps::new(cfg.clone()))))),
-        );
+        )
+        .add_optional_service((!node).then(|| NodeServer::new(AbsentNode)));
     tracing::info!(driver = %cfg.driver_name, ?mode, node = ?cfg.node_id, "serving CSI");
     // Through the shim, so gRPC clients that send their own :authority for
     // a Unix socket (C-core: Python, C++) are served too.

@@ -32,6 +32,12 @@
 #                              and removes DIR/etcd-data (logs are kept)
 #   MODELCACHE_APISERVER_ARGS  extra kube-apiserver flags (space-separated)
 #   MODELCACHE_APISERVER_TIMEOUT  seconds to wait for /readyz (default 180)
+#   MODELCACHE_APISERVER_ADDRESS  bind and advertise this address instead of
+#                              127.0.0.1 (it must be up; it joins the cert's SANs)
+#   MODELCACHE_APISERVER_IN_CLUSTER=1  serve pods too: the ServiceAccount
+#                              admission plugin (token volumes) and the lease
+#                              endpoint reconciler (the kubernetes Service's
+#                              endpoints) are on; needs a non-loopback ADDRESS
 #
 # A previous crashed run in the same DIR is cleaned up first: its processes are
 # killed (only if their command line still names DIR, so a recycled PID is never
@@ -150,11 +156,11 @@ make_pki() {
             -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" 2>/dev/null
         openssl req -newkey rsa:2048 -nodes -sha256 \
             -keyout apiserver.key -out apiserver.csr -subj "/CN=kube-apiserver" 2>/dev/null
-        cat > apiserver.ext <<'EOF'
+        cat > apiserver.ext <<EOF
 basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+subjectAltName=IP:127.0.0.1,${EXTRA_SAN}IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
 EOF
         openssl x509 -req -sha256 -days 3650 -in apiserver.csr -CA ca.crt -CAkey ca.key \
             -CAcreateserial -extfile apiserver.ext -out apiserver.crt 2>/dev/null
@@ -240,11 +246,20 @@ wait_http() { # wait_http DEADLINE PID NAME CURL_ARGS...
     done
 }
 
+API_ADDRESS=${MODELCACHE_APISERVER_ADDRESS:-127.0.0.1}
+EXTRA_SAN=
+[[ $API_ADDRESS == 127.0.0.1 ]] || EXTRA_SAN="IP:$API_ADDRESS,"
+
 start_once() {
+    local in_cluster=(--disable-admission-plugins ServiceAccount --endpoint-reconciler-type none)
+    if [[ ${MODELCACHE_APISERVER_IN_CLUSTER:-0} == 1 ]]; then
+        [[ $API_ADDRESS != 127.* ]] || { log "MODELCACHE_APISERVER_IN_CLUSTER needs a non-loopback MODELCACHE_APISERVER_ADDRESS"; return 1; }
+        in_cluster=(--endpoint-reconciler-type lease)
+    fi
     local etcd_port etcd_peer api_port
     read -r etcd_port etcd_peer api_port <<<"$(free_ports 3 | tr '\n' ' ')"
     local etcd_url=http://127.0.0.1:$etcd_port
-    local url=https://127.0.0.1:$api_port
+    local url=https://$API_ADDRESS:$api_port
     local timeout=${MODELCACHE_APISERVER_TIMEOUT:-180}
     local deadline=$(($(date +%s) + timeout))
 
@@ -273,8 +288,8 @@ start_once() {
     # shellcheck disable=SC2086 # extra args are meant to be split
     launch kube-apiserver "$DIR/kube-apiserver.log" "$BIN/kube-apiserver" \
         --etcd-servers "$etcd_url" \
-        --bind-address 127.0.0.1 \
-        --advertise-address 127.0.0.1 \
+        --bind-address "$API_ADDRESS" \
+        --advertise-address "$API_ADDRESS" \
         --secure-port "$api_port" \
         --cert-dir "$DIR/pki" \
         --tls-cert-file "$DIR/pki/apiserver.crt" \
@@ -286,8 +301,7 @@ start_once() {
         --service-account-key-file "$DIR/pki/sa.pub" \
         --service-account-signing-key-file "$DIR/pki/sa.key" \
         --service-cluster-ip-range 10.0.0.0/24 \
-        --disable-admission-plugins ServiceAccount \
-        --endpoint-reconciler-type none \
+        "${in_cluster[@]}" \
         --allow-privileged=true \
         --profiling=false \
         ${MODELCACHE_APISERVER_ARGS:-}

@@ -4,7 +4,7 @@
 #
 #   e2e/k8s/build.sh [component...]     components: etcd kube-apiserver
 #                                        kube-controller-manager kube-scheduler
-#                                        kubelet kubectl | all
+#                                        kubelet kube-proxy kubectl | all
 #                                        (default: etcd kube-apiserver kubectl)
 #
 # Cache layout (MODELCACHE_TOOLS overrides the root):
@@ -50,7 +50,7 @@ TOOLS=${MODELCACHE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/modelcache-csi/tools}
 K8S_DIR=$TOOLS/k8s-$K8S_VERSION
 ETCD_DIR=$TOOLS/etcd-$ETCD_VERSION
 
-ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
+ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl)
 DEFAULT=(etcd kube-apiserver kubectl)
 
 components=()
@@ -60,7 +60,7 @@ else
     for c in "$@"; do
         case $c in
             all) components+=("${ALL[@]}") ;;
-            etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kubectl) components+=("$c") ;;
+            etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|kubectl) components+=("$c") ;;
             -h|--help) sed -n '2,24p' "$0" >&2; exit 0 ;;
             *) echo "build.sh: unknown component '$c' (one of: ${ALL[*]} all)" >&2; exit 2 ;;
         esac

@@ -47,7 +47,7 @@ k8s)
         echo "require k8s.io/kubernetes $version"
         echo
         echo "tool ("
-        for c in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
+        for c in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl; do
             echo "	k8s.io/kubernetes/cmd/$c"
         done
         echo ")"

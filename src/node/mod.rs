@@ -1,5 +1,6 @@
 //! CSI Node service: validate the request, lock the volume, call `ops`.
 
+pub mod absent;
 pub mod ops;
 pub mod registration;
 pub mod verify;
