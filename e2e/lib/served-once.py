@@ -1,9 +1,10 @@
 """Checks MinIO's audit log (e2e/lib/audit-receiver.py) against the objects
-under a prefix: every object's bytes were sent exactly once, whether as one
-GET or as disjoint ranges that cover it. Prints one line per object and exits
-non-zero on any object fetched twice, partly, or not at all.
+under a prefix: every object's bytes were sent exactly once (or TIMES times:
+once per node that pulls), whether as one GET or as ranges that cover it.
+Prints one line per object and exits non-zero on any object whose bytes were
+sent more or fewer times, or not at all.
 
-    python3 served-once.py AUDIT_JSONL BUCKET PREFIX SIZES_FILE
+    python3 served-once.py AUDIT_JSONL BUCKET PREFIX SIZES_FILE [TIMES]
 
 SIZES_FILE: lines "<key> <size>" for the objects that must have been served.
 """
@@ -13,6 +14,7 @@ import re
 import sys
 
 audit, bucket, prefix, sizes_file = sys.argv[1:5]
+times = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 sizes = {}
 for line in open(sizes_file):
     key, size = line.split()
@@ -46,19 +48,23 @@ for line in open(audit):
 
 bad = 0
 for key in sorted(ranges):
-    rs = sorted(ranges[key])
+    rs = ranges[key]
     sent = sum(r[2] for r in rs)
-    covered, pos, overlap = 0, 0, False
-    for start, end, _ in rs:
-        if start < pos:
-            overlap = True
-        covered += end - start
-        pos = max(pos, end)
-    ok = sent == sizes[key] and covered == sizes[key] and not overlap
+    # Sweep the range boundaries: every byte must be covered exactly `times`.
+    edges = sorted([(start, 1) for start, _, _ in rs] + [(end, -1) for _, end, _ in rs])
+    depth, pos, even = 0, 0, True
+    for at, step in edges:
+        if at > pos and pos < sizes[key] and depth != times:
+            even = False
+        depth += step
+        pos = at
+    if pos < sizes[key]:
+        even = False
+    ok = sent == times * sizes[key] and even
     bad += not ok
     print(
         f"{'ok ' if ok else 'BAD'} {key}: size {sizes[key]}, {len(rs)} GET(s), "
-        f"{sent} bytes sent{', overlapping ranges' if overlap else ''}"
+        f"{sent} bytes sent{'' if even else f', not every byte sent {times} time(s)'}"
     )
 for s in stray:
     print(f"note: {s}")

@@ -23,6 +23,10 @@ pub struct Observed {
     pub node_labels: BTreeMap<String, String>,
     /// The node's CSINode lists this driver.
     pub driver_registered: bool,
+    /// How long the node's Ready condition has not been True; `None` while
+    /// it is. A node whose kubelet died keeps its CSINode, so registration
+    /// alone cannot tell a live driver from a dead node's record.
+    pub node_not_ready_for: Option<Duration>,
     /// Some PV's claimRef points at this PVC.
     pub pv_bound: bool,
 }
@@ -64,7 +68,7 @@ pub fn decide(cfg: &Config, o: &Observed, waited: Duration) -> Decision {
     let Some(node) = ann.get(SELECTED_NODE) else {
         return Decision::Ignore;
     };
-    if o.driver_registered {
+    if o.driver_registered && o.node_not_ready_for.is_none() {
         return Decision::Ignore;
     }
     if !o.node_exists {
@@ -88,6 +92,21 @@ pub fn decide(cfg: &Config, o: &Observed, waited: Duration) -> Decision {
                 "node {node} does not match the {} node selector ({}), so its driver will never run there; cleared {SELECTED_NODE} so the scheduler picks another node",
                 cfg.driver_name,
                 unmatched.join(", ")
+            ),
+        };
+    }
+    if let Some(down) = o.node_not_ready_for.filter(|_| o.driver_registered) {
+        // The node's own record says since when, which may predate this PVC.
+        let waited = waited.max(down);
+        if waited < cfg.grace {
+            return Decision::Wait(cfg.grace - waited);
+        }
+        return Decision::Reschedule {
+            reason: "node-not-ready",
+            message: format!(
+                "node {node} has not been Ready for {}s, so its {} driver cannot provision this claim; cleared {SELECTED_NODE} so the scheduler picks another node",
+                waited.as_secs(),
+                cfg.driver_name
             ),
         };
     }
@@ -210,6 +229,23 @@ mod tests {
                 ..
             }
         ));
+        // 5. registered on a node that is not Ready: the CSINode of a dead
+        // node outlives it. Grace counts from the node's own transition.
+        let mut dead = pending("modelcache.csi.io", Some("n1"));
+        dead.driver_registered = true;
+        dead.node_not_ready_for = Some(Duration::from_secs(60));
+        assert_eq!(
+            decide(&c, &dead, Duration::from_secs(10)),
+            Decision::Wait(Duration::from_secs(240))
+        );
+        dead.node_not_ready_for = Some(long);
+        match decide(&c, &dead, Duration::ZERO) {
+            Decision::Reschedule { reason, message } => {
+                assert_eq!(reason, "node-not-ready");
+                assert!(message.contains("not been Ready for 301s"), "{message}");
+            }
+            d => panic!("{d:?}"),
+        }
         // Being deleted: untouched.
         let mut deleting = gone.clone();
         deleting.pvc.metadata.deletion_timestamp = Some(

@@ -194,11 +194,35 @@ fn observe(ctx: &Ctx, pvc: &PersistentVolumeClaim) -> Observed {
         pvc: pvc.clone(),
         class_provisioner,
         node_exists: node.is_some(),
-        node_labels: node.map(|n| n.labels().clone()).unwrap_or_default(),
+        node_labels: node.as_ref().map(|n| n.labels().clone()).unwrap_or_default(),
         driver_registered: csinode
             .is_some_and(|c| c.spec.drivers.iter().any(|d| d.name == ctx.cfg.driver_name)),
+        node_not_ready_for: node.as_deref().and_then(not_ready_for),
         pv_bound,
     }
+}
+
+/// How long the node's Ready condition has been other than True (zero when
+/// the transition time is missing or in the future); `None` while Ready or
+/// before kubelet first reported.
+fn not_ready_for(node: &Node) -> Option<Duration> {
+    let ready = node
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")?;
+    if ready.status == "True" {
+        return None;
+    }
+    let since = ready.last_transition_time.as_ref().map(|t| t.0);
+    let now = k8s_openapi::jiff::Timestamp::now();
+    Some(
+        since
+            .and_then(|t| now.duration_since(t).try_into().ok())
+            .unwrap_or_default(),
+    )
 }
 
 async fn reconcile(
