@@ -4,7 +4,9 @@
 # namespace), csi-sanity against every backend, the cargo-fuzz targets for
 # a bounded time (tests/scripts/fuzz.sh), then the e2e suite on a
 # single-node Kubernetes cluster built from real binaries (e2e/up, e2e/run,
-# e2e/down). MODELCACHE_E2E=0 leaves the e2e suite out (reported as such).
+# e2e/down), and deploy/csi-driver installed as pods on a two-node cluster
+# (E2E_NODES=2 e2e/up, e2e/run-deployed). MODELCACHE_E2E=0 leaves the e2e
+# suites out (reported as such).
 source "$(dirname "$0")/lib.sh"
 need_root
 cd "$ROOT"
@@ -48,6 +50,7 @@ log "fuzz (tests/scripts/fuzz.sh: each cargo-fuzz target for a bounded time)"
 fuzz_rc=${PIPESTATUS[0]}
 e2e_rc=0
 : > "$TARGET/e2e.log"
+: > "$TARGET/e2e-deployed.log"
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   # A failed prebuild is e2e/up's to report: it builds what is missing.
   [ -n "$prebuild" ] && { wait "$prebuild" || log "e2e prebuild failed; e2e/up tries again"; }
@@ -61,6 +64,17 @@ if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
     echo "e2e: 0 passed, 1 failed (e2e/up failed; see $TARGET/e2e-up.log)" >> "$TARGET/e2e.log"
   fi
   "$ROOT/e2e/down" >> "$TARGET/e2e-up.log" 2>&1 || { e2e_rc=1; echo "e2e/down left something behind" >&2; }
+  # The driver installed from deploy/csi-driver as pods, on two nodes.
+  log "e2e, deployed (E2E_NODES=2 e2e/up, e2e/run-deployed, e2e/down)"
+  if E2E_NODES=2 E2E_DRIVER="$TARGET/debug/modelcache-csi" "$ROOT/e2e/up" > "$TARGET/e2e-deployed-up.log" 2>&1; then
+    "$ROOT/e2e/run-deployed" 2>&1 | tee "$TARGET/e2e-deployed.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || e2e_rc=1
+  else
+    e2e_rc=1
+    tail -n 40 "$TARGET/e2e-deployed-up.log" >&2
+    echo "e2e-deployed: 0 passed, 1 failed (E2E_NODES=2 e2e/up failed; see $TARGET/e2e-deployed-up.log)" > "$TARGET/e2e-deployed.log"
+  fi
+  "$ROOT/e2e/down" >> "$TARGET/e2e-deployed-up.log" 2>&1 || { e2e_rc=1; echo "e2e/down left something behind" >&2; }
 else
   echo "MODELCACHE_E2E=0: the e2e suite was NOT run" >&2
 fi
@@ -69,8 +83,8 @@ set -e
 read -r passed failed < <(awk '
   /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   /Passed \| .* Failed/ { for (i = 1; i <= NF; i++) { if ($(i+1) == "Passed") p += $i; if ($(i+1) == "Failed") f += $i } }
-  /^(e2e|fuzz): [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
-  END { print p + 0, f + 0 }' "$TARGET/cargo-test.log" "$TARGET/csi-sanity.log" "$TARGET/fuzz.log" "$TARGET/e2e.log")
+  /^(e2e|e2e-deployed|fuzz): [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
+  END { print p + 0, f + 0 }' "$TARGET/cargo-test.log" "$TARGET/csi-sanity.log" "$TARGET/fuzz.log" "$TARGET/e2e.log" "$TARGET/e2e-deployed.log")
 leaks=$(losetup -a | grep -c -E '/tmp/(\.tmp|mc-)' || true)
 if [ "$leaks" -gt 0 ]; then
   echo "leaked loop devices:" >&2; losetup -a >&2
