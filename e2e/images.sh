@@ -19,7 +19,9 @@
 #                            as its Containerfile does) and the two sidecars
 #                            at registry.k8s.io/sig-storage/<name>:<version>
 #                            (the binary and its libraries, entrypoint the
-#                            binary, as upstream's images); prints DEPLOY_TARS
+#                            binary, as upstream's images), and a second
+#                            driver image, modelcache-csi:e2e-upgrade (the
+#                            rolling-upgrade flow); prints DEPLOY_TARS
 #
 # The tarballs are reproducible (sorted entries, owner 0, mtime 0) and cached in
 # <tools>/e2e-images-<key>/, where the key hashes this script, pause.c and the
@@ -152,9 +154,13 @@ if [[ ${1:-} == deploy ]]; then
     }
     key=$(cat "$driver" "$HERE/../deploy/csi-driver/image/rootfs.sh" | sha256sum | cut -c1-12)
     # One driver tarball at a time: a debug build changes with every commit.
-    find "$OUT" -maxdepth 1 -name 'driver-*.tar' ! -name "driver-$key.tar" -delete
+    find "$OUT" -maxdepth 1 -name 'driver-*.tar' ! -name "driver-$key*.tar" -delete
     image docker.io/library/modelcache-csi:latest "driver-$key" "$HERE/../deploy/csi-driver/image/rootfs.sh" \
         '{"Entrypoint":["/usr/local/bin/modelcache-csi"],"Env":["PATH=/usr/local/bin:/usr/sbin:/usr/bin:/bin"]}' "$driver"
+    # A second image of the driver, for the rolling-upgrade flow: same root
+    # filesystem, its own config, so its own image id.
+    image docker.io/library/modelcache-csi:e2e-upgrade "driver-$key-upgrade" "$HERE/../deploy/csi-driver/image/rootfs.sh" \
+        '{"Entrypoint":["/usr/local/bin/modelcache-csi"],"Env":["PATH=/usr/local/bin:/usr/sbin:/usr/bin:/bin","MODELCACHE_IMAGE=e2e-upgrade"]}' "$driver"
     for bin in "$provisioner" "$resizer"; do
         n=$(basename "$bin")
         v=$(basename "$(dirname "$bin")")

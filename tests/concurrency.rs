@@ -52,9 +52,9 @@ async fn concurrent_stage_of_one_volume_mounts_once() {
             results.push(c.await.unwrap());
         }
         assert_ok_or_pending(&results);
-        let m = single_mount(&staging);
+        let m = single_mount(&content(&staging));
         assert_mount_options(&m, &["ro"]);
-        assert_model(&staging, &model);
+        assert_model(&content(&staging), &model);
         d.unstage(&id, &staging).await.unwrap();
         assert_not_mounted(&staging);
     }
@@ -66,7 +66,7 @@ async fn concurrent_stage_of_two_xfs_clones_shares_one_loop_device() {
     let src = d.create_source("pvc-xfs-race-src", "xfs").await;
     let staging = d.staging("xfs-race-src");
     d.stage(&src.volume_id, &staging, WRITER).await.unwrap();
-    let model = write_model(&staging, 8);
+    let model = write_model(&content(&staging), 8);
     d.unstage(&src.volume_id, &staging).await.unwrap();
     d.seal(&src.volume_id).await.unwrap();
     let image = d
@@ -99,8 +99,8 @@ async fn concurrent_stage_of_two_xfs_clones_shares_one_loop_device() {
     assert!(devices[0].1, "{devices:?}");
     for (i, id) in clones.iter().enumerate() {
         let s = d.staging(&format!("xfs-race-{i}"));
-        assert_eq!(single_mount(&s).source, devices[0].0.to_str().unwrap());
-        assert_model(&s, &model);
+        assert_eq!(single_mount(&content(&s)).source, devices[0].0.to_str().unwrap());
+        assert_model(&content(&s), &model);
         d.unstage(id, &s).await.unwrap();
     }
 }
@@ -133,4 +133,65 @@ async fn concurrent_create_of_one_name_makes_one_volume() {
     assert_eq!(std::fs::read_dir(&refs).unwrap().count(), 1);
     d.delete(&ok[0].volume_id).await.unwrap();
     d.delete(&src.volume_id).await.unwrap();
+}
+
+/// What kubelet's GetDeviceMountRefs finds for `path` (mount-utils'
+/// SearchMountPoints): every other mount of the same filesystem root on the
+/// same device, less the ones beneath the same plugin path (HasMountRefs).
+/// kubelet will not unstage while this is non-empty.
+fn kubelet_mount_refs(path: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let path = std::fs::canonicalize(path).unwrap();
+    let table = modelcache_csi::mount::read_table().unwrap();
+    let Some(me) = table.iter().rev().find(|m| m.mount_point == path) else {
+        return Vec::new();
+    };
+    table
+        .iter()
+        .filter(|m| m.mount_id != me.mount_id)
+        .filter(|m| m.root == me.root && (m.major, m.minor) == (me.major, me.minor))
+        .map(|m| m.mount_point.clone())
+        .filter(|p| !p.starts_with(&path))
+        .collect()
+}
+
+/// Two cache volumes of one source staged on one node: kubelet must be able
+/// to unstage each while the other stays (it refused both forever when every
+/// staging path was a mount of the same tree), on every backend.
+#[tokio::test]
+async fn two_volumes_of_one_source_never_block_each_others_unstage() {
+    let d = Driver::start().await;
+    for backend in ["local", "xfs"] {
+        let src = d.create_source(&format!("pvc-refs-{backend}"), backend).await;
+        let staging = d.staging(&format!("refs-src-{backend}"));
+        d.stage(&src.volume_id, &staging, WRITER).await.unwrap();
+        let model = write_model(&content(&staging), 5);
+        d.unstage(&src.volume_id, &staging).await.unwrap();
+        d.seal(&src.volume_id).await.unwrap();
+        let mut staged = Vec::new();
+        for i in 0..2 {
+            let id = d
+                .create_cache(&format!("pvc-refs-{backend}-{i}"), &src.volume_id, &[])
+                .await
+                .unwrap()
+                .volume_id;
+            let s = d.staging(&format!("refs-{backend}-{i}"));
+            d.stage(&id, &s, READER).await.unwrap();
+            assert_model(&content(&s), &model);
+            staged.push((id, s));
+        }
+        for (_, s) in &staged {
+            let refs = kubelet_mount_refs(s);
+            assert!(
+                refs.is_empty(),
+                "{backend}: kubelet would refuse to unstage {}: other references {refs:#?}",
+                s.display()
+            );
+        }
+        // One goes while the other stays and still reads.
+        d.unstage(&staged[0].0, &staged[0].1).await.unwrap();
+        assert_not_mounted(&staged[0].1);
+        assert_model(&content(&staged[1].1), &model);
+        d.unstage(&staged[1].0, &staged[1].1).await.unwrap();
+        assert_not_mounted(&staged[1].1);
+    }
 }

@@ -98,7 +98,7 @@ async fn node_calls_are_idempotent_and_mount_once() {
     for _ in 0..2 {
         d.stage(id, &staging, READER).await.unwrap();
     }
-    single_mount(&staging);
+    single_mount(&content(&staging));
     for _ in 0..2 {
         d.publish(id, &staging, &target, READER, true)
             .await
@@ -110,7 +110,7 @@ async fn node_calls_are_idempotent_and_mount_once() {
     // Another volume at the same paths is not a retry: refused, and the
     // mounts in place stay as they are.
     let other = d.create_source("pvc-node-other", "local").await;
-    let before = (single_mount(&staging), single_mount(&target));
+    let before = (single_mount(&content(&staging)), single_mount(&target));
     let r = d.stage(&other.volume_id, &staging, WRITER).await;
     assert_code(r, Code::AlreadyExists, "different mount");
     // The refused stage gave back the writer lease it took.
@@ -132,7 +132,7 @@ async fn node_calls_are_idempotent_and_mount_once() {
         )
         .await;
     assert_code(r, Code::AlreadyExists, "different mount");
-    assert_eq!((single_mount(&staging), single_mount(&target)), before);
+    assert_eq!((single_mount(&content(&staging)), single_mount(&target)), before);
     d.unstage(&other.volume_id, &d.staging("other"))
         .await
         .unwrap();

@@ -380,7 +380,7 @@ async fn per_pvc_sources_and_pvc_claims() {
         .expect("pvc:// of a block XFS PV an admin trusts");
     let (staging, target) = read_through(&d, &v.volume_id, "block").await;
     assert_model(&target, &bm);
-    let m = single_mount(&staging);
+    let m = single_mount(&content(&staging));
     assert_eq!(m.fs_type, "xfs");
     for o in ["ro", "norecovery", "nouuid"] {
         assert!(m.has_option(o), "block staging lacks {o}: {m:#?}");

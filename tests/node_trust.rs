@@ -51,7 +51,7 @@ async fn xfs_shared_source_has_one_writer_across_nodes() {
     let (sa, sb) = (a.staging("src"), b.staging("src"));
 
     a.stage(id, &sa, WRITER).await.unwrap();
-    fs::write(sa.join("written-on-a"), b"a").unwrap();
+    fs::write(content(&sa).join("written-on-a"), b"a").unwrap();
     a.stage(id, &sa, WRITER)
         .await
         .expect("a retry is idempotent");
@@ -94,8 +94,8 @@ async fn xfs_shared_source_has_one_writer_across_nodes() {
     // Once A lets go, B can write, and A in turn is refused.
     a.unstage(id, &sa).await.unwrap();
     b.stage(id, &sb, WRITER).await.unwrap();
-    assert_eq!(fs::read(sb.join("written-on-a")).unwrap(), b"a");
-    assert_mount_options(&single_mount(&sb), &["rw", "nosuid", "nodev"]);
+    assert_eq!(fs::read(content(&sb).join("written-on-a")).unwrap(), b"a");
+    assert_mount_options(&single_mount(&content(&sb)), &["rw", "nosuid", "nodev"]);
     assert_code(
         a.stage(id, &sa, WRITER).await,
         Code::FailedPrecondition,
@@ -377,7 +377,7 @@ async fn writable_mounts_and_copies_carry_no_setuid_or_devices() {
     let (s, t) = (d.staging("suid"), d.target("suid"));
     d.stage(id, &s, WRITER).await.unwrap();
     d.publish(id, &s, &t, WRITER, false).await.unwrap();
-    for m in [single_mount(&s), single_mount(&t)] {
+    for m in [single_mount(&content(&s)), single_mount(&t)] {
         assert_mount_options(&m, &["rw", "nosuid", "nodev"]);
     }
     // What a root pod can leave in its source.

@@ -27,7 +27,7 @@ async fn source_lifecycle(backend: &str) {
         .await
         .unwrap();
     // Writable, but never for device files: the node adds nodev to every mount.
-    assert_mount_options(&single_mount(&staging), &["rw", "nodev"]);
+    assert_mount_options(&single_mount(&content(&staging)), &["rw", "nodev"]);
     assert_mount_options(&single_mount(&target), &["rw", "nodev"]);
     let model = write_model(&target, 2);
 
@@ -59,9 +59,9 @@ async fn source_lifecycle(backend: &str) {
 
     // Once sealed, the source itself stages read-only, even for a writer.
     d.stage(id, &staging, WRITER).await.unwrap();
-    assert_mount_options(&single_mount(&staging), &["ro"]);
-    assert_erofs(&staging.join("config.json"));
-    assert_erofs(&staging.join("new-file"));
+    assert_mount_options(&single_mount(&content(&staging)), &["ro"]);
+    assert_erofs(&content(&staging).join("config.json"));
+    assert_erofs(&content(&staging).join("new-file"));
     d.publish(id, &staging, &target, WRITER, false)
         .await
         .unwrap();
@@ -107,7 +107,7 @@ async fn source_in_use_cannot_be_deleted() {
     d.stage(id, &staging, WRITER).await.unwrap();
     assert!(source_dir.join("writers").join(NODE).exists());
     assert_code(d.delete(id).await, Code::FailedPrecondition, NODE);
-    fs::write(staging.join("weights.bin"), b"w").unwrap();
+    fs::write(content(&staging).join("weights.bin"), b"w").unwrap();
     d.unstage(id, &staging).await.unwrap();
     assert!(!source_dir.join("writers").join(NODE).exists());
     d.seal(id).await.unwrap();
@@ -144,7 +144,7 @@ async fn writable_copies(backend: &str) {
         .await;
     let staging = d.staging("orig");
     d.stage(&src.volume_id, &staging, WRITER).await.unwrap();
-    let model = write_model(&staging, 9);
+    let model = write_model(&content(&staging), 9);
     d.unstage(&src.volume_id, &staging).await.unwrap();
     d.seal(&src.volume_id).await.unwrap();
 
@@ -156,9 +156,9 @@ async fn writable_copies(backend: &str) {
         assert_ne!(copy.volume_context["source"], src.volume_context["source"]);
         let s = d.staging(name);
         d.stage(&copy.volume_id, &s, WRITER).await.unwrap();
-        assert_mount_options(&single_mount(&s), &["rw"]);
-        assert_model(&s, &model);
-        fs::write(s.join("config.json"), format!("{{\"copy\": \"{name}\"}}")).unwrap();
+        assert_mount_options(&single_mount(&content(&s)), &["rw"]);
+        assert_model(&content(&s), &model);
+        fs::write(content(&s).join("config.json"), format!("{{\"copy\": \"{name}\"}}")).unwrap();
         copies.push((copy.volume_id, s));
     }
 

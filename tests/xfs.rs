@@ -40,7 +40,7 @@ async fn sealed_image_is_shared_read_only_through_one_loop_device() {
     // Written through a read-write device of its own.
     let (staging, target) = (d.staging("xfs-src"), d.target("xfs-writer"));
     d.stage(id, &staging, WRITER).await.unwrap();
-    let m = single_mount(&staging);
+    let m = single_mount(&content(&staging));
     assert_eq!(m.fs_type, "xfs", "{m:#?}");
     assert_mount_options(&m, &["rw", "nodev"]);
     let devices = devices_backed_by(&image).unwrap();
@@ -84,7 +84,7 @@ async fn sealed_image_is_shared_read_only_through_one_loop_device() {
     let (dev, read_only) = &devices[0];
     assert!(read_only, "{} is writable", dev.display());
     for (_, s, t) in &mounted {
-        let m = single_mount(s);
+        let m = single_mount(&content(s));
         assert_eq!(m.fs_type, "xfs", "{m:#?}");
         assert_eq!(m.source, dev.to_str().unwrap(), "{m:#?}");
         assert_mount_options(&m, &["ro", "nosuid", "nodev"]);
@@ -95,7 +95,7 @@ async fn sealed_image_is_shared_read_only_through_one_loop_device() {
         assert_mount_options(&pm, &["ro", "nosuid", "nodev"]);
         assert_model(t, &model);
         assert_erofs(&t.join("config.json"));
-        assert_erofs(&s.join("config.json"));
+        assert_erofs(&content(&s).join("config.json"));
     }
 
     // The device outlives the first unstage and goes with the last.

@@ -21,6 +21,7 @@
 # out). Loop devices are global, as on a real machine's kernel.
 #
 # Sourced by e2e/up, e2e/down and the multi-node flows after common.sh.
+. "$E2E_ROOT/lib/configs.sh"
 
 NODES_BRIDGE=mce2enodes0
 NODES_HOST_IP=10.213.0.1
@@ -64,7 +65,11 @@ node_namespaces_up() {
     local k=$1 name ns nd ip
     name=$(node_name "$k") ns=$(node_netns "$k") nd=$(node_dir "$k") ip=$(node_ip "$k")
     mkdir -p "$nd"/{kubelet,state,pki,containerd/{root,state,runc,opt},cni/{net.d,ipam},pod-logs,volume-plugins} "$SHARED_DIR"
+    # A node that comes back (nodedeath) finds its old netns name and host
+    # veth, which the kernel drops only once the last process left.
     ip netns del "$ns" 2>/dev/null || true
+    ip link del "$ns" 2>/dev/null || true
+    wait_until 10 "the old veth $ns to go" bash -c "! ip link show $ns" || return 1
     ip netns add "$ns"
     ip link add "$ns" type veth peer name eth0 netns "$ns"
     ip link set "$ns" master "$NODES_BRIDGE" up

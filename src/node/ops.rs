@@ -74,6 +74,54 @@ fn unmount_all(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The directory beneath a staging path that holds the volume.
+///
+/// The staging path itself is a tmpfs of its own. kubelet does not unstage
+/// (UnmountDevice) a staging path while another mount shows the same root of
+/// the same filesystem (GetDeviceMountRefs), and two volumes of one model on
+/// a node are two mounts of one tree: each waited for the other forever, and
+/// both stayed mounted after their pods were gone. No other mount shares a
+/// tmpfs's root.
+const CONTENT: &str = "volume";
+const WRAPPER_BYTES: u64 = 64 * 1024;
+
+/// The content mount of a staging path and where it is. A volume staged by
+/// an older driver has its content on the staging path itself (a bind or an
+/// XFS mount, never the root of a tmpfs).
+fn staged(staging: &Path) -> Result<Option<(PathBuf, mountinfo::MountEntry)>> {
+    let inner = staging.join(CONTENT);
+    if let Some(e) = mount_entry(&inner)? {
+        return Ok(Some((inner, e)));
+    }
+    Ok(match mount_entry(staging)? {
+        Some(e) if !(e.fs_type == "tmpfs" && e.root == Path::new("/")) => {
+            Some((staging.to_path_buf(), e))
+        }
+        _ => None,
+    })
+}
+
+/// The wrapper tmpfs on `staging`, and the empty directory for the content.
+fn wrap(staging: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(staging).ctx("create staging path", staging)?;
+    if mount_entry(staging)?.is_none() {
+        mount::mount_tmpfs(staging, WRAPPER_BYTES).ctx("mount the staging tmpfs on", staging)?;
+    }
+    let inner = staging.join(CONTENT);
+    match std::fs::create_dir(&inner) {
+        Ok(()) => Ok(inner),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(inner),
+        Err(e) => Err(Error::io("create", &inner, e)),
+    }
+}
+
+/// Unmounts a staging path: its content, then the wrapper (or the content
+/// an older driver mounted on the path itself).
+fn unmount_staging(staging: &Path) -> Result<()> {
+    unmount_all(&staging.join(CONTENT))?;
+    unmount_all(staging)
+}
+
 impl NodeOps {
     pub fn new(cfg: Arc<Config>) -> NodeOps {
         let roots = Roots::from_config(&cfg);
@@ -149,12 +197,12 @@ impl NodeOps {
         if result.is_ok()
             && let Some(seal) = full
         {
-            result = match self.verifier.verify(&seal, staging.clone(), budget).await {
+            result = match self.verifier.verify(&seal, staging.join(CONTENT), budget).await {
                 // Still hashing: the mount stays for the retry to join.
                 Err(e @ Error::Unavailable(_)) => Err(e),
                 Err(e) => {
                     let st = staging.clone();
-                    let _ = blocking(move || unmount_all(&st)).await;
+                    let _ = blocking(move || unmount_staging(&st)).await;
                     Err(e)
                 }
                 Ok(()) => Ok(()),
@@ -170,7 +218,7 @@ impl NodeOps {
     pub async fn unstage(&self, volume_id: &str, staging: PathBuf) -> Result<()> {
         {
             let staging = staging.clone();
-            blocking(move || unmount_all(&staging)).await?;
+            blocking(move || unmount_staging(&staging)).await?;
         }
         // The volume may be gone already, or live in a root this node does
         // not serve; either way there is no lease of ours to drop.
@@ -257,15 +305,14 @@ impl NodeOps {
 /// Another PV's bytes, read-only in place: no seal to check, so the mount
 /// itself is the only guarantee.
 fn stage_external(ext: &External, staging: &Path) -> Result<()> {
-    std::fs::create_dir_all(staging).ctx("create staging path", staging)?;
     let flags = MountFlags {
         nosuid: true,
         nodev: true,
         ..MountFlags::default()
     };
-    if let Some(existing) = mount_entry(staging)? {
+    if let Some((content, existing)) = staged(staging)? {
         let same = match ext {
-            External::Dir { path } => identity(staging)? == identity(Path::new(path))?,
+            External::Dir { path } => identity(&content)? == identity(Path::new(path))?,
             External::XfsBlock { device } => {
                 std::fs::canonicalize(device).is_ok_and(|d| Path::new(&existing.source) == d)
             }
@@ -280,18 +327,23 @@ fn stage_external(ext: &External, staging: &Path) -> Result<()> {
             existing.source
         )));
     }
-    match ext {
-        External::Dir { path } => mount::bind_readonly(Path::new(path), staging, flags)
+    let content = wrap(staging)?;
+    let mounted = match ext {
+        External::Dir { path } => mount::bind_readonly(Path::new(path), &content, flags)
             .ctx("bind-mount read-only", Path::new(path)),
         External::XfsBlock { device } => mount::mount_device(
             Path::new(device),
-            staging,
+            &content,
             "xfs",
             true,
             cache::xfs::READER_OPTIONS,
         )
         .ctx("mount read-only", Path::new(device)),
+    };
+    if mounted.is_err() {
+        let _ = unmount_staging(staging);
     }
+    mounted
 }
 
 fn stage_blocking(
@@ -301,8 +353,7 @@ fn stage_blocking(
     writable: bool,
     seal: Option<Seal>,
 ) -> Result<()> {
-    std::fs::create_dir_all(staging).ctx("create staging path", staging)?;
-    if let Some(existing) = mount_entry(staging)? {
+    if let Some((content, existing)) = staged(staging)? {
         let same = match root.backend {
             Backend::Xfs => mount::loopdev::backing_file(Path::new(&existing.source))
                 .ok()
@@ -310,7 +361,7 @@ fn stage_blocking(
                 .is_some_and(|b| std::fs::canonicalize(src.via.image()).is_ok_and(|i| i == b)),
             Backend::Local | Backend::Shared => {
                 let data = src.data()?;
-                identity(staging)? == identity(&mount::subpath::proc_path(&data))?
+                identity(&content)? == identity(&mount::subpath::proc_path(&data))?
             }
         };
         if same && existing.is_readonly() != writable {
@@ -330,6 +381,33 @@ fn stage_blocking(
         nodev: true,
         ..MountFlags::default()
     };
+    let content = wrap(staging)?;
+    let mounted = mount_content(root, src, &content, writable, base);
+    if let Err(e) = mounted {
+        let _ = unmount_staging(staging);
+        return Err(e);
+    }
+    if let Some(seal) = seal {
+        // Checked through the mount itself: what pods will read is what is
+        // verified. Sizes here; a full rehash is the caller's, within its
+        // deadline (`super::verify`).
+        if let Err(e) = cache::manifest::verify(&content, &seal, false) {
+            let _ = unmount_staging(staging);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Mounts a source's bytes on `content`: its XFS image through a loop
+/// device, or its directory, read-only unless `writable`.
+fn mount_content(
+    root: &Root,
+    src: &ConfinedSource,
+    content: &Path,
+    writable: bool,
+    base: MountFlags,
+) -> Result<()> {
     match (root.backend, writable) {
         (Backend::Xfs, _) => {
             let image = src.real.image();
@@ -340,26 +418,17 @@ fn stage_blocking(
             } else {
                 cache::xfs::READER_OPTIONS
             };
-            mount::mount_device(lo.path(), staging, "xfs", !writable, data).ctx("mount", &image)?;
+            mount::mount_device(lo.path(), content, "xfs", !writable, data).ctx("mount", &image)?;
         }
         (_, writable) => {
             let fd = src.data()?;
             let from = mount::subpath::proc_path(&fd);
             let data = src.real.data();
             if writable {
-                mount::bind_writable(&from, staging, base).ctx("bind-mount", &data)?
+                mount::bind_writable(&from, content, base).ctx("bind-mount", &data)?
             } else {
-                mount::bind_readonly(&from, staging, base).ctx("bind-mount", &data)?
+                mount::bind_readonly(&from, content, base).ctx("bind-mount", &data)?
             }
-        }
-    }
-    if let Some(seal) = seal {
-        // Checked through the mount itself: what pods will read is what is
-        // verified. Sizes here; a full rehash is the caller's, within its
-        // deadline (`super::verify`).
-        if let Err(e) = cache::manifest::verify(staging, &seal, false) {
-            let _ = unmount_all(staging);
-            return Err(e);
         }
     }
     Ok(())
@@ -372,17 +441,17 @@ fn publish_blocking(
     flags: MountFlags,
     ro: bool,
 ) -> Result<()> {
-    if mount_entry(staging)?.is_none() {
+    let Some((content, _)) = staged(staging)? else {
         return Err(Error::FailedPrecondition(format!(
             "volume {} is not staged at {}: call NodeStageVolume first",
             rec.id,
             staging.display()
         )));
-    }
+    };
     // The subPath is opened beneath the staged root and mounted through its
     // descriptor, so a symlink swapped in afterwards cannot redirect it.
     let sub_fd = match &rec.sub_path {
-        Some(sub) => Some(mount::subpath::open_beneath(staging, sub).map_err(|e| {
+        Some(sub) => Some(mount::subpath::open_beneath(&content, sub).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
                 Error::NotFound(format!(
                     "subPath {sub:?} does not exist in volume {}",
@@ -396,7 +465,7 @@ fn publish_blocking(
     };
     let src: PathBuf = match &sub_fd {
         Some(fd) => mount::subpath::proc_path(fd),
-        None => staging.to_path_buf(),
+        None => content.clone(),
     };
     if let Some(existing) = mount_entry(target)? {
         if identity(target)? == identity(&src)? && existing.is_readonly() == ro {
@@ -471,17 +540,17 @@ fn check_condition(
         return abnormal(format!("the seal of source {} is missing", rec.source));
     }
     if let Some(staging) = staging {
-        match mount_entry(staging) {
-            Ok(Some(_)) => {}
+        let content = match staged(staging) {
+            Ok(Some((content, _))) => content,
             _ => {
                 return abnormal(format!(
                     "the staging mount at {} is missing",
                     staging.display()
                 ));
             }
-        }
+        };
         if let Some(seal) = &seal
-            && let Err(e) = cache::manifest::verify(staging, seal, false)
+            && let Err(e) = cache::manifest::verify(&content, seal, false)
         {
             return abnormal(e.to_string());
         }

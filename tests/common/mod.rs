@@ -704,3 +704,13 @@ pub fn http_get(port: u16, path: &str) -> String {
     s.read_to_string(&mut out).unwrap();
     out
 }
+
+/// Where a staged volume's content is mounted: beneath its staging path,
+/// which is a tmpfs of its own (see `node::ops::CONTENT`). Asserts the
+/// wrapper is there.
+#[track_caller]
+pub fn content(staging: &Path) -> PathBuf {
+    let wrapper = single_mount(staging);
+    assert_eq!(wrapper.fs_type, "tmpfs", "staging wrapper: {wrapper:#?}");
+    staging.join("volume")
+}
