@@ -23,6 +23,7 @@
 # Sourced by e2e/up, e2e/down and the multi-node flows after common.sh.
 . "$E2E_ROOT/lib/configs.sh"
 
+PKI=${PKI:-$E2E_DIR/pki}   # e2e/up's: the CA kubelets trust for the apiserver's client cert
 NODES_BRIDGE=mce2enodes0
 NODES_HOST_IP=10.213.0.1
 NODES_CLUSTER_CIDR=10.214.0.0/16
@@ -197,7 +198,8 @@ node_down() {
     shopt -s globstar nullglob
     for f in /sys/fs/cgroup/*/"$name"/kubepods*/cgroup.procs /sys/fs/cgroup/*/"$name"/kubepods*/**/cgroup.procs; do
         [[ -r $f ]] || continue
-        while read -r pid; do [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null; done < "$f"
+        # A cgroup can go between the glob and the read.
+        { while read -r pid; do [[ -n $pid ]] && kill -KILL "$pid"; done < "$f"; } 2>/dev/null
     done
     stop "$name-kubelet" 15
     stop "$name-kube-proxy" 5

@@ -33,7 +33,8 @@ mkdir -p "$TARGET"
 prebuild=""
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   log "e2e builds in the background (log: $TARGET/e2e-prebuild.log)"
-  { "$ROOT/e2e/k8s/build.sh" all && nice -n 19 "$ROOT/e2e/build-sidecars.sh"; } >"$TARGET/e2e-prebuild.log" 2>&1 &
+  { "$ROOT/e2e/k8s/build.sh" all && nice -n 19 "$ROOT/e2e/build-sidecars.sh" \
+      && nice -n 19 bash "$ROOT/tests/scripts/deps/helm.sh"; } >"$TARGET/e2e-prebuild.log" 2>&1 &
   prebuild=$!
 fi
 
@@ -51,9 +52,13 @@ fuzz_rc=${PIPESTATUS[0]}
 e2e_rc=0
 : > "$TARGET/e2e.log"
 : > "$TARGET/e2e-deployed.log"
+: > "$TARGET/helm-chart.log"
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   # A failed prebuild is e2e/up's to report: it builds what is missing.
   [ -n "$prebuild" ] && { wait "$prebuild" || log "e2e prebuild failed; e2e/up tries again"; }
+  log "helm chart against the kustomize base (tests/scripts/helm-chart.sh)"
+  "$ROOT/tests/scripts/helm-chart.sh" 2>&1 | tee "$TARGET/helm-chart.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || e2e_rc=1
   log "e2e (e2e/up, e2e/run, e2e/down)"
   if "$ROOT/e2e/up" > "$TARGET/e2e-up.log" 2>&1; then
     E2E_DRIVER="$TARGET/debug/modelcache-csi" "$ROOT/e2e/run" 2>&1 | tee "$TARGET/e2e.log"
@@ -83,8 +88,8 @@ set -e
 read -r passed failed < <(awk '
   /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   /Passed \| .* Failed/ { for (i = 1; i <= NF; i++) { if ($(i+1) == "Passed") p += $i; if ($(i+1) == "Failed") f += $i } }
-  /^(e2e|e2e-deployed|fuzz): [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
-  END { print p + 0, f + 0 }' "$TARGET/cargo-test.log" "$TARGET/csi-sanity.log" "$TARGET/fuzz.log" "$TARGET/e2e.log" "$TARGET/e2e-deployed.log")
+  /^(e2e|e2e-deployed|helm-chart|fuzz): [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
+  END { print p + 0, f + 0 }' "$TARGET/cargo-test.log" "$TARGET/csi-sanity.log" "$TARGET/fuzz.log" "$TARGET/e2e.log" "$TARGET/e2e-deployed.log" "$TARGET/helm-chart.log")
 leaks=$(losetup -a | grep -c -E '/tmp/(\.tmp|mc-)' || true)
 if [ "$leaks" -gt 0 ]; then
   echo "leaked loop devices:" >&2; losetup -a >&2

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The Helm chart renders, with its default values, exactly the objects of the
+# kustomize base: deploy/helm/modelcache-csi against deploy/csi-driver/base,
+# compared object by object (kind, namespace, name; then the whole object,
+# parsed, so only YAML formatting may differ). Prints one line per object and
+# "helm-chart: N passed, M failed" for the suite's summary.
+#
+#   tests/scripts/helm-chart.sh [KUBECTL]   (default: the e2e tools' kubectl)
+source "$(dirname "$0")/lib.sh"
+kubectl=${1:-$("$ROOT/e2e/k8s/build.sh" kubectl | tail -n1)/kubectl}
+helm=$(bash "$ROOT/tests/scripts/deps/helm.sh")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$helm" lint "$ROOT/deploy/helm/modelcache-csi" > "$work/lint.txt" 2>&1 || { cat "$work/lint.txt"; echo "helm-chart: 0 passed, 1 failed (helm lint)"; exit 1; }
+"$helm" template modelcache-csi "$ROOT/deploy/helm/modelcache-csi" > "$work/helm.yaml"
+"$kubectl" kustomize "$ROOT/deploy/csi-driver/base" > "$work/kustomize.yaml"
+python3 - "$work/helm.yaml" "$work/kustomize.yaml" <<'PY'
+import sys, yaml
+
+def objects(path):
+    out = {}
+    for doc in yaml.safe_load_all(open(path)):
+        if not doc:
+            continue
+        md = doc.get("metadata", {})
+        out[(doc["kind"], md.get("namespace", ""), md["name"])] = doc
+    return out
+
+helm, kust = objects(sys.argv[1]), objects(sys.argv[2])
+passed = failed = 0
+for key in sorted(set(helm) | set(kust)):
+    name = "/".join(k for k in key if k)
+    if key not in helm:
+        print(f"FAIL {name}: in the kustomize base, not in the chart"); failed += 1
+    elif key not in kust:
+        print(f"FAIL {name}: in the chart, not in the kustomize base"); failed += 1
+    elif helm[key] != kust[key]:
+        print(f"FAIL {name}: differs"); failed += 1
+        a, b = yaml.safe_dump(helm[key]).splitlines(), yaml.safe_dump(kust[key]).splitlines()
+        import difflib
+        for line in difflib.unified_diff(b, a, "kustomize", "helm", lineterm="", n=1):
+            print("    " + line)
+    else:
+        print(f"PASS {name}"); passed += 1
+print(f"helm-chart: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
+PY
