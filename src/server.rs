@@ -11,8 +11,8 @@ use crate::controller::{ControllerService, Provisioner};
 use crate::csi::controller_server::ControllerServer;
 use crate::csi::identity_server::IdentityServer;
 use crate::csi::node_server::NodeServer;
-use crate::node::absent::AbsentNode;
 use crate::identity::IdentityService;
+use crate::node::absent::AbsentNode;
 use crate::node::{NodeOps, NodeService};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -99,7 +99,10 @@ async fn concurrent_stage_of_two_xfs_clones_shares_one_loop_device() {
     assert!(devices[0].1, "{devices:?}");
     for (i, id) in clones.iter().enumerate() {
         let s = d.staging(&format!("xfs-race-{i}"));
-        assert_eq!(single_mount(&content(&s)).source, devices[0].0.to_str().unwrap());
+        assert_eq!(
+            single_mount(&content(&s)).source,
+            devices[0].0.to_str().unwrap()
+        );
         assert_model(&content(&s), &model);
         d.unstage(id, &s).await.unwrap();
     }
@@ -161,7 +164,9 @@ fn kubelet_mount_refs(path: &std::path::Path) -> Vec<std::path::PathBuf> {
 async fn two_volumes_of_one_source_never_block_each_others_unstage() {
     let d = Driver::start().await;
     for backend in ["local", "xfs"] {
-        let src = d.create_source(&format!("pvc-refs-{backend}"), backend).await;
+        let src = d
+            .create_source(&format!("pvc-refs-{backend}"), backend)
+            .await;
         let staging = d.staging(&format!("refs-src-{backend}"));
         d.stage(&src.volume_id, &staging, WRITER).await.unwrap();
         let model = write_model(&content(&staging), 5);

@@ -132,7 +132,10 @@ async fn node_calls_are_idempotent_and_mount_once() {
         )
         .await;
     assert_code(r, Code::AlreadyExists, "different mount");
-    assert_eq!((single_mount(&content(&staging)), single_mount(&target)), before);
+    assert_eq!(
+        (single_mount(&content(&staging)), single_mount(&target)),
+        before
+    );
     d.unstage(&other.volume_id, &d.staging("other"))
         .await
         .unwrap();

@@ -37,7 +37,10 @@ async fn cache_target_is_read_only_even_when_asked_for_writes() {
     let m = single_mount(&target);
     assert_mount_options(&m, &["ro", "nosuid", "nodev"]);
     assert!(!m.mount_options.iter().any(|o| o == "rw"), "{m:#?}");
-    assert_mount_options(&single_mount(&content(&staging)), &["ro", "nosuid", "nodev"]);
+    assert_mount_options(
+        &single_mount(&content(&staging)),
+        &["ro", "nosuid", "nodev"],
+    );
 
     // Overwriting, creating, and removing all fail with EROFS, and only EROFS
     // (EACCES or EPERM would mean a permission check, not a read-only mount).

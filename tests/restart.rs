@@ -43,7 +43,10 @@ async fn cache_survives_kill_9(backend: &str) {
     d.kill_9();
     // The pod does not notice: its mount belongs to the kernel.
     assert_model(&target, &model);
-    assert_eq!((single_mount(&content(&staging)), single_mount(&target)), before);
+    assert_eq!(
+        (single_mount(&content(&staging)), single_mount(&target)),
+        before
+    );
 
     d.restart().await;
     // Retries of the calls kubelet may have had in flight find the mounts
@@ -52,7 +55,10 @@ async fn cache_survives_kill_9(backend: &str) {
     d.publish(id, &staging, &target, READER, true)
         .await
         .unwrap();
-    assert_eq!((single_mount(&content(&staging)), single_mount(&target)), before);
+    assert_eq!(
+        (single_mount(&content(&staging)), single_mount(&target)),
+        before
+    );
 
     d.unpublish(id, &target).await.unwrap();
     d.unstage(id, &staging).await.unwrap();
@@ -101,7 +107,11 @@ async fn writer_lease_survives_kill_9() {
 
     d.kill_9();
     // The writer keeps writing while no driver runs.
-    std::fs::write(content(&staging).join("late.bin"), b"written after the crash").unwrap();
+    std::fs::write(
+        content(&staging).join("late.bin"),
+        b"written after the crash",
+    )
+    .unwrap();
     d.restart().await;
 
     assert!(lease.exists());

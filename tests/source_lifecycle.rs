@@ -158,7 +158,11 @@ async fn writable_copies(backend: &str) {
         d.stage(&copy.volume_id, &s, WRITER).await.unwrap();
         assert_mount_options(&single_mount(&content(&s)), &["rw"]);
         assert_model(&content(&s), &model);
-        fs::write(content(&s).join("config.json"), format!("{{\"copy\": \"{name}\"}}")).unwrap();
+        fs::write(
+            content(&s).join("config.json"),
+            format!("{{\"copy\": \"{name}\"}}"),
+        )
+        .unwrap();
         copies.push((copy.volume_id, s));
     }
 

@@ -95,7 +95,7 @@ async fn sealed_image_is_shared_read_only_through_one_loop_device() {
         assert_mount_options(&pm, &["ro", "nosuid", "nodev"]);
         assert_model(t, &model);
         assert_erofs(&t.join("config.json"));
-        assert_erofs(&content(&s).join("config.json"));
+        assert_erofs(&content(s).join("config.json"));
     }
 
     // The device outlives the first unstage and goes with the last.

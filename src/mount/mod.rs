@@ -199,8 +199,14 @@ pub fn mount_tmpfs(dst: &Path, size_bytes: u64) -> io::Result<()> {
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     let data = format!("size={size_bytes},mode=0755");
     tracing::debug!(dst = %dst.display(), data, "mount tmpfs");
-    mount(Some("tmpfs"), dst, Some("tmpfs"), flags, Some(data.as_str()))
-        .map_err(|e| with_context(e, format_args!("mount tmpfs on {}", dst.display())))
+    mount(
+        Some("tmpfs"),
+        dst,
+        Some("tmpfs"),
+        flags,
+        Some(data.as_str()),
+    )
+    .map_err(|e| with_context(e, format_args!("mount tmpfs on {}", dst.display())))
 }
 
 /// Unmount the topmost mount at `dst`. `Ok(false)` when `dst` is not a mount point or does not

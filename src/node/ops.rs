@@ -197,7 +197,11 @@ impl NodeOps {
         if result.is_ok()
             && let Some(seal) = full
         {
-            result = match self.verifier.verify(&seal, staging.join(CONTENT), budget).await {
+            result = match self
+                .verifier
+                .verify(&seal, staging.join(CONTENT), budget)
+                .await
+            {
                 // Still hashing: the mount stays for the retry to join.
                 Err(e @ Error::Unavailable(_)) => Err(e),
                 Err(e) => {

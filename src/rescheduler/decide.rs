@@ -38,7 +38,7 @@ pub enum Decision {
     /// The driver should come; look again after this long.
     Wait(Duration),
     Reschedule {
-        /// A short label for metrics: node-missing, node-not-selected, driver-missing.
+        /// A short label for metrics: node-missing, node-not-selected, node-not-ready, driver-missing.
         reason: &'static str,
         message: String,
     },

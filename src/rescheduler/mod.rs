@@ -194,7 +194,10 @@ fn observe(ctx: &Ctx, pvc: &PersistentVolumeClaim) -> Observed {
         pvc: pvc.clone(),
         class_provisioner,
         node_exists: node.is_some(),
-        node_labels: node.as_ref().map(|n| n.labels().clone()).unwrap_or_default(),
+        node_labels: node
+            .as_ref()
+            .map(|n| n.labels().clone())
+            .unwrap_or_default(),
         driver_registered: csinode
             .is_some_and(|c| c.spec.drivers.iter().any(|d| d.name == ctx.cfg.driver_name)),
         node_not_ready_for: node.as_deref().and_then(not_ready_for),
