@@ -231,9 +231,16 @@ impl Metrics {
                             .ok()
                             .flatten()
                             .is_some_and(|b| b.starts_with(&sources));
-                    // kubelet stages at .../globalmount and publishes elsewhere.
+                    // kubelet stages at .../globalmount (the volume is
+                    // mounted beneath it) and publishes elsewhere.
+                    let at = m.mount_point.as_path();
+                    let staging = if at.ends_with(crate::mount::STAGING_CONTENT) {
+                        at.parent().unwrap_or(at)
+                    } else {
+                        at
+                    };
                     if ours && !m.mount_point.starts_with(root.dir.as_path()) {
-                        if m.mount_point.ends_with("globalmount") {
+                        if staging.ends_with("globalmount") {
                             staged += 1;
                         } else {
                             published += 1;

@@ -20,6 +20,10 @@ use nix::errno::Errno;
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use nix::sys::statvfs::{FsFlags, statvfs};
 
+/// The directory beneath a staging path where the node plugin mounts the
+/// volume (the staging path itself is a tmpfs of its own: `node::ops`).
+pub const STAGING_CONTENT: &str = "volume";
+
 /// Per-mount flags a CSI client may ask for in `VolumeCapability.mount.mount_flags`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MountFlags {

@@ -82,7 +82,7 @@ fn unmount_all(path: &Path) -> Result<()> {
 /// a node are two mounts of one tree: each waited for the other forever, and
 /// both stayed mounted after their pods were gone. No other mount shares a
 /// tmpfs's root.
-const CONTENT: &str = "volume";
+const CONTENT: &str = mount::STAGING_CONTENT;
 const WRAPPER_BYTES: u64 = 64 * 1024;
 
 /// The content mount of a staging path and where it is. A volume staged by
