@@ -154,6 +154,9 @@ async fn registration_flags_are_checked() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--mode node or all"), "{err}");
 
+    // Its own state dir: the default is the host's /var/lib/modelcache-csi,
+    // which the driver creates before it checks the registration dir.
+    let state = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
         .args([
             "--endpoint",
@@ -163,6 +166,8 @@ async fn registration_flags_are_checked() {
             "--registration-dir",
             "/nonexistent/plugins_registry",
         ])
+        .arg("--state-dir")
+        .arg(state.path())
         .output()
         .unwrap();
     assert!(!out.status.success());
