@@ -145,14 +145,10 @@ if [[ ${1:-} == deploy ]]; then
         tars+=("$tar")
     }
     sidecar_root() {
-        local r=$1 bin=$2 lib
-        install -D -m 0755 "$bin" "$r/$(basename "$bin")"
-        ldd "$bin" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
-            [[ -e $r$lib ]] || install -D -m 0755 "$(readlink -f "$lib")" "$r$lib"
-        done
-        mkdir -p "$r/tmp" && chmod 1777 "$r/tmp"
+        "$HERE/../deploy/csi-driver/image/copy-with-libs.sh" "$1" "$2" "/$(basename "$2")"
+        mkdir -p "$1/tmp" && chmod 1777 "$1/tmp"
     }
-    key=$(cat "$driver" "$HERE/../deploy/csi-driver/image/rootfs.sh" | sha256sum | cut -c1-12)
+    key=$(cat "$driver" "$HERE/../deploy/csi-driver/image/"{rootfs,copy-with-libs}.sh | sha256sum | cut -c1-12)
     # One driver tarball at a time: a debug build changes with every commit.
     find "$OUT" -maxdepth 1 -name 'driver-*.tar' ! -name "driver-$key*.tar" -delete
     image docker.io/library/modelcache-csi:latest "driver-$key" "$HERE/../deploy/csi-driver/image/rootfs.sh" \

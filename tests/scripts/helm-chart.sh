@@ -9,12 +9,14 @@
 source "$(dirname "$0")/lib.sh"
 kubectl=${1:-$("$ROOT/e2e/k8s/build.sh" kubectl | tail -n1)/kubectl}
 helm=$(bash "$ROOT/tests/scripts/deps/helm.sh")
+# PyYAML in a venv of its own: the host's python3 need not have it.
+python=$(pip_venv PyYAML 6.0.3 yaml)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$helm" lint "$ROOT/deploy/helm/modelcache-csi" > "$work/lint.txt" 2>&1 || { cat "$work/lint.txt"; echo "helm-chart: 0 passed, 1 failed (helm lint)"; exit 1; }
 "$helm" template modelcache-csi "$ROOT/deploy/helm/modelcache-csi" > "$work/helm.yaml"
 "$kubectl" kustomize "$ROOT/deploy/csi-driver/base" > "$work/kustomize.yaml"
-python3 - "$work/helm.yaml" "$work/kustomize.yaml" <<'PY'
+"$python" - "$work/helm.yaml" "$work/kustomize.yaml" <<'PY'
 import sys, yaml
 
 def objects(path):

@@ -26,16 +26,8 @@ for t in mkfs.xfs xfs_growfs xfs_db xfs_admin; do
 done
 [[ -s /etc/ssl/certs/ca-certificates.crt ]] || die "no CA bundle: apt-get install ca-certificates"
 
-# copy_with_libs FILE DEST: FILE at DEST inside OUT, plus every library it
-# loads at the same path it has here (the dynamic loader looks there).
-copy_with_libs() {
-    local file=$1 dest=$2 lib
-    install -D -m 0755 "$file" "$out$dest"
-    # `ldd` prints "name => /path (addr)" and "/lib64/ld-linux... (addr)".
-    ldd "$file" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
-        [[ -e $out$lib ]] || install -D -m 0755 "$(readlink -f "$lib")" "$out$lib"
-    done
-}
+# copy_with_libs FILE DEST: FILE at DEST inside OUT, with its libraries.
+copy_with_libs() { "$(dirname "${BASH_SOURCE[0]}")/copy-with-libs.sh" "$out" "$1" "$2"; }
 tool() { local p; p=$(command -v "$1" || echo "/usr/sbin/$1"); readlink -f "$p"; }
 
 mkdir -p "$out"/{etc/ssl/certs,tmp,proc,sys,dev,run,var/lib/modelcache-csi,csi}
