@@ -22,6 +22,12 @@
 #                            binary, as upstream's images), and a second
 #                            driver image, modelcache-csi:e2e-upgrade (the
 #                            rolling-upgrade flow); prints DEPLOY_TARS
+#   e2e/images.sh suite AGNHOST_BIN NAME
+#                            also agnhost for Kubernetes' storage suite
+#                            (e2e.test): busybox plus the binary at /agnhost,
+#                            entrypoint /agnhost, as upstream's image; NAME is
+#                            the name e2e.test --list-images gives it; prints
+#                            SUITE_TARS
 #
 # The tarballs are reproducible (sorted entries, owner 0, mtime 0) and cached in
 # <tools>/e2e-images-<key>/, where the key hashes this script, pause.c and the
@@ -108,6 +114,22 @@ if [[ ! -s $OUT/pause.tar || ! -s $OUT/busybox.tar ]]; then
     trap - EXIT
 fi
 
+# image NAME TAR_KEY ROOTFS_BUILDER CONFIG ARGS...: build the tarball unless
+# cached; append it to tars.
+image() {
+    local name=$1 tar=$OUT/$2.tar builder=$3 cfg=$4
+    shift 4
+    if [[ ! -s $tar ]]; then
+        local work
+        work=$(mktemp -d)
+        "$builder" "$work/r" "$@"
+        oci_tar "$work/r" "$cfg" "$name" "$tar"
+        rm -rf "$work"
+        log "built $tar ($name)"
+    fi
+    tars+=("$tar")
+}
+
 if [[ ${1:-} == s5cmd ]]; then
     bin=${2:?usage: e2e/images.sh s5cmd BIN}
     ver=$("$bin" version | grep -o 'v[0-9][0-9.]*' | head -n 1)
@@ -130,20 +152,6 @@ if [[ ${1:-} == deploy ]]; then
     provisioner=${3:?usage: e2e/images.sh deploy DRIVER_BIN PROVISIONER_BIN RESIZER_BIN}
     resizer=${4:?usage: e2e/images.sh deploy DRIVER_BIN PROVISIONER_BIN RESIZER_BIN}
     tars=()
-    # image NAME TAR_KEY ROOTFS_BUILDER ARGS...: build the tarball unless cached.
-    image() {
-        local name=$1 tar=$OUT/$2.tar builder=$3 cfg=$4
-        shift 4
-        if [[ ! -s $tar ]]; then
-            local work
-            work=$(mktemp -d)
-            "$builder" "$work/r" "$@"
-            oci_tar "$work/r" "$cfg" "$name" "$tar"
-            rm -rf "$work"
-            log "built $tar ($name)"
-        fi
-        tars+=("$tar")
-    }
     sidecar_root() {
         "$HERE/../deploy/csi-driver/image/copy-with-libs.sh" "$1" "$2" "/$(basename "$2")"
         mkdir -p "$1/tmp" && chmod 1777 "$1/tmp"
@@ -165,6 +173,15 @@ if [[ ${1:-} == deploy ]]; then
             "{\"Entrypoint\":[\"/$n\"]}" "$bin"
     done
     echo "DEPLOY_TARS=\"${tars[*]}\""
+fi
+if [[ ${1:-} == suite ]]; then
+    agnhost=${2:?usage: e2e/images.sh suite AGNHOST_BIN NAME}
+    name=${3:?usage: e2e/images.sh suite AGNHOST_BIN NAME}
+    tars=()
+    agnhost_root() { busybox_root "$1" && cp "$2" "$1/agnhost"; }
+    image "$name" "agnhost-$(cat "$agnhost" <(echo "$name") | sha256sum | cut -c1-12)" agnhost_root \
+        '{"Entrypoint":["/agnhost"],"Cmd":["pause"],"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}' "$agnhost"
+    echo "SUITE_TARS=\"${tars[*]}\""
 fi
 echo "PAUSE_TAR=$OUT/pause.tar"
 echo "BUSYBOX_TAR=$OUT/busybox.tar"

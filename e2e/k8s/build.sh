@@ -4,12 +4,15 @@
 #
 #   e2e/k8s/build.sh [component...]     components: etcd kube-apiserver
 #                                        kube-controller-manager kube-scheduler
-#                                        kubelet kube-proxy kubectl | all
+#                                        kubelet kube-proxy kubectl
+#                                        e2e.test agnhost | all
 #                                        (default: etcd kube-apiserver kubectl)
 #
 # Cache layout (MODELCACHE_TOOLS overrides the root):
 #   ${XDG_CACHE_HOME:-~/.cache}/modelcache-csi/tools/
 #     k8s-v1.36.3/{kube-apiserver,kubectl,...}   built from e2e/k8s/wrapper
+#     k8s-v1.36.3/e2e.test                       `go test -c` of wrapper/storagee2e
+#     k8s-v1.36.3/agnhost                        test/images/agnhost (for its image)
 #     k8s-v1.36.3/etcd -> ../etcd-v3.6.16/etcd  (symlink, so one bin dir)
 #     etcd-v3.6.16/etcd                          built from e2e/k8s/etcd-wrapper
 #     k8s-v1.36.3/build-times.log, etcd-v3.6.16/build-times.log
@@ -50,7 +53,7 @@ TOOLS=${MODELCACHE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/modelcache-csi/tools}
 K8S_DIR=$TOOLS/k8s-$K8S_VERSION
 ETCD_DIR=$TOOLS/etcd-$ETCD_VERSION
 
-ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl)
+ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl e2e.test agnhost)
 DEFAULT=(etcd kube-apiserver kubectl)
 
 components=()
@@ -60,7 +63,7 @@ else
     for c in "$@"; do
         case $c in
             all) components+=("${ALL[@]}") ;;
-            etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|kubectl) components+=("$c") ;;
+            etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|kubectl|e2e.test|agnhost) components+=("$c") ;;
             -h|--help) sed -n '2,24p' "$0" >&2; exit 0 ;;
             *) echo "build.sh: unknown component '$c' (one of: ${ALL[*]} all)" >&2; exit 2 ;;
         esac
@@ -113,12 +116,20 @@ if [[ -n $(missing) ]]; then
                 -o "$tmp" go.etcd.io/etcd/server/v3) >&2
             dir=$ETCD_DIR
         else
-            (cd "$K8S_WRAPPER" && nice -n 19 go build -p 2 -trimpath -ldflags "-s -w \
+            ldflags="-s -w \
                 -X k8s.io/component-base/version.gitVersion=$K8S_VERSION \
                 -X k8s.io/component-base/version.gitMajor=$K8S_MAJOR \
                 -X k8s.io/component-base/version.gitMinor=$K8S_MINOR \
-                -X k8s.io/component-base/version.gitTreeState=clean" \
-                -o "$tmp" "k8s.io/kubernetes/cmd/$c") >&2
+                -X k8s.io/component-base/version.gitTreeState=clean"
+            cgo=$(go env CGO_ENABLED)
+            case $c in
+                e2e.test) cmd=(test -c) pkg=./storagee2e ;;
+                # Static, as upstream's image has it: its root has no libc.
+                agnhost) cmd=(build) pkg=k8s.io/kubernetes/test/images/agnhost cgo=0 ;;
+                *) cmd=(build) pkg=k8s.io/kubernetes/cmd/$c ;;
+            esac
+            (cd "$K8S_WRAPPER" && CGO_ENABLED=$cgo nice -n 19 go "${cmd[@]}" -p 2 -trimpath -ldflags "$ldflags" \
+                -o "$tmp" "$pkg") >&2
             dir=$K8S_DIR
         fi
         mv -f "$tmp" "$out"

@@ -11,7 +11,9 @@
 # requires k8s.io/kubernetes and replaces each staging module with its
 # published v0.x.y; the list, and the `go` and `godebug` lines, are taken from
 # upstream's go.mod. The commands are listed as `tool` directives so that
-# `go mod tidy` keeps (and go.sum covers) everything they import.
+# `go mod tidy` keeps (and go.sum covers) everything they import; the package
+# in wrapper/storagee2e (the External Storage suite, built as e2e.test) is
+# part of the module, so tidy covers its imports too.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -50,6 +52,8 @@ k8s)
         for c in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl; do
             echo "	k8s.io/kubernetes/cmd/$c"
         done
+        # The storage suite's pods run it (hostexec, pause).
+        echo "	k8s.io/kubernetes/test/images/agnhost"
         echo ")"
         echo
         echo "replace ("

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Nodes of the multi-node e2e cluster (e2e/up with E2E_NODES=N): each node is
-# a network namespace, a mount namespace and a UTS namespace on this host,
+# a network, mount, UTS and PID namespace on this host,
 # running its own containerd, kubelet and kube-proxy, so a driver installed
 # from deploy/csi-driver as pods sees what it sees on a real machine:
 #
@@ -18,7 +18,10 @@
 # touched: every rule kube-proxy and the CNI plugins write lives in a node's
 # netns, every mount kubelet and the driver make lives in a node's mount
 # namespace (a slave of the host's: host mounts show inside, nothing leaks
-# out). Loop devices are global, as on a real machine's kernel.
+# out). Loop devices are global, as on a real machine's kernel. The node's
+# PID 1 is its namespace holder, and its /proc is its own, as in a kind node:
+# tools that enter "the host" through /proc/1/ns/mnt (Kubernetes' storage
+# suite's hostexec pods) land in the node, not on this machine.
 #
 # Sourced by e2e/up, e2e/down and the multi-node flows after common.sh.
 . "$E2E_ROOT/lib/configs.sh"
@@ -35,21 +38,39 @@ node_ip() { echo "10.213.0.$((10 + $1))"; }
 node_netns() { echo "mce2e-n$1"; }
 node_dir() { echo "$NODES_DIR/$(node_name "$1")"; }
 
-# node_exec K CMD...: run CMD inside node K's namespaces (net, mount, UTS).
+# node_holder K: the host PID of node K's PID 1.
+node_holder() {
+    local holder
+    holder=$(pid_of "$(node_name "$1")-ns")
+    alive "$holder" || die "node $(node_name "$1") has no namespace holder"
+    echo "$holder"
+}
+
+# node_exec K CMD...: run CMD inside node K's namespaces (net, mount, UTS,
+# PID: the node's /proc only knows its own processes).
 node_exec() {
     local k=$1 holder
     shift
-    holder=$(pid_of "$(node_name "$k")-ns")
-    alive "$holder" || die "node $(node_name "$k") has no namespace holder"
-    nsenter -t "$holder" --mount --uts --net -- "$@"
+    holder=$(node_holder "$k") || return 1
+    nsenter -t "$holder" --mount --uts --net --pid -- "$@"
 }
 
 # node_launch K NAME CMD...: launch (common.sh) inside node K's namespaces.
+# nsenter forks into the PID namespace and passes no signal on, so the pid
+# recorded is its child's: the one stop() must signal.
 node_launch() {
-    local k=$1 name=$2 holder
+    local k=$1 name=$2 holder pid child i
     shift 2
-    holder=$(pid_of "$(node_name "$k")-ns")
-    launch "$name" nsenter -t "$holder" --mount --uts --net -- "$@"
+    holder=$(node_holder "$k") || return 1
+    launch "$name" nsenter -t "$holder" --mount --uts --net --pid -- "$@"
+    pid=$(pid_of "$name")
+    for ((i = 0; i < 100; i++)); do
+        child=$(pgrep -P "$pid" | head -n1)
+        [[ -z $child ]] || break
+        sleep 0.05
+    done
+    [[ -n $child ]] || { log "$name: nsenter (pid $pid) started nothing"; return 1; }
+    echo "$child" > "$PIDS/$name.pid"
 }
 
 # The host side: one bridge every node's veth joins, with the address the
@@ -87,7 +108,7 @@ node_namespaces_up() {
     # inside; the node's own never reach the host or another node. kubelet
     # and the driver's Bidirectional mounts need their roots rshared.
     launch "$name-ns" nsenter --net="/run/netns/$ns" -- \
-        unshare --mount --uts --propagation slave -- /bin/sh -ec "
+        unshare --mount --uts --pid --fork --mount-proc --propagation slave -- /bin/sh -ec "
             hostname $name
             mount --bind $nd/kubelet $KUBELET_ROOT && mount --make-rshared $KUBELET_ROOT
             mount --bind $nd/state /var/lib/modelcache-csi && mount --make-rshared /var/lib/modelcache-csi
@@ -95,6 +116,10 @@ node_namespaces_up() {
             touch $nd/ns-ready
             exec sleep infinity"
     wait_until 10 "node $name's namespaces" test -e "$nd/ns-ready" || { require_alive "$name-ns"; return 1; }
+    # unshare forked the node's PID 1; that is the process every node_exec
+    # enters, and the one whose death (SIGKILL: a namespace's init ignores
+    # the rest) takes every process of the node with it.
+    echo "$(pgrep -P "$(pid_of "$name-ns")" | head -n1)" > "$PIDS/$name-ns.pid"
     # cgroup v1 hierarchies: a root per node, so two kubelets never share
     # /kubepods. A fresh cpuset cgroup has no CPUs or memory nodes until told.
     local h
@@ -146,8 +171,8 @@ EOF
 }
 
 # node_up K: containerd, kube-proxy and kubelet of node K, images imported.
-# Needs PKI (e2e/up's kubelet-ca), APISERVER_URL, BIN, PAUSE_IMAGE and the
-# image tarballs named in the remaining arguments.
+# Needs PKI (e2e/up's kubelet-ca), APISERVER_URL, BIN, PAUSE_IMAGE, the
+# image tarballs named in the remaining arguments and NODE_IMAGE_ALIASES.
 node_up() {
     local k=$1 name nd ip sock
     shift
@@ -165,6 +190,12 @@ node_up() {
             || { tail -5 "$LOGS/ctr.log" >&2; die "ctr images import $t on $name failed"; }
     done
     ctr --address "$sock" -n k8s.io images tag --force "$BUSYBOX_IMAGE" docker.io/library/busybox:1.36 >/dev/null
+    # NODE_IMAGE_ALIASES: more names, each "SOURCE=NAME" or a busybox "NAME".
+    local a
+    for a in "${NODE_IMAGE_ALIASES[@]}"; do
+        [[ $a == *=* ]] || a="$BUSYBOX_IMAGE=$a"
+        ctr --address "$sock" -n k8s.io images tag --force "${a%%=*}" "${a#*=}" >/dev/null
+    done
     node_launch "$k" "$name-kube-proxy" "$BIN/kube-proxy" \
         --kubeconfig "$nd/kube-proxy.kubeconfig" \
         --hostname-override "$name" \
@@ -204,7 +235,7 @@ node_down() {
     stop "$name-kubelet" 15
     stop "$name-kube-proxy" 5
     stop "$name-containerd" 15
-    stop "$name-ns" 5
+    stop "$name-ns" 0
 }
 
 # nodes_cleanup: what node_down and a killed run can leave: netns, veths,
