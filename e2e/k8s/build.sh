@@ -5,7 +5,7 @@
 #   e2e/k8s/build.sh [component...]     components: etcd kube-apiserver
 #                                        kube-controller-manager kube-scheduler
 #                                        kubelet kube-proxy kubectl
-#                                        e2e.test agnhost | all
+#                                        e2e.test agnhost ginkgo | all
 #                                        (default: etcd kube-apiserver kubectl)
 #
 # Cache layout (MODELCACHE_TOOLS overrides the root):
@@ -13,6 +13,7 @@
 #     k8s-v1.36.3/{kube-apiserver,kubectl,...}   built from e2e/k8s/wrapper
 #     k8s-v1.36.3/e2e.test                       `go test -c` of wrapper/storagee2e
 #     k8s-v1.36.3/agnhost                        test/images/agnhost (for its image)
+#     k8s-v1.36.3/ginkgo                         the ginkgo CLI e2e.test runs under
 #     k8s-v1.36.3/etcd -> ../etcd-v3.6.16/etcd  (symlink, so one bin dir)
 #     etcd-v3.6.16/etcd                          built from e2e/k8s/etcd-wrapper
 #     k8s-v1.36.3/build-times.log, etcd-v3.6.16/build-times.log
@@ -53,7 +54,7 @@ TOOLS=${MODELCACHE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/modelcache-csi/tools}
 K8S_DIR=$TOOLS/k8s-$K8S_VERSION
 ETCD_DIR=$TOOLS/etcd-$ETCD_VERSION
 
-ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl e2e.test agnhost)
+ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl e2e.test agnhost ginkgo)
 DEFAULT=(etcd kube-apiserver kubectl)
 
 components=()
@@ -63,7 +64,7 @@ else
     for c in "$@"; do
         case $c in
             all) components+=("${ALL[@]}") ;;
-            etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|kubectl|e2e.test|agnhost) components+=("$c") ;;
+            etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|kubectl|e2e.test|agnhost|ginkgo) components+=("$c") ;;
             -h|--help) sed -n '2,24p' "$0" >&2; exit 0 ;;
             *) echo "build.sh: unknown component '$c' (one of: ${ALL[*]} all)" >&2; exit 2 ;;
         esac
@@ -126,6 +127,7 @@ if [[ -n $(missing) ]]; then
                 e2e.test) cmd=(test -c) pkg=./storagee2e ;;
                 # Static, as upstream's image has it: its root has no libc.
                 agnhost) cmd=(build) pkg=k8s.io/kubernetes/test/images/agnhost cgo=0 ;;
+                ginkgo) cmd=(build) pkg=github.com/onsi/ginkgo/v2/ginkgo ;;
                 *) cmd=(build) pkg=k8s.io/kubernetes/cmd/$c ;;
             esac
             (cd "$K8S_WRAPPER" && CGO_ENABLED=$cgo nice -n 19 go "${cmd[@]}" -p 2 -trimpath -ldflags "$ldflags" \

@@ -54,6 +54,9 @@ k8s)
         done
         # The storage suite's pods run it (hostexec, pause).
         echo "	k8s.io/kubernetes/test/images/agnhost"
+        # The storage suite's runner (parallel specs), at the version
+        # e2e.test links.
+        echo "	github.com/onsi/ginkgo/v2/ginkgo"
         echo ")"
         echo
         echo "replace ("

@@ -65,7 +65,7 @@ node_launch() {
     launch "$name" nsenter -t "$holder" --mount --uts --net --pid -- "$@"
     pid=$(pid_of "$name")
     for ((i = 0; i < 100; i++)); do
-        child=$(pgrep -P "$pid" | head -n1)
+        child=$(pgrep -P "$pid" | head -n1 || true)
         [[ -z $child ]] || break
         sleep 0.05
     done
@@ -119,7 +119,10 @@ node_namespaces_up() {
     # unshare forked the node's PID 1; that is the process every node_exec
     # enters, and the one whose death (SIGKILL: a namespace's init ignores
     # the rest) takes every process of the node with it.
-    echo "$(pgrep -P "$(pid_of "$name-ns")" | head -n1)" > "$PIDS/$name-ns.pid"
+    local init
+    init=$(pgrep -P "$(pid_of "$name-ns")" | head -n1 || true)
+    [[ -n $init ]] || { log "node $name: unshare has no child"; return 1; }
+    echo "$init" > "$PIDS/$name-ns.pid"
     # cgroup v1 hierarchies: a root per node, so two kubelets never share
     # /kubepods. A fresh cpuset cgroup has no CPUs or memory nodes until told.
     local h

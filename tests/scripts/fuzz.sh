@@ -7,6 +7,11 @@
 # `fuzz: N passed, M failed`, which test.sh counts; exits non-zero when a
 # target crashed, hung or did not build. docs/testing.md says how to run
 # them longer.
+#
+#   fuzz.sh          build (a no-op when built), then run every target,
+#                    two at a time (each libFuzzer run is one thread)
+#   fuzz.sh build    only build: test.sh starts this in the background
+#                    beside `cargo test`, so the run finds the build done
 source "$(dirname "$0")/lib.sh"
 SECS="${MODELCACHE_FUZZ_SECONDS:-30}"
 TARGETS=(uri allowed_sources storage_class_params volume_id registration_frames)
@@ -27,19 +32,31 @@ FLAGS=(--fuzz-dir "$FUZZ" --target-dir "$FUZZ_TARGET" --sanitizer none --dev)
 
 passed=0 failed=0
 log "cargo fuzz build (log: $LOG/build.log)"
-if ! cargo fuzz build "${FLAGS[@]}" >"$LOG/build.log" 2>&1; then
+[ "${1:-}" = build ] && : > "$LOG/build.log"
+if ! cargo fuzz build "${FLAGS[@]}" >>"$LOG/build.log" 2>&1; then
   tail -n 40 "$LOG/build.log" >&2
   echo "fuzz: the targets did not build"
   echo "fuzz: 0 passed, ${#TARGETS[@]} failed"
   exit 1
 fi
-for t in "${TARGETS[@]}"; do
+[ "${1:-}" = build ] && exit 0
+# run_target T: fuzz T for SECS; its exit status in $LOG/T.rc.
+# -timeout: one input running 10 s is a hang; a crash writes
+# fuzz/artifacts/T/crash-*.
+run_target() {
+  local t=$1 rc=0
   mkdir -p "$FUZZ/target/corpus/$t"
-  # -timeout: one input running 10 s is a hang; a crash writes
-  # fuzz/artifacts/$t/crash-*.
-  rc=0
   cargo fuzz run "${FLAGS[@]}" "$t" "$FUZZ/target/corpus/$t" "$FUZZ/corpus/$t" -- \
     -max_total_time="$SECS" -timeout=10 -print_final_stats=1 >"$LOG/$t.log" 2>&1 || rc=$?
+  echo "$rc" > "$LOG/$t.rc"
+}
+for ((i = 0; i < ${#TARGETS[@]}; i += 2)); do
+  run_target "${TARGETS[i]}" &
+  [ -z "${TARGETS[i + 1]:-}" ] || run_target "${TARGETS[i + 1]}"
+  wait
+done
+for t in "${TARGETS[@]}"; do
+  rc=$(cat "$LOG/$t.rc" 2>/dev/null || echo 1)
   runs=$(awk '/^stat::number_of_executed_units:/ { print $2 }' "$LOG/$t.log")
   rate=$(awk '/^stat::average_exec_per_sec:/ { print $2 }' "$LOG/$t.log")
   cov=$(grep -o 'cov: [0-9]*' "$LOG/$t.log" | tail -n1 | cut -d' ' -f2 || true)

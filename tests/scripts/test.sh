@@ -30,13 +30,26 @@ mkdir -p "$TARGET"
 # The e2e suite's Go builds (Kubernetes components, sidecars; cached by
 # version, so a warm run skips them) run under nice 19 beside the tests,
 # which leave a core idle much of the time; e2e/up then finds them built.
+# What the single-node cluster needs comes first (the marker says it is
+# there); what only the two-node suite needs (kube-proxy, e2e.test and its
+# images' binaries, Helm) builds on while the single-node e2e runs.
 prebuild=""
+single_node_built="$TARGET/e2e-prebuild.single-node-built"
+rm -f "$single_node_built"
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   log "e2e builds in the background (log: $TARGET/e2e-prebuild.log)"
-  { "$ROOT/e2e/k8s/build.sh" all && nice -n 19 "$ROOT/e2e/build-sidecars.sh" \
-      && nice -n 19 bash "$ROOT/tests/scripts/deps/helm.sh"; } >"$TARGET/e2e-prebuild.log" 2>&1 &
+  { "$ROOT/e2e/k8s/build.sh" etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl \
+      && nice -n 19 "$ROOT/e2e/build-sidecars.sh" && touch "$single_node_built"
+    "$ROOT/e2e/k8s/build.sh" all && nice -n 19 bash "$ROOT/tests/scripts/deps/helm.sh"
+  } >"$TARGET/e2e-prebuild.log" 2>&1 &
   prebuild=$!
 fi
+# The fuzz targets' instrumented build (a second compile of the crate and
+# its dependencies, 9.5 min cold) also runs beside the tests; the fuzz step
+# then only fuzzes.
+log "fuzz build in the background (log: $TARGET/fuzz/build.log)"
+nice -n 19 "$ROOT/tests/scripts/fuzz.sh" build >/dev/null 2>&1 &
+fuzzbuild=$!
 
 # A private mount namespace: whatever a failing test leaves mounted dies with it.
 log "cargo test"
@@ -47,6 +60,8 @@ log "csi-sanity"
 "$ROOT/tests/scripts/csi-sanity.sh" "$TARGET/debug/modelcache-csi" 2>&1 | tee "$TARGET/csi-sanity.log"
 sanity_rc=${PIPESTATUS[0]}
 log "fuzz (tests/scripts/fuzz.sh: each cargo-fuzz target for a bounded time)"
+# A failed background build is fuzz.sh's to report: it builds again.
+wait "$fuzzbuild" || true
 "$ROOT/tests/scripts/fuzz.sh" 2>&1 | tee "$TARGET/fuzz.log"
 fuzz_rc=${PIPESTATUS[0]}
 e2e_rc=0
@@ -55,10 +70,7 @@ e2e_rc=0
 : > "$TARGET/helm-chart.log"
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   # A failed prebuild is e2e/up's to report: it builds what is missing.
-  [ -n "$prebuild" ] && { wait "$prebuild" || log "e2e prebuild failed; e2e/up tries again"; }
-  log "helm chart against the kustomize base (tests/scripts/helm-chart.sh)"
-  "$ROOT/tests/scripts/helm-chart.sh" 2>&1 | tee "$TARGET/helm-chart.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || e2e_rc=1
+  while [ -n "$prebuild" ] && [ ! -e "$single_node_built" ] && kill -0 "$prebuild" 2>/dev/null; do sleep 5; done
   log "e2e (e2e/up, e2e/run, e2e/down)"
   if "$ROOT/e2e/up" > "$TARGET/e2e-up.log" 2>&1; then
     E2E_DRIVER="$TARGET/debug/modelcache-csi" "$ROOT/e2e/run" 2>&1 | tee "$TARGET/e2e.log"
@@ -69,6 +81,10 @@ if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
     echo "e2e: 0 passed, 1 failed (e2e/up failed; see $TARGET/e2e-up.log)" >> "$TARGET/e2e.log"
   fi
   "$ROOT/e2e/down" >> "$TARGET/e2e-up.log" 2>&1 || { e2e_rc=1; echo "e2e/down left something behind" >&2; }
+  [ -n "$prebuild" ] && { wait "$prebuild" || log "e2e prebuild failed; e2e/up tries again"; }
+  log "helm chart against the kustomize base (tests/scripts/helm-chart.sh)"
+  "$ROOT/tests/scripts/helm-chart.sh" 2>&1 | tee "$TARGET/helm-chart.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || e2e_rc=1
   # The driver installed from deploy/csi-driver as pods, on two nodes.
   log "e2e, deployed (E2E_NODES=2 e2e/up, e2e/run-deployed, e2e/down)"
   if E2E_NODES=2 E2E_DRIVER="$TARGET/debug/modelcache-csi" "$ROOT/e2e/up" > "$TARGET/e2e-deployed-up.log" 2>&1; then
@@ -89,11 +105,13 @@ read -r passed failed < <(awk '
   /^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
   /Passed \| .* Failed/ { for (i = 1; i <= NF; i++) { if ($(i+1) == "Passed") p += $i; if ($(i+1) == "Failed") f += $i } }
   /^(e2e|e2e-deployed|helm-chart|fuzz): [0-9]+ passed, [0-9]+ failed/ { p += $2; f += $4 }
+  /^e2e-storage: ran [0-9]+, passed [0-9]+, failed [0-9]+/ { p += $5 + 0; f += $7 + 0 }
   END { print p + 0, f + 0 }' "$TARGET/cargo-test.log" "$TARGET/csi-sanity.log" "$TARGET/fuzz.log" "$TARGET/e2e.log" "$TARGET/e2e-deployed.log" "$TARGET/helm-chart.log")
 leaks=$(losetup -a | grep -c -E '/tmp/(\.tmp|mc-)' || true)
 if [ "$leaks" -gt 0 ]; then
   echo "leaked loop devices:" >&2; losetup -a >&2
 fi
 echo
+grep -h '^e2e-storage:' "$TARGET/e2e-deployed.log" || true
 echo "summary: $passed passed, $failed failed"
 [ "$cargo_rc" -eq 0 ] && [ "$sanity_rc" -eq 0 ] && [ "$fuzz_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$leaks" -eq 0 ]
