@@ -24,7 +24,8 @@
 #                            rolling-upgrade flow); prints DEPLOY_TARS
 #   e2e/images.sh suite AGNHOST_BIN NAME
 #                            also agnhost for Kubernetes' storage suite
-#                            (e2e.test): busybox plus the binary at /agnhost,
+#                            (e2e.test): busybox plus the binary at /agnhost
+#                            and its libraries,
 #                            entrypoint /agnhost, as upstream's image; NAME is
 #                            the name e2e.test --list-images gives it; prints
 #                            SUITE_TARS
@@ -178,7 +179,10 @@ if [[ ${1:-} == suite ]]; then
     agnhost=${2:?usage: e2e/images.sh suite AGNHOST_BIN NAME}
     name=${3:?usage: e2e/images.sh suite AGNHOST_BIN NAME}
     tars=()
-    agnhost_root() { busybox_root "$1" && cp "$2" "$1/agnhost"; }
+    # The binary and the libraries it loads (glibc), as for the sidecars.
+    agnhost_root() {
+        busybox_root "$1" && "$HERE/../deploy/csi-driver/image/copy-with-libs.sh" "$1" "$2" /agnhost
+    }
     image "$name" "agnhost-$(cat "$agnhost" <(echo "$name") | sha256sum | cut -c1-12)" agnhost_root \
         '{"Entrypoint":["/agnhost"],"Cmd":["pause"],"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}' "$agnhost"
     echo "SUITE_TARS=\"${tars[*]}\""

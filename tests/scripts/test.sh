@@ -14,8 +14,19 @@ cd "$ROOT"
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 log "disk: $(df -h --output=avail "$ROOT" | tail -n1 | tr -d ' ') free under $ROOT"
 
-"$ROOT/tests/scripts/install-test-deps.sh"
+# Logs and the binary live in cargo's target dir, wherever CARGO_TARGET_DIR puts it.
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+mkdir -p "$TARGET"
+
+# The system packages first (the crate's build needs g++); then the test
+# tools (Go builds of csi-sanity, MinIO and Kubernetes, the model, grpcio,
+# cargo-fuzz) install beside the lints and the build: on a cold machine
+# much of their time is downloads, during which the compiler has the CPU.
+apt_install xfsprogs util-linux e2fsprogs openssl curl g++
 command -v rustfmt >/dev/null && command -v cargo-clippy >/dev/null || rustup component add rustfmt clippy
+log "test tools in the background (tests/scripts/install-test-deps.sh; log: $TARGET/test-deps.log)"
+"$ROOT/tests/scripts/install-test-deps.sh" >"$TARGET/test-deps.log" 2>&1 &
+deps=$!
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
@@ -23,9 +34,8 @@ log "cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
 log "cargo build"
 cargo build --locked --all-targets
-# Logs and the binary live in cargo's target dir, wherever CARGO_TARGET_DIR puts it.
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-mkdir -p "$TARGET"
+log "waiting for the test tools"
+wait "$deps" || { tail -n 40 "$TARGET/test-deps.log" >&2; log "installing the test tools failed"; exit 1; }
 
 # The e2e suite's Go builds (Kubernetes components, sidecars; cached by
 # version, so a warm run skips them) run under nice 19 beside the tests,
