@@ -25,10 +25,9 @@
 #   e2e/images.sh suite AGNHOST_BIN NAME
 #                            also agnhost for Kubernetes' storage suite
 #                            (e2e.test): busybox plus the binary at /agnhost
-#                            and its libraries,
-#                            entrypoint /agnhost, as upstream's image; NAME is
-#                            the name e2e.test --list-images gives it; prints
-#                            SUITE_TARS
+#                            and its libraries, entrypoint /agnhost, as
+#                            upstream's image; NAME is the name
+#                            e2e.test --list-images gives it; prints SUITE_TARS
 #
 # The tarballs are reproducible (sorted entries, owner 0, mtime 0) and cached in
 # <tools>/e2e-images-<key>/, where the key hashes this script, pause.c and the

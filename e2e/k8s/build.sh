@@ -6,6 +6,9 @@
 #                                        kube-controller-manager kube-scheduler
 #                                        kubelet kube-proxy kubectl
 #                                        e2e.test agnhost ginkgo | all
+#                                        | one-node (what a single-node
+#                                        cluster runs: all but kube-proxy and
+#                                        the storage suite's three)
 #                                        (default: etcd kube-apiserver kubectl)
 #
 # Cache layout (MODELCACHE_TOOLS overrides the root):
@@ -56,6 +59,7 @@ ETCD_DIR=$TOOLS/etcd-$ETCD_VERSION
 
 ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl e2e.test agnhost ginkgo)
 DEFAULT=(etcd kube-apiserver kubectl)
+ONE_NODE=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
 
 components=()
 if [[ $# -eq 0 ]]; then
@@ -64,9 +68,10 @@ else
     for c in "$@"; do
         case $c in
             all) components+=("${ALL[@]}") ;;
+            one-node) components+=("${ONE_NODE[@]}") ;;
             etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|kubectl|e2e.test|agnhost|ginkgo) components+=("$c") ;;
             -h|--help) sed -n '2,24p' "$0" >&2; exit 0 ;;
-            *) echo "build.sh: unknown component '$c' (one of: ${ALL[*]} all)" >&2; exit 2 ;;
+            *) echo "build.sh: unknown component '$c' (one of: ${ALL[*]} all one-node)" >&2; exit 2 ;;
         esac
     done
 fi

@@ -38,6 +38,17 @@ node_ip() { echo "10.213.0.$((10 + $1))"; }
 node_netns() { echo "mce2e-n$1"; }
 node_dir() { echo "$NODES_DIR/$(node_name "$1")"; }
 
+# child_of PID: PID's first child, waiting up to 5 s for it to appear.
+child_of() {
+    local i child
+    for ((i = 0; i < 100; i++)); do
+        child=$(pgrep -P "$1" | head -n1 || true)
+        [[ -z $child ]] || { echo "$child"; return 0; }
+        sleep 0.05
+    done
+    return 1
+}
+
 # node_holder K: the host PID of node K's PID 1.
 node_holder() {
     local holder
@@ -59,17 +70,11 @@ node_exec() {
 # nsenter forks into the PID namespace and passes no signal on, so the pid
 # recorded is its child's: the one stop() must signal.
 node_launch() {
-    local k=$1 name=$2 holder pid child i
+    local k=$1 name=$2 holder child
     shift 2
     holder=$(node_holder "$k") || return 1
     launch "$name" nsenter -t "$holder" --mount --uts --net --pid -- "$@"
-    pid=$(pid_of "$name")
-    for ((i = 0; i < 100; i++)); do
-        child=$(pgrep -P "$pid" | head -n1 || true)
-        [[ -z $child ]] || break
-        sleep 0.05
-    done
-    [[ -n $child ]] || { log "$name: nsenter (pid $pid) started nothing"; return 1; }
+    child=$(child_of "$(pid_of "$name")") || { log "$name: nsenter started nothing"; return 1; }
     echo "$child" > "$PIDS/$name.pid"
 }
 
@@ -120,8 +125,7 @@ node_namespaces_up() {
     # enters, and the one whose death (SIGKILL: a namespace's init ignores
     # the rest) takes every process of the node with it.
     local init
-    init=$(pgrep -P "$(pid_of "$name-ns")" | head -n1 || true)
-    [[ -n $init ]] || { log "node $name: unshare has no child"; return 1; }
+    init=$(child_of "$(pid_of "$name-ns")") || { log "node $name: unshare has no child"; return 1; }
     echo "$init" > "$PIDS/$name-ns.pid"
     # cgroup v1 hierarchies: a root per node, so two kubelets never share
     # /kubepods. A fresh cpuset cgroup has no CPUs or memory nodes until told.

@@ -48,8 +48,7 @@ single_node_built="$TARGET/e2e-prebuild.single-node-built"
 rm -f "$single_node_built"
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   log "e2e builds in the background (log: $TARGET/e2e-prebuild.log)"
-  { "$ROOT/e2e/k8s/build.sh" etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl \
-      && nice -n 19 "$ROOT/e2e/build-sidecars.sh" && touch "$single_node_built"
+  { "$ROOT/e2e/k8s/build.sh" one-node && nice -n 19 "$ROOT/e2e/build-sidecars.sh" && touch "$single_node_built"
     "$ROOT/e2e/k8s/build.sh" all && nice -n 19 bash "$ROOT/tests/scripts/deps/helm.sh"
   } >"$TARGET/e2e-prebuild.log" 2>&1 &
   prebuild=$!
