@@ -35,6 +35,13 @@ pub struct Config {
     pub tenant_blocked_networks: Vec<ipnet::IpNet>,
     /// How often a running pull reports progress on its PVC.
     pub progress_every: Duration,
+    /// Apply VolumeAttributesClass changes to this node's node-local
+    /// volumes from the PVCs (`modify_agent`).
+    pub modify_node_local: bool,
+    /// The StorageClass whose parameters govern inline volumes; none: off.
+    pub inline_class: Option<String>,
+    /// Pull what ModelPrefetch objects ask of this node (`prefetch`).
+    pub prefetch: bool,
 }
 
 impl Config {
@@ -63,6 +70,9 @@ impl Default for Config {
             kubeconfig: None,
             tenant_blocked_networks: Vec::new(),
             progress_every: Duration::from_secs(10),
+            modify_node_local: false,
+            inline_class: None,
+            prefetch: false,
         }
     }
 }

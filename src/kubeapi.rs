@@ -14,8 +14,10 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{
     ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod, Secret,
 };
-use kube::api::ListParams;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use k8s_openapi::api::storage::v1::{StorageClass, VolumeAttributesClass};
+use kube::api::{ListParams, Patch, PatchParams};
+pub use kube::runtime::events::EventType;
+use kube::runtime::events::{Event, Recorder, Reporter};
 use kube::{Api, Client, Resource, ResourceExt};
 
 use crate::error::{Error, Result};
@@ -151,6 +153,55 @@ impl KubeApi {
             .map_err(|e| api_error(&format!("PV {name}"), e))
     }
 
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    pub async fn volume_attributes_class(&self, name: &str) -> Result<VolumeAttributesClass> {
+        Api::<VolumeAttributesClass>::all(self.client.clone())
+            .get(name)
+            .await
+            .map_err(|e| api_error(&format!("VolumeAttributesClass {name}"), e))
+    }
+
+    /// Sets one annotation on a PV (a merge patch: nothing else changes).
+    pub async fn annotate_pv(&self, name: &str, key: &str, value: &str) -> Result<()> {
+        let patch = serde_json::json!({"metadata": {"annotations": {key: value}}});
+        Api::<PersistentVolume>::all(self.client.clone())
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(|_| ())
+            .map_err(|e| api_error(&format!("PV {name}"), e))
+    }
+
+    /// One event on `pvc` from this driver (and node), best effort.
+    pub async fn pvc_event(
+        &self,
+        pvc: &PersistentVolumeClaim,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        let recorder = Recorder::new(
+            self.client.clone(),
+            Reporter {
+                controller: self.driver.clone(),
+                instance: std::env::var("NODE_NAME").ok(),
+            },
+        );
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: action.into(),
+            secondary: None,
+        };
+        if let Err(e) = recorder.publish(&event, &pvc.object_ref(&())).await {
+            tracing::debug!(error = %e, "could not record an event");
+        }
+    }
+
     /// A Secret's data as strings, from the PVC's own namespace only.
     pub async fn secret(&self, namespace: &str, name: &str) -> Result<BTreeMap<String, String>> {
         // The name comes from a tenant's annotation and becomes part of a
@@ -196,10 +247,40 @@ impl KubeApi {
                 instance: std::env::var("NODE_NAME").ok(),
             },
             reference: pvc.object_ref(&()),
+            narrate_waiting_pods: true,
             every,
             last: Mutex::new(None),
             handle: tokio::runtime::Handle::current(),
         }
+    }
+
+    /// The same events on a pod, for the pull behind its inline volume.
+    pub fn pod_pull_events(&self, namespace: &str, name: &str, every: Duration) -> PvcEvents {
+        PvcEvents {
+            client: self.client.clone(),
+            reporter: Reporter {
+                controller: self.driver.clone(),
+                instance: std::env::var("NODE_NAME").ok(),
+            },
+            reference: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                namespace: Some(namespace.into()),
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            narrate_waiting_pods: false,
+            every,
+            last: Mutex::new(None),
+            handle: tokio::runtime::Handle::current(),
+        }
+    }
+
+    pub async fn storage_class(&self, name: &str) -> Result<StorageClass> {
+        Api::<StorageClass>::all(self.client.clone())
+            .get(name)
+            .await
+            .map_err(|e| api_error(&format!("StorageClass {name}"), e))
     }
 }
 
@@ -207,6 +288,9 @@ pub struct PvcEvents {
     client: Client,
     reporter: Reporter,
     reference: ObjectReference,
+    /// Whether pods waiting for the PVC hear the news too (not when the
+    /// reference is a pod already).
+    narrate_waiting_pods: bool,
     every: Duration,
     last: Mutex<Option<Instant>>,
     handle: tokio::runtime::Handle,
@@ -247,7 +331,9 @@ fn waits_for(pod: &Pod, pvc: &str) -> bool {
 
 impl PvcEvents {
     fn emit(&self, type_: EventType, reason: &str, note: String) {
-        self.tell_waiting_pods(type_, reason, &note);
+        if self.narrate_waiting_pods {
+            self.tell_waiting_pods(type_, reason, &note);
+        }
         // A recorder of its own for every event: one shared recorder folds
         // events of one reason into a series that keeps the first note, so
         // `kubectl describe pvc` would show the first progress for ever.

@@ -14,10 +14,12 @@ pub mod identity; // CSI Identity service and readiness
 pub mod kubeapi; // the requesting PVC, pvc:// claims and PVC events, via the Kubernetes API
 pub mod lock; // per-volume operation guards
 pub mod metrics; // Prometheus metrics and the /metrics, /healthz endpoint
+pub mod modify_agent; // on a node: VolumeAttributesClass changes to its node-local volumes
 pub mod mount; // mounts, the mount table, loop devices, safe subpaths
 pub mod node; // CSI Node service: stage, publish, stats
 pub mod offload; // blocking filesystem work, off the async runtime's threads
 pub mod outcome; // one result of work that outlives its callers, awaited within each deadline
+pub mod prefetch; // on a node: ModelPrefetch models pulled before any pod asks
 pub mod puller; // model URIs fetched and sealed by the driver
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
 pub mod rpc; // the edge of every handler: required fields, logging, status

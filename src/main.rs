@@ -169,6 +169,22 @@ struct ServeArgs {
     /// How often a running pull reports its progress as an event on its PVC.
     #[arg(long, default_value_t = 10)]
     progress_interval_seconds: u64,
+    /// Apply VolumeAttributesClass changes (sealing, pinning) to this
+    /// node's node-local volumes, watching their PVCs, and report each
+    /// outcome on the PV for the central controller; needs --node-id, the
+    /// controller service and Kubernetes API access.
+    #[arg(long)]
+    modify_node_local_volumes: bool,
+    /// CSI ephemeral inline volumes: the StorageClass (of this driver)
+    /// whose parameters govern them, allowedSources above all. Without it
+    /// a pod's inline volume is refused.
+    #[arg(long)]
+    inline_storage_class: Option<String>,
+    /// Keep warm on this node the models that ModelPrefetch objects select
+    /// it for, and report each in their status; needs --node-id, the
+    /// controller service and Kubernetes API access.
+    #[arg(long)]
+    prefetch: bool,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -254,6 +270,9 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         kubeconfig: a.kubeconfig.clone(),
         tenant_blocked_networks: a.tenant_blocked_networks.clone(),
         progress_every: std::time::Duration::from_secs(a.progress_interval_seconds.max(1)),
+        modify_node_local: a.modify_node_local_volumes,
+        inline_class: a.inline_storage_class.clone().filter(|c| !c.is_empty()),
+        prefetch: a.prefetch,
         evict_idle: a
             .evict_idle_minutes
             .map(|m| std::time::Duration::from_secs(m * 60)),

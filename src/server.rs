@@ -13,6 +13,7 @@ use crate::csi::identity_server::IdentityServer;
 use crate::csi::node_server::NodeServer;
 use crate::identity::IdentityService;
 use crate::node::absent::AbsentNode;
+use crate::node::inline::Inline;
 use crate::node::{NodeOps, NodeService};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -70,6 +71,33 @@ pub async fn serve_on(
             Some(Arc::new(p))
         }
     };
+    // The node's own controllers: each needs this node's controller
+    // service and API access.
+    let node_agent =
+        |flag: &str| -> anyhow::Result<(Arc<Provisioner>, crate::kubeapi::KubeApi, String)> {
+            let (Some(p), Some(node)) = (provisioner.clone(), cfg.node_id.clone()) else {
+                anyhow::bail!(
+                    "{flag} needs --node-id and the controller service (--mode controller or all)"
+                );
+            };
+            let Some(kube) = p.kube.clone() else {
+                anyhow::bail!("{flag} needs Kubernetes API access (--kube-api)");
+            };
+            Ok((p, kube, node))
+        };
+    if cfg.modify_node_local {
+        let (p, kube, node) = node_agent("--modify-node-local-volumes")?;
+        tokio::spawn(crate::modify_agent::run(
+            kube,
+            p,
+            node,
+            cfg.driver_name.clone(),
+        ));
+    }
+    if cfg.prefetch {
+        let (p, kube, node) = node_agent("--prefetch")?;
+        tokio::spawn(crate::prefetch::run(kube, p, node));
+    }
     if let Some(p) = provisioner.clone().filter(|p| p.kube.is_some()) {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(15));
@@ -101,15 +129,25 @@ pub async fn serve_on(
             cfg.clone(),
             controller,
         )))
-        .add_optional_service(provisioner.map(|p| {
+        .add_optional_service(provisioner.clone().map(|p| {
             let svc = ControllerService::new(p);
             let resume = svc.clone();
             tokio::spawn(async move { resume.resume_wanted().await });
             ControllerServer::new(svc)
         }))
-        .add_optional_service(
-            node.then(|| NodeServer::new(NodeService::new(Arc::new(NodeOps::new(cfg.clone()))))),
-        )
+        .add_optional_service(node.then(|| {
+            let ops = Arc::new(NodeOps::new(cfg.clone()));
+            let mut svc = NodeService::new(ops.clone());
+            if let Some(p) = &provisioner {
+                svc = svc.with_inline(Arc::new(Inline::new(
+                    p.clone(),
+                    ops,
+                    cfg.inline_class.clone(),
+                    &cfg.state_dir,
+                )));
+            }
+            NodeServer::new(svc)
+        }))
         .add_optional_service((!node).then(|| NodeServer::new(AbsentNode)));
     tracing::info!(driver = %cfg.driver_name, ?mode, node = ?cfg.node_id, "serving CSI");
     // Through the shim, so gRPC clients that send their own :authority for

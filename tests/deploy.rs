@@ -34,6 +34,16 @@ fn manifests_apply_to_a_real_apiserver() {
     let dry = kubectl_ok(&api, &["apply", "--dry-run=server", "-k", &base]);
     assert!(dry.contains("(server dry run)"), "{dry}");
     kubectl_ok(&api, &["apply", "-k", &base]);
+    // The examples include a ModelPrefetch: its CRD must serve first.
+    kubectl_ok(
+        &api,
+        &[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/modelprefetches.modelcache.csi.io",
+        ],
+    );
     kubectl_ok(&api, &["apply", "--dry-run=server", "-k", &examples]);
     kubectl_ok(&api, &["apply", "-k", &examples]);
 
@@ -44,6 +54,12 @@ fn manifests_apply_to_a_real_apiserver() {
     let driver: serde_json::Value = serde_json::from_str(&driver).unwrap();
     assert_eq!(driver["spec"]["attachRequired"], false);
     assert_eq!(driver["spec"]["storageCapacity"], true);
+    // Inline volumes: the mode, and the pod's name for the pull's events.
+    assert_eq!(
+        driver["spec"]["volumeLifecycleModes"],
+        serde_json::json!(["Persistent", "Ephemeral"])
+    );
+    assert_eq!(driver["spec"]["podInfoOnMount"], true);
     for (kind, name) in [
         ("daemonset", "modelcache-csi-node"),
         ("deployment", "modelcache-csi-controller"),
@@ -58,10 +74,12 @@ fn manifests_apply_to_a_real_apiserver() {
         "modelcache-minilm-s3",
         "modelcache-shared",
         "modelcache-xfs-shared",
+        "modelcache-inline",
     ] {
         assert!(classes.contains(sc), "{sc} missing: {classes}");
     }
     kubectl_ok(&api, &["get", "volumeattributesclass", "modelcache-sealed"]);
+    kubectl_ok(&api, &["get", "modelprefetch", "minilm-on-gpus"]);
     let clone = kubectl_ok(
         &api,
         &[
@@ -237,6 +255,61 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
         false,
     ),
     (TENANT, "get", "persistentvolumes", ALL, false),
+    // A node applies sealing classes to its own volumes: it reads the
+    // class and records the outcome on the PV, which no tenant may write
+    // (a forged "applied" would read as sealed).
+    (
+        NODE,
+        "get",
+        "volumeattributesclasses.storage.k8s.io",
+        ALL,
+        true,
+    ),
+    (
+        NODE,
+        "update",
+        "volumeattributesclasses.storage.k8s.io",
+        ALL,
+        false,
+    ),
+    (TENANT, "patch", "persistentvolumes", ALL, false),
+    // Prefetch: nodes read the declarations and write their status lines
+    // only; declaring one is an admin's act.
+    (
+        NODE,
+        "watch",
+        "modelprefetches.modelcache.csi.io",
+        ALL,
+        true,
+    ),
+    (
+        NODE,
+        "patch",
+        "modelprefetches.modelcache.csi.io/status",
+        ALL,
+        true,
+    ),
+    (
+        NODE,
+        "patch",
+        "modelprefetches.modelcache.csi.io",
+        ALL,
+        false,
+    ),
+    (
+        NODE,
+        "create",
+        "modelprefetches.modelcache.csi.io",
+        ALL,
+        false,
+    ),
+    (
+        TENANT,
+        "create",
+        "modelprefetches.modelcache.csi.io",
+        ALL,
+        false,
+    ),
 ];
 
 /// With the component applied for team-a.

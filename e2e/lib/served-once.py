@@ -1,6 +1,7 @@
 """Checks MinIO's audit log (e2e/lib/audit-receiver.py) against the objects
 under a prefix: every object's bytes were sent exactly once (or TIMES times:
-once per node that pulls), whether as one GET or as ranges that cover it.
+once per node that pulls; 0: never), whether as one GET or as ranges that
+cover it.
 Prints one line per object and exits non-zero on any object whose bytes were
 sent more or fewer times, or not at all.
 
@@ -60,7 +61,8 @@ for key in sorted(ranges):
         pos = at
     if pos < sizes[key]:
         even = False
-    ok = sent == times * sizes[key] and even
+    # TIMES 0: the object was never asked for at all.
+    ok = not rs if times == 0 else sent == times * sizes[key] and even
     bad += not ok
     print(
         f"{'ok ' if ok else 'BAD'} {key}: size {sizes[key]}, {len(rs)} GET(s), "

@@ -27,7 +27,8 @@ REASONS = [
     (r'does not support volume type "InlineVolume"', "suite",
      "in-tree inline volumes: no CSI driver has them"),
     (r'does not support volume type "CSIInlineVolume"', "ours",
-     "no CSI ephemeral inline volumes (volumeLifecycleModes: Persistent)"),
+     "inline volumes pull a model with the pod's nodePublishSecretRef, which the suite's "
+     "driver definition cannot give; the `inline` flow covers them"),
     (r"does not support volume expansion|does not support online volume expansion", "ours",
      "a shared source is a directory: no size to grow (expansion is the xfs backend's)"),
     (r"does not provide raw block|doesn't support Block", "ours",

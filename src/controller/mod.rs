@@ -3,6 +3,7 @@
 //! Handlers stay thin; decisions live in `volumes`. CreateVolume locks the
 //! volume *name* (a retry may race its original), everything else the id.
 
+pub mod node_report;
 pub mod params;
 pub mod volumes;
 mod wanted;
@@ -133,6 +134,8 @@ impl ControllerService {
                 topology: req.accessibility_requirements,
                 secrets: req.secrets,
                 budget,
+                inline: None,
+                progress: None,
             })
             .await?;
         tracing::info!(volume.id = %rec.id, role = rec.role.as_str(), "volume ready");

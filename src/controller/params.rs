@@ -251,6 +251,36 @@ pub struct Mutable {
     pub pinned: Option<bool>,
 }
 
+/// A StorageClass's parameters as external-provisioner passes them to
+/// CreateVolume: without its own `csi.storage.k8s.io/` keys (secret
+/// references and the like), for callers that read a class themselves.
+pub fn class_parameters(parameters: Option<BTreeMap<String, String>>) -> HashMap<String, String> {
+    parameters
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with(MODIFY_METADATA))
+        .collect()
+}
+
+/// external-resizer's `--extra-modify-metadata` adds the PVC's and PV's
+/// names to every ControllerModifyVolume under this prefix; they name
+/// objects, they are not attributes of the volume.
+const MODIFY_METADATA: &str = "csi.storage.k8s.io/";
+pub const PV_NAME: &str = "csi.storage.k8s.io/pv/name";
+
+/// A modify request's parameters, split into the class's own (as its
+/// VolumeAttributesClass lists them) and the PV's name, when given.
+pub fn split_modify_metadata(
+    map: &HashMap<String, String>,
+) -> (BTreeMap<String, String>, Option<String>) {
+    let attributes = map
+        .iter()
+        .filter(|(k, _)| !k.starts_with(MODIFY_METADATA))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    (attributes, map.get(PV_NAME).cloned())
+}
+
 pub fn parse_mutable(map: &HashMap<String, String>) -> Result<Mutable> {
     let mut m = Mutable::default();
     for (key, value) in map {
@@ -286,6 +316,32 @@ mod tests {
         kv.iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn modify_metadata_is_not_an_attribute() {
+        let (attributes, pv) = split_modify_metadata(&map(&[
+            (SEALED, "true"),
+            ("csi.storage.k8s.io/pvc/name", "src"),
+            ("csi.storage.k8s.io/pvc/namespace", "team-a"),
+            (PV_NAME, "pvc-123"),
+        ]));
+        assert_eq!(
+            attributes,
+            BTreeMap::from([(SEALED.to_string(), "true".to_string())])
+        );
+        assert_eq!(pv.as_deref(), Some("pvc-123"));
+        let plain: HashMap<String, String> = attributes.into_iter().collect();
+        assert_eq!(parse_mutable(&plain).unwrap().sealed, Some(true));
+        // A class read by the driver itself loses its secret references.
+        let class = class_parameters(Some(BTreeMap::from([
+            ("source".to_string(), "s3://m/x".to_string()),
+            (
+                "csi.storage.k8s.io/provisioner-secret-name".to_string(),
+                "creds".to_string(),
+            ),
+        ])));
+        assert_eq!(class, map(&[("source", "s3://m/x")]));
     }
 
     #[test]

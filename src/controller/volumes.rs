@@ -41,6 +41,20 @@ pub struct CreateRequest {
     /// How long the caller waits; a pull still running then goes on
     /// without it (see `puller::jobs`).
     pub budget: Option<std::time::Duration>,
+    /// A source named in a pod's inline volume (`node::inline`), pulled
+    /// with `secrets` as they are (the pod's own nodePublishSecretRef).
+    pub inline: Option<InlineSource>,
+    /// Who hears of a pull when no PVC or pod does (`prefetch`).
+    pub progress: Option<Arc<dyn ProgressSink>>,
+}
+
+/// A tenant's source from a pod spec: admitted exactly like a PVC's
+/// `modelcache.csi.io/source`, against the class's allowedSources.
+#[derive(Clone, Debug)]
+pub struct InlineSource {
+    pub uri: String,
+    /// (namespace, name) of the pod, which hears of the pull.
+    pub pod: Option<(String, String)>,
 }
 
 pub struct Provisioner {
@@ -211,37 +225,36 @@ impl Provisioner {
         // class's allowedSources, pulled through the egress guard, and with
         // the PVC's own secret only, never the class's or the driver's.
         let mut tenant = None;
-        let events = match (&self.kube, &pvc) {
-            (Some(k), Some((_, claim))) => {
+        let events = match (&self.kube, &pvc, &req.inline) {
+            (Some(k), Some((_, claim)), _) => {
                 Some(Arc::new(k.pull_events(claim, self.cfg.progress_every)))
             }
+            (
+                Some(k),
+                None,
+                Some(InlineSource {
+                    pod: Some((ns, name)),
+                    ..
+                }),
+            ) => Some(Arc::new(k.pod_pull_events(
+                ns,
+                name,
+                self.cfg.progress_every,
+            ))),
             _ => None,
         };
+        if let Some(inline) = &req.inline {
+            let field = "volumeAttributes.source";
+            tenant = Some(
+                self.admit(field, &inline.uri, &params, events.as_deref())
+                    .await?,
+            );
+            params.source = Some(inline.uri.clone());
+        }
         if let (Some((ns, claim)), Some(k)) = (&pvc, &self.kube) {
             if let Some(src) = claim.annotations().get(kubeapi::SOURCE_ANNOTATION) {
                 let field = format!("PVC annotation {}", kubeapi::SOURCE_ANNOTATION);
-                let admitted = match puller::validate_uri(src) {
-                    Err(m) => Err(Error::invalid(&field, m)),
-                    Ok(()) => {
-                        Tenant::admit(
-                            &field,
-                            src,
-                            params.allowed_sources.as_ref(),
-                            &params.source_options,
-                            &self.cfg.tenant_blocked_networks,
-                        )
-                        .await
-                    }
-                };
-                match admitted {
-                    Ok(t) => tenant = Some(t),
-                    Err(e) => {
-                        if let Some(ev) = &events {
-                            ev.refused(&e.to_string());
-                        }
-                        return Err(e);
-                    }
-                }
+                tenant = Some(self.admit(&field, src, &params, events.as_deref()).await?);
                 params.source = Some(src.clone());
                 secrets.clear();
             }
@@ -471,9 +484,10 @@ impl Provisioner {
                             secrets: secrets.clone(),
                             tenant: tenant.clone(),
                         };
-                        let sink: Arc<dyn ProgressSink> = match &events {
-                            Some(e) => e.clone(),
-                            None => Arc::new(NoProgress),
+                        let sink: Arc<dyn ProgressSink> = match (&events, &req.progress) {
+                            (Some(e), _) => e.clone(),
+                            (None, Some(p)) => p.clone(),
+                            (None, None) => Arc::new(NoProgress),
                         };
                         let shown = crate::trust::allowed::shown(&uri).to_string();
                         let source = match puller::open(&uri, &opts).await {
@@ -497,7 +511,9 @@ impl Provisioner {
                         // Recorded so that a restart resumes it; a class
                         // secret would have to be written too, so such a
                         // pull waits for the provisioner's next call.
-                        let resumable = req.secrets.is_empty() || tenant.is_some();
+                        // An inline volume's pull is not: kubelet asks again.
+                        let resumable =
+                            req.inline.is_none() && (req.secrets.is_empty() || tenant.is_some());
                         if resumable && !self.jobs.is_running(&req.name) {
                             let (d, w) = (self.wanted_dir(), req.clone());
                             blocking(move || wanted::save(&d, &w)).await?;
@@ -559,6 +575,34 @@ impl Provisioner {
             self.seal(&rec.id).await?;
         }
         Ok((rec, self.topology_of(&root)))
+    }
+
+    /// A source a tenant named (in `field`), admitted under the class's
+    /// allowedSources; a refusal is told on the PVC or pod, too.
+    async fn admit(
+        &self,
+        field: &str,
+        uri: &str,
+        params: &Params,
+        events: Option<&kubeapi::PvcEvents>,
+    ) -> Result<Arc<Tenant>> {
+        let admitted = match puller::validate_uri(uri) {
+            Err(m) => Err(Error::invalid(field, m)),
+            Ok(()) => {
+                Tenant::admit(
+                    field,
+                    uri,
+                    params.allowed_sources.as_ref(),
+                    &params.source_options,
+                    &self.cfg.tenant_blocked_networks,
+                )
+                .await
+            }
+        };
+        if let (Err(e), Some(ev)) = (&admitted, events) {
+            ev.refused(&e.to_string());
+        }
+        admitted
     }
 
     /// The seal of a source a cache volume is about to read.
@@ -645,7 +689,16 @@ impl Provisioner {
     }
 
     pub async fn modify(&self, volume_id: &str, mutable: &HashMap<String, String>) -> Result<()> {
-        let m = super::params::parse_mutable(mutable)?;
+        let (attributes, pv_name) = super::params::split_modify_metadata(mutable);
+        let attributes: HashMap<_, _> = attributes.into_iter().collect();
+        let m = super::params::parse_mutable(&attributes)?;
+        if let Some(id) = VolumeId::parse(volume_id)
+            && self.roots.for_id(&id).is_err()
+        {
+            return self
+                .modified_on_node(volume_id, &attributes, pv_name.as_deref())
+                .await;
+        }
         let (root, rec) = self.lookup(volume_id)?;
         if let Some(pin) = m.pinned {
             if !cache::evict::is_model(&rec.source) {
@@ -666,6 +719,48 @@ impl Provisioner {
             }
             _ => Ok(()),
         }
+    }
+
+    /// ControllerModifyVolume for a volume in a root this process does not
+    /// serve: a node-local volume of another node, whose driver applies the
+    /// change and reports on the PV (`node_report`). Without the PV's name
+    /// (external-resizer's --extra-modify-metadata) or API access there is
+    /// nothing to read, and the answer says so.
+    async fn modified_on_node(
+        &self,
+        volume_id: &str,
+        attributes: &HashMap<String, String>,
+        pv_name: Option<&str>,
+    ) -> Result<()> {
+        let not_here = || {
+            cache::lookup(&self.roots, volume_id)
+                .err()
+                .unwrap_or_else(|| Error::Internal(format!("volume {volume_id} is not served")))
+        };
+        let (Some(kube), Some(pv_name)) = (&self.kube, pv_name) else {
+            let e = not_here();
+            return Err(Error::FailedPrecondition(format!(
+                "{e}. A node-local volume is modified by its node's driver, which reports on \
+                 the PV: run external-resizer with --extra-modify-metadata and give this \
+                 controller Kubernetes API access, so it can read that report"
+            )));
+        };
+        let pv = kube.pv(pv_name).await?;
+        let handle = pv.spec.as_ref().and_then(|s| s.csi.as_ref());
+        if handle.map(|c| c.volume_handle.as_str()) != Some(volume_id) {
+            return Err(Error::FailedPrecondition(format!(
+                "PV {pv_name} is not volume {volume_id}"
+            )));
+        }
+        let Some(node) = node_of(&pv, &self.cfg.topology_key()) else {
+            return Err(not_here());
+        };
+        let wanted = attributes
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let report = super::node_report::Report::from_annotations(pv.metadata.annotations.as_ref());
+        super::node_report::answer(volume_id, &node, &wanted, report.as_ref())
     }
 
     /// Every volume this controller serves, ordered by id.
@@ -908,6 +1003,9 @@ fn fingerprint(req: &CreateRequest) -> String {
         limit: i64,
         content: Option<&'a str>,
         caps: Vec<String>,
+        // Absent for every other volume, so their fingerprints are as before.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        inline: Option<&'a str>,
     }
     let mut caps: Vec<String> = req.capabilities.iter().map(|c| format!("{c:?}")).collect();
     caps.sort();
@@ -926,6 +1024,45 @@ fn fingerprint(req: &CreateRequest) -> String {
         limit: req.capacity.as_ref().map_or(0, |c| c.limit_bytes),
         content: req.content_volume.as_deref(),
         caps,
+        inline: req.inline.as_ref().map(|i| i.uri.as_str()),
     };
     serde_json::to_string(&f).unwrap_or_default()
+}
+
+/// The node a node-local PV is pinned to, by the driver's topology key.
+pub fn node_of(pv: &k8s_openapi::api::core::v1::PersistentVolume, key: &str) -> Option<String> {
+    pv.spec
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_expressions.iter().flatten())
+        .find(|e| e.key == key && e.operator == "In")
+        .and_then(|e| e.values.as_ref()?.first().cloned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_local_pv_names_its_node_by_the_topology_key() {
+        let pv = |key: &str, op: &str| -> k8s_openapi::api::core::v1::PersistentVolume {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "pv1"},
+                "spec": {"nodeAffinity": {"required": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": key, "operator": op, "values": ["node-2"]}]}
+                ]}}}
+            }))
+            .unwrap()
+        };
+        let key = "topology.modelcache.csi.io/node";
+        assert_eq!(node_of(&pv(key, "In"), key), Some("node-2".into()));
+        assert_eq!(node_of(&pv("kubernetes.io/hostname", "In"), key), None);
+        assert_eq!(node_of(&pv(key, "NotIn"), key), None);
+        assert_eq!(node_of(&Default::default(), key), None);
+    }
 }

@@ -119,6 +119,8 @@ fn decode(r: Record) -> std::io::Result<CreateRequest> {
         topology,
         secrets: Default::default(),
         budget: None,
+        inline: None,
+        progress: None,
     })
 }
 
@@ -147,6 +149,8 @@ mod tests {
             topology: None,
             secrets: [("k".to_string(), "secret".to_string())].into(),
             budget: Some(std::time::Duration::from_secs(3)),
+            inline: None,
+            progress: None,
         };
         save(&dir, &req).unwrap();
         let on_disk = std::fs::read_dir(&dir).unwrap().count();

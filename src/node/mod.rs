@@ -1,6 +1,7 @@
 //! CSI Node service: validate the request, lock the volume, call `ops`.
 
 pub mod absent;
+pub mod inline;
 pub mod ops;
 pub mod registration;
 pub mod verify;
@@ -24,6 +25,8 @@ pub use ops::NodeOps;
 
 pub struct NodeService {
     ops: Arc<NodeOps>,
+    /// Inline volumes, when this process also runs the controller.
+    inline: Option<Arc<inline::Inline>>,
     locks: OpLocks,
 }
 
@@ -47,8 +50,14 @@ impl NodeService {
     pub fn new(ops: Arc<NodeOps>) -> Self {
         NodeService {
             ops,
+            inline: None,
             locks: OpLocks::default(),
         }
+    }
+
+    pub fn with_inline(mut self, inline: Arc<inline::Inline>) -> Self {
+        self.inline = Some(inline);
+        self
     }
 
     async fn stage(
@@ -74,10 +83,38 @@ impl NodeService {
         Ok(NodeUnstageVolumeResponse {})
     }
 
-    async fn publish(&self, req: NodePublishVolumeRequest) -> Result<NodePublishVolumeResponse> {
+    async fn publish(
+        &self,
+        req: NodePublishVolumeRequest,
+        budget: Option<std::time::Duration>,
+    ) -> Result<NodePublishVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
         let target = path(&req.target_path, "target_path")?;
         let cap = capability_of(req.volume_capability.as_ref())?;
+        if inline::is_inline(&req.volume_context) {
+            let inline = self.inline.as_ref().ok_or_else(|| {
+                Error::FailedPrecondition(
+                    "inline volumes need the controller service in the node's driver \
+                     (--mode all, as deploy/csi-driver runs it)"
+                        .into(),
+                )
+            })?;
+            let _guard = self.locks.try_lock(&req.volume_id)?;
+            let capability = req.volume_capability.clone().unwrap_or_default();
+            inline
+                .publish(
+                    &req.volume_id,
+                    &req.volume_context,
+                    &req.secrets,
+                    capability,
+                    cap,
+                    target,
+                    budget,
+                )
+                .await?;
+            tracing::info!("published an inline volume");
+            return Ok(NodePublishVolumeResponse {});
+        }
         let staging = path(&req.staging_target_path, "staging_target_path")?;
         let _guard = self.locks.try_lock(&req.volume_id)?;
         self.ops
@@ -94,6 +131,12 @@ impl NodeService {
         require(&req.volume_id, "volume_id")?;
         let target = path(&req.target_path, "target_path")?;
         let _guard = self.locks.try_lock(&req.volume_id)?;
+        if let Some(inline) = &self.inline
+            && inline.unpublish(&req.volume_id, target.clone()).await?
+        {
+            tracing::info!("unpublished an inline volume and released its model");
+            return Ok(NodeUnpublishVolumeResponse {});
+        }
         self.ops.unpublish(target).await?;
         tracing::info!("unpublished");
         Ok(NodeUnpublishVolumeResponse {})
@@ -163,10 +206,11 @@ impl Node for NodeService {
         &self,
         request: Request<NodePublishVolumeRequest>,
     ) -> Result<Response<NodePublishVolumeResponse>, Status> {
+        let budget = crate::rpc::budget(&request);
         let req = request.into_inner();
         let span =
             info_span!("NodePublishVolume", volume.id = %req.volume_id, target = %req.target_path);
-        async { respond(self.publish(req).await) }
+        async { respond(self.publish(req, budget).await) }
             .instrument(span)
             .await
     }

@@ -56,7 +56,7 @@ impl Tenant {
             Error::invalid(
                 field,
                 format!(
-                    "this StorageClass does not let PVCs name their own source; an admin must \
+                    "this StorageClass does not let PVCs or inline volumes name their own source; an admin must \
                      set the StorageClass parameter {ALLOWED_SOURCES} (comma-separated URI \
                      prefixes, e.g. hf://,s3://models/) to allow it"
                 ),
