@@ -120,14 +120,15 @@ async fn node_labels(ctx: &Ctx) -> Result<std::collections::BTreeMap<String, Str
     Ok(node.labels().clone())
 }
 
-/// The id of the cache volume named `name`, when this node has it.
-fn volume_of(ctx: &Ctx, name: &str) -> Result<Option<crate::cache::VolumeRecord>> {
-    Ok(ctx
-        .provisioner
-        .list()?
-        .into_iter()
-        .map(|(r, _)| r)
-        .find(|r| r.name == name))
+/// This node's volume records, read off the async runtime's threads.
+async fn volumes(ctx: &Ctx) -> Result<Vec<crate::cache::VolumeRecord>> {
+    let p = ctx.provisioner.clone();
+    crate::offload::blocking(move || Ok(p.list()?.into_iter().map(|(r, _)| r).collect())).await
+}
+
+/// The cache volume named `name`, when this node has it.
+async fn volume_of(ctx: &Ctx, name: &str) -> Result<Option<crate::cache::VolumeRecord>> {
+    Ok(volumes(ctx).await?.into_iter().find(|r| r.name == name))
 }
 
 async fn reconcile(mp: Arc<ModelPrefetch>, ctx: Arc<Ctx>) -> Result<Action> {
@@ -164,7 +165,7 @@ async fn reconcile_one(mp: Arc<ModelPrefetch>, ctx: Arc<Ctx>) -> Result<Action> 
     {
         return Ok(Action::requeue(RESYNC));
     }
-    if let Some(rec) = volume_of(&ctx, &volume)? {
+    if let Some(rec) = volume_of(&ctx, &volume).await? {
         if mine(&mp, &ctx.node).is_none_or(|l| l.phase != Phase::Ready) {
             report(
                 &ctx.kube.client(),
@@ -338,7 +339,7 @@ async fn class_secret(
 
 /// Releases this node's volume of a prefetch that no longer wants it here.
 async fn release(ctx: &Ctx, volume: &str) -> Result<()> {
-    if let Some(rec) = volume_of(ctx, volume)? {
+    if let Some(rec) = volume_of(ctx, volume).await? {
         ctx.provisioner.delete(&rec.id).await?;
         info!(volume = %volume, "released a prefetched model");
     }
@@ -358,7 +359,7 @@ async fn release_unwanted(ctx: &Arc<Ctx>) -> Result<()> {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .clone();
-    for (rec, _) in ctx.provisioner.list()? {
+    for rec in volumes(ctx).await? {
         if rec.name.starts_with(VOLUME_PREFIX)
             && !wanted.contains(&rec.name)
             && !running.contains(&rec.name)

@@ -27,6 +27,13 @@ command -v rustfmt >/dev/null && command -v cargo-clippy >/dev/null || rustup co
 log "test tools in the background (tests/scripts/install-test-deps.sh; log: $TARGET/test-deps.log)"
 "$ROOT/tests/scripts/install-test-deps.sh" >"$TARGET/test-deps.log" 2>&1 &
 deps=$!
+# The fuzz targets' instrumented build (a second compile of the crate and
+# its dependencies) runs from the start, at the lowest priority: on a cold
+# machine the first minutes are mostly downloads, and the fuzz step later
+# only fuzzes.
+log "fuzz build in the background (log: $TARGET/fuzz/build.log)"
+nice -n 19 "$ROOT/tests/scripts/fuzz.sh" build >/dev/null 2>&1 &
+fuzzbuild=$!
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
@@ -53,13 +60,6 @@ if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   } >"$TARGET/e2e-prebuild.log" 2>&1 &
   prebuild=$!
 fi
-# The fuzz targets' instrumented build (a second compile of the crate and
-# its dependencies, 9.5 min cold) also runs beside the tests; the fuzz step
-# then only fuzzes.
-log "fuzz build in the background (log: $TARGET/fuzz/build.log)"
-nice -n 19 "$ROOT/tests/scripts/fuzz.sh" build >/dev/null 2>&1 &
-fuzzbuild=$!
-
 # A private mount namespace: whatever a failing test leaves mounted dies with it.
 log "cargo test"
 set +e
