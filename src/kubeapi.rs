@@ -153,6 +153,14 @@ impl KubeApi {
             .map_err(|e| api_error(&format!("PV {name}"), e))
     }
 
+    /// This driver (and, on a node, the node) as the source of events.
+    fn reporter(&self) -> Reporter {
+        Reporter {
+            controller: self.driver.clone(),
+            instance: std::env::var("NODE_NAME").ok(),
+        }
+    }
+
     pub fn client(&self) -> Client {
         self.client.clone()
     }
@@ -183,13 +191,7 @@ impl KubeApi {
         action: &str,
         note: String,
     ) {
-        let recorder = Recorder::new(
-            self.client.clone(),
-            Reporter {
-                controller: self.driver.clone(),
-                instance: std::env::var("NODE_NAME").ok(),
-            },
-        );
+        let recorder = Recorder::new(self.client.clone(), self.reporter());
         let event = Event {
             type_,
             reason: reason.into(),
@@ -242,10 +244,7 @@ impl KubeApi {
     pub fn pull_events(&self, pvc: &PersistentVolumeClaim, every: Duration) -> PvcEvents {
         PvcEvents {
             client: self.client.clone(),
-            reporter: Reporter {
-                controller: self.driver.clone(),
-                instance: std::env::var("NODE_NAME").ok(),
-            },
+            reporter: self.reporter(),
             reference: pvc.object_ref(&()),
             narrate_waiting_pods: true,
             every,
@@ -258,10 +257,7 @@ impl KubeApi {
     pub fn pod_pull_events(&self, namespace: &str, name: &str, every: Duration) -> PvcEvents {
         PvcEvents {
             client: self.client.clone(),
-            reporter: Reporter {
-                controller: self.driver.clone(),
-                instance: std::env::var("NODE_NAME").ok(),
-            },
+            reporter: self.reporter(),
             reference: ObjectReference {
                 api_version: Some("v1".into()),
                 kind: Some("Pod".into()),

@@ -693,10 +693,10 @@ impl Provisioner {
         let attributes: HashMap<_, _> = attributes.into_iter().collect();
         let m = super::params::parse_mutable(&attributes)?;
         if let Some(id) = VolumeId::parse(volume_id)
-            && self.roots.for_id(&id).is_err()
+            && let Err(not_here) = self.roots.for_id(&id)
         {
             return self
-                .modified_on_node(volume_id, &attributes, pv_name.as_deref())
+                .modified_on_node(volume_id, &attributes, pv_name.as_deref(), not_here)
                 .await;
         }
         let (root, rec) = self.lookup(volume_id)?;
@@ -731,16 +731,11 @@ impl Provisioner {
         volume_id: &str,
         attributes: &HashMap<String, String>,
         pv_name: Option<&str>,
+        not_here: Error,
     ) -> Result<()> {
-        let not_here = || {
-            cache::lookup(&self.roots, volume_id)
-                .err()
-                .unwrap_or_else(|| Error::Internal(format!("volume {volume_id} is not served")))
-        };
         let (Some(kube), Some(pv_name)) = (&self.kube, pv_name) else {
-            let e = not_here();
             return Err(Error::FailedPrecondition(format!(
-                "{e}. A node-local volume is modified by its node's driver, which reports on \
+                "{not_here}. A node-local volume is modified by its node's driver, which reports on \
                  the PV: run external-resizer with --extra-modify-metadata and give this \
                  controller Kubernetes API access, so it can read that report"
             )));
@@ -753,7 +748,7 @@ impl Provisioner {
             )));
         }
         let Some(node) = node_of(&pv, &self.cfg.topology_key()) else {
-            return Err(not_here());
+            return Err(not_here);
         };
         let wanted = attributes
             .iter()
