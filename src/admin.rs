@@ -85,7 +85,7 @@ pub struct Entry {
 
 /// Runs one command; what it prints goes to stdout, failures are errors.
 pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
-    let roots = Roots::from_config(&cfg);
+    let roots = cfg.roots();
     if roots.roots.is_empty() {
         return Err(Error::invalid(
             "--node-id",

@@ -1,12 +1,11 @@
 //! Process-wide settings, taken from flags once at start-up.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-
 use std::time::Duration;
 
-use crate::cache::Backend;
-use crate::cache::layout::Reserve;
-use crate::puller::engine::EngineConfig;
+use crate::cache::layout::{Reserve, Root};
+use crate::cache::{Backend, Roots};
 
 /// `Default` is for embedding (demo, tests): no node, local backend only.
 #[derive(Clone, Debug)]
@@ -53,6 +52,39 @@ impl Config {
     pub fn backend_enabled(&self, b: Backend) -> bool {
         self.backends.contains(&b)
     }
+
+    /// Every root this process can serve, from its flags.
+    pub fn roots(&self) -> Roots {
+        let mut roots = Vec::new();
+        for b in &self.backends {
+            match b {
+                Backend::Local | Backend::Xfs => {
+                    if let Some(node) = &self.node_id {
+                        let dir = self.state_dir.join(b.as_str());
+                        roots.push(Root::with_anchor(
+                            *b,
+                            dir,
+                            Some(node.clone()),
+                            self.state_dir.clone(),
+                            self.min_free,
+                        ));
+                    }
+                }
+                Backend::Shared => {}
+            }
+            if matches!(b, Backend::Shared | Backend::Xfs) {
+                for p in &self.shared_paths {
+                    let dir = if *b == Backend::Xfs {
+                        p.join("xfs")
+                    } else {
+                        p.clone()
+                    };
+                    roots.push(Root::with_anchor(*b, dir, None, p.clone(), self.min_free));
+                }
+            }
+        }
+        Roots { roots }
+    }
 }
 
 impl Default for Config {
@@ -76,3 +108,92 @@ impl Default for Config {
         }
     }
 }
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Size of one ranged request.
+    pub chunk_bytes: u64,
+    /// Concurrent ranges per file.
+    pub connections: usize,
+    /// Concurrent files per model.
+    pub files: usize,
+    /// Concurrent models.
+    pub models: usize,
+    /// The stall window: a stream that yields fewer than
+    /// `stall_min_bytes_per_sec x stall` bytes in any such window (nothing
+    /// at all, or a trickle) is dropped and its range resumed.
+    pub stall: Duration,
+    pub stall_min_bytes_per_sec: u64,
+    /// Bounds on every model (`--max-model-bytes`, `--max-model-files`); a
+    /// StorageClass may lower them.
+    pub limits: PullLimits,
+    /// Attempts per request before giving up.
+    pub attempts: u32,
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+    pub progress_every: Duration,
+    /// Bytes of pulled models a root may hold; None: the filesystem's size.
+    pub capacity: BTreeMap<Backend, u64>,
+    /// Memory for write buffers, shared by every stream of every model.
+    /// Each file gets `2 x connections` buffers of
+    /// `budget / (models x files x connections x 2)` bytes, between 256 KiB
+    /// and 4 MiB: one per connection, and as many again to hold bytes that
+    /// arrive ahead of the hashed frontier.
+    pub buffer_budget: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            chunk_bytes: 32 << 20,
+            connections: 4,
+            files: 4,
+            models: 2,
+            stall: Duration::from_secs(30),
+            stall_min_bytes_per_sec: 1024,
+            limits: PullLimits::default(),
+            attempts: 8,
+            backoff: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+            progress_every: Duration::from_secs(10),
+            capacity: BTreeMap::new(),
+            buffer_budget: 128 << 20,
+        }
+    }
+}
+
+/// Bounds on one pull: the driver's flags, lowered by a StorageClass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullLimits {
+    /// Bytes of the model: listed files, and what layers unpack to.
+    pub max_bytes: u64,
+    /// Files of the model: listed files, and every entry of a layer.
+    pub max_files: u64,
+}
+
+impl Default for PullLimits {
+    fn default() -> Self {
+        PullLimits {
+            max_bytes: DEFAULT_MAX_MODEL_BYTES,
+            max_files: DEFAULT_MAX_MODEL_FILES,
+        }
+    }
+}
+
+impl PullLimits {
+    /// The tighter of two sets of limits.
+    pub fn lower(self, other: Option<PullLimits>) -> PullLimits {
+        match other {
+            Some(o) => PullLimits {
+                max_bytes: self.max_bytes.min(o.max_bytes),
+                max_files: self.max_files.min(o.max_files),
+            },
+            None => self,
+        }
+    }
+}
+
+/// `--max-model-bytes` by default: 1 TiB, above any model published today.
+pub const DEFAULT_MAX_MODEL_BYTES: u64 = 1 << 40;
+/// `--max-model-files` by default.
+pub const DEFAULT_MAX_MODEL_FILES: u64 = 100_000;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use crate::cache::{Backend, Roots};
+use crate::cache::Backend;
 use crate::config::Config;
 use crate::csi::identity_server::Identity;
 use crate::csi::plugin_capability::{Service, service::Type as ServiceType};
@@ -25,7 +25,7 @@ impl IdentityService {
 /// Reasons the enabled backends cannot work; empty when all can.
 pub fn problems(cfg: &Config) -> Vec<String> {
     let mut out = Vec::new();
-    for root in Roots::from_config(cfg).roots {
+    for root in cfg.roots().roots {
         if let Err(e) = std::fs::create_dir_all(&root.dir).and_then(|_| {
             let probe = root.dir.join(".probe");
             std::fs::write(&probe, b"")?;

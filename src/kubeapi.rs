@@ -21,7 +21,7 @@ use kube::runtime::events::{Event, Recorder, Reporter};
 use kube::{Api, Client, Resource, ResourceExt};
 
 use crate::error::{Error, Result};
-use crate::puller::engine::{Progress, ProgressSink};
+use crate::progress::{Progress, ProgressSink};
 
 pub const PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
 pub const PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
@@ -32,51 +32,6 @@ pub const SECRET_ANNOTATION: &str = "modelcache.csi.io/source-secret";
 /// An admin's annotation on a block PV: its filesystem may be mounted by
 /// the node's kernel (read-only) for `pvc://` sources.
 pub const TRUSTED_FILESYSTEM_ANNOTATION: &str = "modelcache.csi.io/trusted-filesystem";
-
-/// `pvc://[namespace:]claim[/path]`: a claim (in the requesting PVC's
-/// namespace unless one is given) and a directory inside its volume.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PvcUri {
-    pub namespace: Option<String>,
-    pub claim: String,
-    pub path: Option<String>,
-}
-
-pub const PVC_FORM: &str = "pvc://claim[/path] or pvc://namespace:claim[/path]";
-
-pub fn parse_pvc_uri(uri: &str) -> Result<PvcUri, String> {
-    let rest = uri
-        .strip_prefix("pvc://")
-        .ok_or_else(|| format!("{uri:?} is not {PVC_FORM}"))?;
-    let (claim_part, path) = match rest.split_once('/') {
-        Some((c, p)) if !p.trim_matches('/').is_empty() => {
-            (c, Some(p.trim_matches('/').to_string()))
-        }
-        Some((c, _)) => (c, None),
-        None => (rest, None),
-    };
-    let (namespace, claim) = match claim_part.split_once(':') {
-        Some((ns, c)) => (Some(ns.to_string()), c.to_string()),
-        None => (None, claim_part.to_string()),
-    };
-    let dns = |s: &str| {
-        !s.is_empty()
-            && s.len() <= 253
-            && s.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-    };
-    if !dns(&claim) || namespace.as_deref().is_some_and(|n| !dns(n)) {
-        return Err(format!("{uri:?} does not name a claim; use {PVC_FORM}"));
-    }
-    if let Some(p) = &path {
-        crate::mount::subpath::validate_syntax(p).map_err(|m| format!("{uri:?}: the path {m}"))?;
-    }
-    Ok(PvcUri {
-        namespace,
-        claim,
-        path,
-    })
-}
 
 /// An RFC 1123 subdomain, as Kubernetes object names are.
 fn is_object_name(s: &str) -> bool {
@@ -446,10 +401,7 @@ impl ProgressSink for PvcEvents {
         self.emit(
             EventType::Warning,
             "PullFailed",
-            format!(
-                "pulling {} failed: {error}",
-                crate::puller::display_uri(uri)
-            ),
+            format!("pulling {} failed: {error}", crate::uri::display_uri(uri)),
         );
     }
 }
@@ -532,34 +484,5 @@ mod tests {
             secret_error("team", "creds", missing),
             Error::NotFound(m) if m.contains("Secret team/creds")
         ));
-    }
-
-    #[test]
-    fn pvc_uris() {
-        assert_eq!(
-            parse_pvc_uri("pvc://models/minilm/v1").unwrap(),
-            PvcUri {
-                namespace: None,
-                claim: "models".into(),
-                path: Some("minilm/v1".into())
-            }
-        );
-        assert_eq!(
-            parse_pvc_uri("pvc://team-a:models").unwrap(),
-            PvcUri {
-                namespace: Some("team-a".into()),
-                claim: "models".into(),
-                path: None
-            }
-        );
-        for bad in [
-            "pvc://",
-            "pvc://Models",
-            "pvc://a/../etc",
-            "pvc://a:/x",
-            "s3://x",
-        ] {
-            assert!(parse_pvc_uri(bad).is_err(), "{bad}");
-        }
     }
 }

@@ -20,6 +20,7 @@ pub mod node; // CSI Node service: stage, publish, stats
 pub mod offload; // blocking filesystem work, off the async runtime's threads
 pub mod outcome; // one result of work that outlives its callers, awaited within each deadline
 pub mod prefetch; // on a node: ModelPrefetch models pulled before any pod asks
+pub mod progress; // a pull's progress, and where it is reported
 pub mod puller; // model URIs fetched and sealed by the driver
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
 pub mod rpc; // the edge of every handler: required fields, logging, status
@@ -27,3 +28,4 @@ pub mod server; // binding the endpoint and serving
 pub mod state; // atomic, durable JSON records
 pub mod trust; // what a tenant may name as a source, and the network its pull may reach
 pub mod uds; // binding our Unix sockets, and the shim that lets any gRPC client in
+pub mod uri; // model URIs as values: shown without secrets, the pvc:// form

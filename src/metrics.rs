@@ -63,7 +63,8 @@ pub struct Metrics {
     pub pull_bytes: Family<Scheme, Counter>,
     pub pull_duration: Family<Scheme, Histogram>,
     pub cache_hits: Family<Scheme, Counter>,
-    pub evictions: Counter,
+    /// Follows `cache::evict::evictions()` at each scrape.
+    evictions: Counter,
     pub cache_used: Family<BackendLabel, Gauge>,
     pub cache_free: Family<BackendLabel, Gauge>,
     pub volumes: Family<State, Gauge>,
@@ -266,6 +267,12 @@ impl Metrics {
         self.refresh_gauges(capacity);
         let mut out = String::new();
         let r = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        // Under the registry's lock, so two scrapes never add the same
+        // evictions twice.
+        let (now, shown) = (cache::evict::evictions(), self.evictions.get());
+        if now > shown {
+            self.evictions.inc_by(now - shown);
+        }
         let _ = encode(&mut out, &r);
         out
     }
@@ -402,5 +409,42 @@ mod accept_tests {
         .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
         server.abort();
+    }
+}
+
+#[cfg(test)]
+mod eviction_tests {
+    use super::*;
+
+    fn shown(text: &str) -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix("modelcache_cache_evictions_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("the evictions counter is exposed")
+    }
+
+    /// The cache counts evictions without knowing about metrics; each
+    /// scrape shows the count, and scraping again does not add it twice.
+    #[test]
+    fn evictions_reach_the_exposition_once() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = crate::config::Config {
+            node_id: Some("n".into()),
+            state_dir: d.path().to_path_buf(),
+            ..Default::default()
+        };
+        let root = cfg.roots().roots.remove(0);
+        let sid = format!("m{}", "e".repeat(31));
+        std::fs::create_dir_all(root.source(&sid).dir.join("data")).unwrap();
+        let m = Metrics::new();
+        let before = shown(&m.render(&|_| None));
+        assert!(cache::evict::evict(&root, &sid).unwrap());
+        let after = shown(&m.render(&|_| None));
+        // Other tests of this process may evict too: at least ours counts.
+        assert!(after > before, "{before} -> {after}");
+        // Never more than were evicted, however often it is scraped.
+        for _ in 0..3 {
+            assert!(shown(&m.render(&|_| None)) <= cache::evict::evictions());
+        }
     }
 }

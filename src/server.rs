@@ -122,7 +122,7 @@ pub async fn serve_on(
             }
         });
     }
-    crate::metrics::global().watch_roots(crate::cache::Roots::from_config(&cfg));
+    crate::metrics::global().watch_roots(cfg.roots());
     let router = tonic::transport::Server::builder()
         .layer(tower::layer::layer_fn(Observe))
         .add_service(IdentityServer::new(IdentityService::new(

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use modelcache_csi::cache::{self, Backend, Root, Roots};
+use modelcache_csi::cache::{self, Backend, Root};
 use modelcache_csi::config::Config;
 use modelcache_csi::error::{Error, Result};
 use modelcache_csi::puller::engine::{Engine, EngineConfig, NoProgress, Pulled};
@@ -174,7 +174,7 @@ fn root_at(dir: &Path) -> Root {
         backends: vec![Backend::Local],
         ..Config::default()
     };
-    Roots::from_config(&cfg).roots.remove(0)
+    cfg.roots().roots.remove(0)
 }
 
 fn fast(cfg: EngineConfig) -> EngineConfig {

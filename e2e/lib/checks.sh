@@ -50,11 +50,12 @@ $( [[ -n $ds ]] && echo "  dataSource: {kind: PersistentVolumeClaim, name: $ds}"
 EOF
 }
 
-# pod NS NAME CLAIM SCRIPT [READONLY]: busybox with the claim at /model;
-# on node POD_NODE when that is set (a nodeSelector, so the scheduler still
+# busybox_pod NS NAME SCRIPT READONLY VOLUME: busybox running SCRIPT with
+# VOLUME (the YAML of one pod volume named model, indented 6) at /model; on
+# node POD_NODE when that is set (a nodeSelector, so the scheduler still
 # picks it and sets a WaitForFirstConsumer claim's selected node).
-pod() {
-    local ns=$1 name=$2 claim=$3 script=$4 ro=${5:-false}
+busybox_pod() {
+    local ns=$1 name=$2 script=$3 ro=$4 volume=$5
     kctl apply -n "$ns" -f - >/dev/null <<EOF
 apiVersion: v1
 kind: Pod
@@ -75,8 +76,32 @@ $(sed 's/^/          /' <<<"$script")
       volumeMounts: [{name: model, mountPath: /model, readOnly: $ro}]
   volumes:
     - name: model
-      persistentVolumeClaim: {claimName: $claim, readOnly: $ro}
+$volume
 EOF
+}
+
+# pod NS NAME CLAIM SCRIPT [READONLY]: busybox_pod with the claim at /model.
+pod() {
+    local ro=${5:-false}
+    busybox_pod "$1" "$2" "$4" "$ro" "      persistentVolumeClaim: {claimName: $3, readOnly: $ro}"
+}
+
+# inline_pod NS NAME SOURCE SCRIPT [ATTRIBUTES]: busybox_pod with a CSI
+# inline volume of SOURCE at /model, read-only (more volumeAttributes, as
+# YAML map entries, in ATTRIBUTES); its nodePublishSecretRef is the Secret
+# INLINE_SECRET names, when set.
+inline_pod() {
+    local src=$3 attrs=${5:-}
+    busybox_pod "$1" "$2" "$4" true "      csi:
+        driver: $DRIVER_NAME
+        readOnly: true
+        volumeAttributes: {source: \"$src\"${attrs:+, $attrs}}$( [[ -n ${INLINE_SECRET:-} ]] && printf '\n        nodePublishSecretRef: {name: %s}' "$INLINE_SECRET")"
+}
+
+# pod_events NS POD: "REASON<tab>MESSAGE" per event of the pod.
+pod_events() {
+    kctl get events -n "$1" --field-selector "involvedObject.kind=Pod,involvedObject.name=$2" \
+        -o jsonpath='{range .items[*]}{.reason}{"\t"}{.message}{"\n"}{end}'
 }
 
 phase_of() { kctl get pod -n "$1" "$2" -o jsonpath='{.status.phase}' 2>/dev/null; }

@@ -8,6 +8,8 @@ on the fly from a repeating pattern, so nothing of it is on disk, and
 `/manifest.json` listing every file with its size and sha256 (the driver
 verifies them). HEAD, Range (one range) and a strong ETag are supported.
 All responses together are paced to RATE_MIB_PER_S, like one origin link.
+`/served` answers how many bytes of the model's files were sent so far, so
+a test can tell one download from a restarted one.
 Writes "ready <seconds spent hashing>" to READY_FILE once it listens.
 Listens on 127.0.0.1 only.
 """
@@ -87,6 +89,20 @@ class Pace:
 pace = Pace(RATE * MIB)
 
 
+class Served:
+    """Bytes of the model's files written to clients."""
+
+    def __init__(self):
+        self.lock, self.bytes = threading.Lock(), 0
+
+    def add(self, n):
+        with self.lock:
+            self.bytes += n
+
+
+served = Served()
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -95,6 +111,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def head_or_get(self, body):
         path = self.path.split("?")[0]
+        if path == "/served":
+            data = str(served.bytes).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+            return
         if path in docs:
             data = docs[path]
             self.send_response(200)
@@ -127,6 +152,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         for piece in f.read(start, end):
             pace.take(len(piece))
             self.wfile.write(piece)
+            served.add(len(piece))
 
     def do_HEAD(self):
         self.head_or_get(False)

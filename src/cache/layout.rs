@@ -33,7 +33,6 @@ use nix::fcntl::OFlag;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::config::Config;
 use crate::error::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -191,7 +190,9 @@ impl Root {
         Root::with_anchor(backend, dir, node, anchor, Reserve::default())
     }
 
-    fn with_anchor(
+    /// A root at `dir`, whose free space is that of `anchor`'s filesystem
+    /// (the state dir, or the shared path) less `reserve`.
+    pub fn with_anchor(
         backend: Backend,
         dir: PathBuf,
         node: Option<String>,
@@ -418,38 +419,6 @@ pub struct Roots {
 }
 
 impl Roots {
-    pub fn from_config(cfg: &Config) -> Roots {
-        let mut roots = Vec::new();
-        for b in &cfg.backends {
-            match b {
-                Backend::Local | Backend::Xfs => {
-                    if let Some(node) = &cfg.node_id {
-                        let dir = cfg.state_dir.join(b.as_str());
-                        roots.push(Root::with_anchor(
-                            *b,
-                            dir,
-                            Some(node.clone()),
-                            cfg.state_dir.clone(),
-                            cfg.min_free,
-                        ));
-                    }
-                }
-                Backend::Shared => {}
-            }
-            if matches!(b, Backend::Shared | Backend::Xfs) {
-                for p in &cfg.shared_paths {
-                    let dir = if *b == Backend::Xfs {
-                        p.join("xfs")
-                    } else {
-                        p.clone()
-                    };
-                    roots.push(Root::with_anchor(*b, dir, None, p.clone(), cfg.min_free));
-                }
-            }
-        }
-        Roots { roots }
-    }
-
     pub fn by_key(&self, backend: Backend, key: &str) -> Option<&Root> {
         self.roots
             .iter()

@@ -260,7 +260,6 @@ fn lease_bytes(lease: &Lease) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::Roots;
     use crate::config::Config;
 
     const SID: &str = "0123456789abcdef0123456789abcdef";
@@ -272,7 +271,7 @@ mod tests {
             backends: vec![backend],
             ..Config::default()
         };
-        let root = Roots::from_config(&cfg).roots[0].clone();
+        let root = cfg.roots().roots[0].clone();
         fs::create_dir_all(root.source(SID).data()).unwrap();
         (tmp, root)
     }

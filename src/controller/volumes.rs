@@ -87,7 +87,7 @@ pub use crate::offload::blocking;
 
 impl Provisioner {
     pub fn new(cfg: Arc<Config>) -> Provisioner {
-        let roots = Roots::from_config(&cfg);
+        let roots = cfg.roots();
         for r in &roots.roots {
             cache::sweep(r);
         }
@@ -891,7 +891,7 @@ impl Provisioner {
         cross_ns: bool,
     ) -> Result<PvcSource> {
         let field = "parameters.source";
-        let u = kubeapi::parse_pvc_uri(uri).map_err(|m| Error::invalid(field, m))?;
+        let u = crate::uri::parse_pvc_uri(uri).map_err(|m| Error::invalid(field, m))?;
         let kube = self.kube.as_ref().ok_or_else(|| {
             Error::FailedPrecondition(format!(
                 "{uri} needs Kubernetes API access and the PVC's namespace: run the provisioner with --extra-create-metadata and the driver in the cluster (or with --kubeconfig)"

@@ -226,7 +226,7 @@ impl InProcessDriver {
         let client = Client::connect(socket).await?;
         Ok(InProcessDriver {
             client: Some(client),
-            roots: Roots::from_config(&cfg),
+            roots: cfg.roots(),
             cfg,
             stop: Some(stop),
             task: Some(task),

@@ -124,7 +124,7 @@ fn unmount_staging(staging: &Path) -> Result<()> {
 
 impl NodeOps {
     pub fn new(cfg: Arc<Config>) -> NodeOps {
-        let roots = Roots::from_config(&cfg);
+        let roots = cfg.roots();
         NodeOps {
             cfg,
             roots,

@@ -45,88 +45,16 @@ use super::source::{Compression, PullLimits, RemoteFile, Resolved, Source, Unpac
 use super::unpack::Budget;
 use crate::cache::manifest::{self, FileEntry, LinkEntry, Tree};
 use crate::cache::{self, Backend, Root, Seal};
+pub use crate::config::EngineConfig;
 use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;
 use crate::offload::blocking;
+pub use crate::progress::{NoProgress, Progress, ProgressSink};
 use crate::{mount, state};
 
 /// Unpacks a verified layer blob into a directory within a budget,
 /// returning its files.
 pub type Extract = fn(&Path, Compression, &Path, &Budget) -> Result<Vec<FileEntry>>;
-
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    /// Size of one ranged request.
-    pub chunk_bytes: u64,
-    /// Concurrent ranges per file.
-    pub connections: usize,
-    /// Concurrent files per model.
-    pub files: usize,
-    /// Concurrent models.
-    pub models: usize,
-    /// The stall window: a stream that yields fewer than
-    /// `stall_min_bytes_per_sec x stall` bytes in any such window (nothing
-    /// at all, or a trickle) is dropped and its range resumed.
-    pub stall: Duration,
-    pub stall_min_bytes_per_sec: u64,
-    /// Bounds on every model (`--max-model-bytes`, `--max-model-files`); a
-    /// StorageClass may lower them.
-    pub limits: PullLimits,
-    /// Attempts per request before giving up.
-    pub attempts: u32,
-    pub backoff: Duration,
-    pub backoff_max: Duration,
-    pub progress_every: Duration,
-    /// Bytes of pulled models a root may hold; None: the filesystem's size.
-    pub capacity: BTreeMap<Backend, u64>,
-    /// Memory for write buffers, shared by every stream of every model.
-    /// Each file gets `2 x connections` buffers of
-    /// `budget / (models x files x connections x 2)` bytes, between 256 KiB
-    /// and 4 MiB: one per connection, and as many again to hold bytes that
-    /// arrive ahead of the hashed frontier.
-    pub buffer_budget: u64,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            chunk_bytes: 32 << 20,
-            connections: 4,
-            files: 4,
-            models: 2,
-            stall: Duration::from_secs(30),
-            stall_min_bytes_per_sec: 1024,
-            limits: PullLimits::default(),
-            attempts: 8,
-            backoff: Duration::from_millis(200),
-            backoff_max: Duration::from_secs(30),
-            progress_every: Duration::from_secs(10),
-            capacity: BTreeMap::new(),
-            buffer_budget: 128 << 20,
-        }
-    }
-}
-
-/// Where pull progress goes besides the log (Kubernetes events, metrics).
-pub trait ProgressSink: Send + Sync {
-    fn started(&self, _uri: &str, _total: Option<u64>) {}
-    fn progress(&self, _p: &Progress) {}
-    fn sealed(&self, _uri: &str, _revision: &str, _bytes: u64, _took: Duration) {}
-    /// Called by the pull's caller, for every failure (resolving included).
-    fn failed(&self, _uri: &str, _error: &str) {}
-}
-
-#[derive(Clone, Debug)]
-pub struct Progress {
-    pub uri: String,
-    pub bytes: u64,
-    pub total: Option<u64>,
-    pub rate_bytes_per_sec: f64,
-    pub eta: Option<Duration>,
-}
-
-pub struct NoProgress;
-impl ProgressSink for NoProgress {}
 
 pub struct Pulled {
     pub sid: String,

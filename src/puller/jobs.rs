@@ -231,7 +231,6 @@ fn still_pulling(job: &Job) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::Roots;
     use crate::config::Config;
     use crate::puller::engine::{EngineConfig, NoProgress};
     use crate::puller::source::{RemoteFile, Resolved, Unpack};
@@ -245,7 +244,7 @@ mod tests {
             state_dir: dir.to_path_buf(),
             ..Config::default()
         };
-        Roots::from_config(&cfg).roots.remove(0)
+        cfg.roots().roots.remove(0)
     }
 
     /// One file of `len` bytes, served slowly, counting resolves.

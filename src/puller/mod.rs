@@ -76,19 +76,7 @@ impl std::fmt::Debug for SourceOptions {
     }
 }
 
-/// A model URI as it may be shown (events, logs): no query, which may hold
-/// a signature, and no user info; the fragment (`#manifest`) stays.
-pub fn display_uri(uri: &str) -> String {
-    match url::Url::parse(uri) {
-        Ok(mut u) if u.query().is_some() || !u.username().is_empty() || u.password().is_some() => {
-            u.set_query(None);
-            let _ = u.set_username("");
-            let _ = u.set_password(None);
-            u.to_string()
-        }
-        _ => uri.to_string(),
-    }
-}
+pub use crate::uri::display_uri;
 
 /// Checks a model URI's form without touching the network or disk.
 pub fn validate_uri(uri: &str) -> Result<(), String> {
@@ -100,7 +88,7 @@ pub fn validate_uri(uri: &str) -> Result<(), String> {
         Some(("oci", _)) => oci::parse(uri).map(|_| ()),
         Some(("hf", _)) => hf::parse(uri).map(|_| ()),
         Some(("model-registry", _)) => registry::parse(uri).map(|_| ()),
-        Some(("pvc", _)) => crate::kubeapi::parse_pvc_uri(uri).map(|_| ()),
+        Some(("pvc", _)) => crate::uri::parse_pvc_uri(uri).map(|_| ()),
         Some((scheme, _)) => Err(unknown(format!("scheme {scheme:?} is not supported"))),
         None => Err(unknown(format!("{uri:?} is not a model URI"))),
     }

@@ -12,6 +12,7 @@
 use bytes::Bytes;
 use futures::stream::BoxStream;
 
+pub use crate::config::{DEFAULT_MAX_MODEL_BYTES, DEFAULT_MAX_MODEL_FILES, PullLimits};
 use crate::error::{Error, Result};
 
 /// How the engine turns a downloaded file into model files.
@@ -95,37 +96,6 @@ impl Resolved {
     }
 }
 
-/// Bounds on one pull: the driver's flags, lowered by a StorageClass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PullLimits {
-    /// Bytes of the model: listed files, and what layers unpack to.
-    pub max_bytes: u64,
-    /// Files of the model: listed files, and every entry of a layer.
-    pub max_files: u64,
-}
-
-impl Default for PullLimits {
-    fn default() -> Self {
-        PullLimits {
-            max_bytes: DEFAULT_MAX_MODEL_BYTES,
-            max_files: DEFAULT_MAX_MODEL_FILES,
-        }
-    }
-}
-
-impl PullLimits {
-    /// The tighter of two sets of limits.
-    pub fn lower(self, other: Option<PullLimits>) -> PullLimits {
-        match other {
-            Some(o) => PullLimits {
-                max_bytes: self.max_bytes.min(o.max_bytes),
-                max_files: self.max_files.min(o.max_files),
-            },
-            None => self,
-        }
-    }
-}
-
 /// Bytes with an optional K/M/G/T suffix (powers of 1024, `i` and `B`
 /// optional), e.g. `512Mi` or `50G`: flags and StorageClass parameters.
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -143,10 +113,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is not a size like 512Mi or 50G"))
 }
 
-/// `--max-model-bytes` by default: 1 TiB, above any model published today.
-pub const DEFAULT_MAX_MODEL_BYTES: u64 = 1 << 40;
-/// `--max-model-files` by default.
-pub const DEFAULT_MAX_MODEL_FILES: u64 = 100_000;
 /// Entries a source lists before it gives up, whatever the flags say: the
 /// listing is held in memory before the engine can judge it.
 pub const MAX_LISTED_FILES: usize = 1 << 20;
