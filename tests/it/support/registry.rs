@@ -5,12 +5,6 @@
 //! and pushes, with oci-client, ORAS-style artifacts, modelcar images,
 //! image indexes and malicious layers.
 //!
-//! Include it with `#[path = "support/registry.rs"] mod registry;`.
-
-#![allow(
-    dead_code,
-    reason = "each test binary uses a different part of the harness"
-)]
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -59,8 +53,6 @@ pub struct Registry {
 /// What a push produced.
 #[derive(Clone, Debug)]
 pub struct Pushed {
-    /// `oci://127.0.0.1:<port>/<repo>:<tag>`
-    pub uri: String,
     /// The manifest digest, `sha256:...`.
     pub digest: String,
     /// The manifest's size in bytes (for an index entry).
@@ -72,7 +64,6 @@ pub struct Pushed {
 pub struct PushedLayer {
     pub digest: String,
     pub size: u64,
-    pub title: Option<String>,
 }
 
 /// A layer built in memory: the blob as pushed and the digest of its
@@ -348,7 +339,6 @@ impl Registry {
             .map(|l| PushedLayer {
                 digest: l.digest.clone(),
                 size: l.size as u64,
-                title: l.annotations.as_ref().and_then(|a| a.get(TITLE).cloned()),
             })
             .collect();
         self.client
@@ -371,7 +361,6 @@ impl Registry {
             .await
             .expect("read back the manifest");
         Pushed {
-            uri: self.uri(repo_tag),
             digest,
             size: body.len() as i64,
             layers: pushed_layers,

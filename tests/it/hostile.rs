@@ -7,11 +7,8 @@
 //! Run as root under `unshare -m --propagation private` (one case mounts a
 //! small tmpfs to fill).
 
-mod common;
-#[path = "support/fixtures.rs"]
-mod fixtures;
-#[path = "support/registry.rs"]
-mod registry;
+use crate::support::fixtures;
+use crate::support::registry;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -831,7 +828,7 @@ const RSS_LIMIT: u64 = 256 << 20;
 /// the JSON were buffered whole before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_driver_stays_small_against_bombs() {
-    use common::*;
+    use crate::support::harness::*;
     let t = tempfile::tempdir().unwrap();
     // 512 MiB of JSON that costs the fixture nothing: a sparse file.
     let sparse = t.path().join("huge.json");

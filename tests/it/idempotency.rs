@@ -1,11 +1,9 @@
 //! Every RPC a CO retries must give the same answer the second time, and
 //! the node must not stack a second mount on a retried stage or publish.
 
-mod common;
-
 use std::collections::HashSet;
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::csi::*;
 use tonic::Code;
 

@@ -7,11 +7,6 @@
 //! made here never reach the host; loop devices are global, which is why
 //! `Drop` detaches those backed by files under the temp dir.
 
-#![allow(
-    dead_code,
-    reason = "each test binary uses a different part of the harness"
-)]
-
 use std::collections::HashMap;
 use std::fmt::Debug;
 use std::fs;

@@ -2,11 +2,9 @@
 //! nothing may lead it outside the source: not the parameter's spelling,
 //! not a symlink in the model, not a tampered volume record.
 
-mod common;
-
 use std::os::unix::fs::symlink;
 
-use common::*;
+use crate::support::harness::*;
 use tonic::Code;
 
 /// A sealed local source holding a model plus two symlinked directories

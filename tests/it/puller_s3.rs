@@ -2,8 +2,7 @@
 //! ranged reads of the real all-MiniLM-L6-v2 model, revisions, version
 //! pinning, and how each failure maps to a domain error.
 
-#[path = "support/minio.rs"]
-mod minio;
+use crate::support::minio;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -12,14 +12,8 @@
 //! - [`RegistryServer`]: the Kubeflow Model Registry v1alpha3 endpoints
 //!   `registry.rs` uses, with artifact URIs given at construction.
 //!
-//! Self-contained: include with `#[path = "support/fixtures.rs"] mod fixtures;`.
 //! One request per connection (`Connection: close`), no TLS. A server and
 //! its connections stop when it is dropped.
-
-#![allow(
-    dead_code,
-    reason = "each test binary uses a different part of the fixtures"
-)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
@@ -253,18 +247,6 @@ impl Reply {
     /// serves gigabytes without holding them anywhere).
     pub fn file(mut self, path: impl Into<PathBuf>, start: u64, len: u64) -> Reply {
         self.payload = Payload::File(path.into(), start, len);
-        self
-    }
-
-    /// Announces this Content-Length, whatever the body's real length.
-    pub fn content_length(mut self, n: u64) -> Reply {
-        self.content_length = Some(n);
-        self
-    }
-
-    /// Sends the body one byte at a time, `every` apart.
-    pub fn trickle(mut self, every: Duration) -> Reply {
-        self.fault = Fault::Trickle(every);
         self
     }
 
@@ -748,30 +730,19 @@ impl FileServer {
 /// that lie (listings, lengths, ranges) in ways no knob covers.
 pub struct ScriptServer {
     server: Server,
-    hits: Arc<Hits>,
 }
 
 impl ScriptServer {
     pub async fn start(
         handler: impl Fn(&Request) -> Reply + Send + Sync + 'static,
     ) -> ScriptServer {
-        let hits = Arc::new(Hits::default());
-        let h = hits.clone();
-        let server = Server::start(Arc::new(move |req: &Request| {
-            h.add(req);
-            handler(req)
-        }))
-        .await;
-        ScriptServer { server, hits }
+        let server = Server::start(Arc::new(move |req: &Request| handler(req))).await;
+        ScriptServer { server }
     }
 
     /// `http://127.0.0.1:<port>`.
     pub fn base(&self) -> String {
         self.server.base()
-    }
-
-    pub fn gets(&self, path: &str) -> usize {
-        self.hits.get("GET", path)
     }
 }
 

@@ -4,13 +4,11 @@
 //! mounts carry neither setuid programs nor device files, and copies do not
 //! recreate them; sizes and a disk reserve are enforced at CreateVolume.
 
-mod common;
-
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 use std::path::Path;
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::csi::volume_capability::access_mode::Mode;
 use modelcache_csi::csi::{CapacityRange, GetCapacityRequest};
 use modelcache_csi::mount::loopdev::devices_backed_by;

@@ -7,11 +7,8 @@
 //! download; a failed pull must say why with a clear code and seal nothing;
 //! a stall or a 503 that passes must not fail the pull.
 
-mod common;
-#[path = "support/fixtures.rs"]
-mod fixtures;
-#[path = "support/registry.rs"]
-mod registry;
+use crate::support::fixtures;
+use crate::support::registry;
 
 use std::fs;
 use std::io::Read;
@@ -19,7 +16,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::support::harness::*;
 use fixtures::{FileServer, HUB_LFS_MIN, HUB_REPO, HUB_SHA, HubServer, RegistryServer};
 use modelcache_csi::csi::Volume;
 use modelcache_csi::puller::engine::EngineConfig;

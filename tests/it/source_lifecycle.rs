@@ -3,11 +3,9 @@
 //! volume that is a view of it (never a copy), and deleted only once no
 //! cache volume reads it.
 
-mod common;
-
 use std::fs;
 
-use common::*;
+use crate::support::harness::*;
 use tonic::Code;
 
 /// The whole life of a source on a directory backend (local or shared).

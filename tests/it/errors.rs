@@ -1,9 +1,7 @@
 //! Refusals: each names the field that is wrong and what would be accepted,
 //! with the code a CO acts on, and leaves nothing behind.
 
-mod common;
-
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::csi::volume_content_source::{SnapshotSource, Type as ContentType};
 use modelcache_csi::csi::*;
 use tonic::Code;

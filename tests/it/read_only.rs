@@ -2,11 +2,9 @@
 //! the pod's good manners, refuses writes, and a request for a writable
 //! mount is refused outright rather than quietly downgraded.
 
-mod common;
-
 use std::fs;
 
-use common::*;
+use crate::support::harness::*;
 use tonic::Code;
 
 /// A cache volume over a `file://` model, and the model.

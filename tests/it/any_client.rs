@@ -7,13 +7,11 @@
 //! the CSI socket is also called from real Python grpcio (installed by
 //! tests/scripts/deps/grpcio.sh, pinned and cached).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::csi::{
     GetPluginInfoRequest, GetPluginInfoResponse, ProbeRequest, ProbeResponse,
 };

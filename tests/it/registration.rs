@@ -4,12 +4,10 @@
 //! does. A refusal from kubelet fails /healthz; a removed socket is bound
 //! again; SIGTERM removes it so kubelet deregisters the plugin.
 
-mod common;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::csi::pluginregistration::registration_client::RegistrationClient;
 use modelcache_csi::csi::pluginregistration::{InfoRequest, RegistrationStatus};
 

@@ -1,18 +1,13 @@
 //! A real MinIO server for tests: started on a free loopback port over a
 //! fresh temp dir, ready before `start` returns, killed on Drop.
 //!
-//! Include it with `#[path = "support/minio.rs"] mod minio;`. The binary
+//! The binary
 //! comes from `$MODELCACHE_MINIO`, else from `tests/scripts/deps/minio.sh` (which
 //! builds it once, cached). GET requests are counted from MinIO's own
 //! Prometheus v3 metrics, which are live (the v2 ones are cached for
 //! seconds): `minio_api_requests_total{name="GetObject"}` server-wide and
 //! `minio_bucket_api_total{name="GetObject"}` per bucket. Both count every
 //! GetObject the server answered, failed ones (404, 412) included.
-
-#![allow(
-    dead_code,
-    reason = "each test binary uses a different part of the harness"
-)]
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -38,7 +33,6 @@ pub struct Minio {
     pub endpoint: String,
     pub port: u16,
     child: Option<Child>,
-    log: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -100,7 +94,6 @@ impl Minio {
                     endpoint: format!("http://127.0.0.1:{port}"),
                     port,
                     child: Some(child),
-                    log,
                     _dir: dir,
                 };
             }
@@ -119,11 +112,6 @@ impl Minio {
             let _ = child.kill();
             let _ = child.wait();
         }
-    }
-
-    /// The server's log so far, for assertion messages.
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     fn http(&self, method: &str, path: &str) -> std::io::Result<(u16, String)> {

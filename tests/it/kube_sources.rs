@@ -3,13 +3,11 @@
 //! the PVC's own namespace only, and `pvc://` claims of this driver, of
 //! hostPath PVs and of block-mode XFS local PVs, all exposed read-only in place.
 
-#[path = "support/apiserver.rs"]
-mod apiserver;
-mod common;
+use crate::support::apiserver;
 
 use std::path::Path;
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::csi::CreateVolumeRequest;
 use tonic::Code;
 

@@ -1,9 +1,7 @@
 //! The /metrics endpoint of the real binary: pulls, cache hits, RPC latency
 //! and errors, and staged/published volumes taken from the mount table.
 
-mod common;
-
-use common::*;
+use crate::support::harness::*;
 use tonic::Code;
 
 /// The value of the first sample whose line starts with `series`.

@@ -3,8 +3,7 @@
 //! decision path, the optimistic 409, and two replicas making exactly one
 //! patch and one event.
 
-#[path = "support/apiserver.rs"]
-mod apiserver;
+use crate::support::apiserver;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

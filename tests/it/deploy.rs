@@ -6,9 +6,7 @@
 //! its own service account, reads a tenant's source secret only where the
 //! tenant-source-secrets component grants it.
 
-#[path = "support/apiserver.rs"]
-mod apiserver;
-mod common;
+use crate::support::apiserver;
 
 use std::path::Path;
 
@@ -535,7 +533,7 @@ fn events_on(api: &apiserver::ApiServer, ns: &str, pvc: &str) -> String {
 /// elsewhere the PVC hears what to grant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_secrets_need_the_tenant_grant() {
-    use common::{Driver, READER, assert_code, create_req, write_model};
+    use crate::support::harness::{Driver, READER, assert_code, create_req, write_model};
     let api = apiserver::ApiServer::start().expect("start apiserver");
     let base = format!("{}/deploy/csi-driver/base", env!("CARGO_MANIFEST_DIR"));
     kubectl_ok(&api, &["apply", "-f", &format!("{base}/namespace.yaml")]);

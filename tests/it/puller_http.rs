@@ -4,8 +4,7 @@
 //! (404, 503 + Retry-After, a cut or stalled body, a refused token)
 //! reaches the caller.
 
-#[path = "support/fixtures.rs"]
-mod fixtures;
+use crate::support::fixtures;
 
 use std::collections::BTreeMap;
 use std::path::Path;

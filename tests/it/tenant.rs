@@ -6,16 +6,13 @@
 //! served only to a tenant who can read it at its origin, and another
 //! endpoint can never seal bytes under a real model's key.
 
-#[path = "support/apiserver.rs"]
-mod apiserver;
-mod common;
-#[path = "support/fixtures.rs"]
-mod fixtures;
+use crate::support::apiserver;
+use crate::support::fixtures;
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::*;
+use crate::support::harness::*;
 use fixtures::{FileServer, HUB_REPO, HubServer, RegistryServer};
 use modelcache_csi::csi::CreateVolumeRequest;
 use tonic::Code;

@@ -3,12 +3,10 @@
 //! through ONE read-only loop device, mounted `ro,norecovery,nouuid`; the
 //! device goes away with its last mount.
 
-mod common;
-
 use std::path::Path;
 use std::time::Duration;
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::mount::loopdev::devices_backed_by;
 
 #[track_caller]

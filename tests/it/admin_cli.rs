@@ -4,12 +4,10 @@
 //! unpin, evict (refused while in use or pinned), prefetch (a later
 //! CreateVolume of the model fetches nothing).
 
-mod common;
-
 use std::fs;
 use std::process::Command;
 
-use common::*;
+use crate::support::harness::*;
 use serde_json::Value;
 
 struct Run {

@@ -2,11 +2,9 @@
 //! other either finds its work done or is told the operation is pending
 //! (Aborted); never a second mount, a second loop device, or a failure.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::mount::loopdev::devices_backed_by;
 use tonic::{Code, Status};
 

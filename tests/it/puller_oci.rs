@@ -2,8 +2,7 @@
 //! loopback, with the real all-MiniLM-L6-v2 model pushed as an ORAS-style
 //! artifact and as a modelcar image.
 
-#[path = "support/registry.rs"]
-mod registry;
+use crate::support::registry;
 
 use std::fs;
 use std::io::Write;

@@ -1,7 +1,6 @@
 //! A real etcd + kube-apiserver for integration tests, on loopback over a
 //! fresh temp dir, ready (`/readyz`) before `start` returns, stopped on Drop.
 //!
-//! Include it with `#[path = "support/apiserver.rs"] mod apiserver;`.
 //!
 //! The binaries come from `$MODELCACHE_K8S_BIN` (a dir with `etcd`,
 //! `kube-apiserver`, `kubectl`), else from `e2e/k8s/build.sh`, which builds
@@ -16,17 +15,11 @@
 //! exactly what it means to with RBAC objects. The kubeconfig has one context
 //! per identity (`--context rescheduler`), current-context `admin`.
 
-#![allow(
-    dead_code,
-    reason = "each test binary uses a different part of the harness"
-)]
-
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{Context, anyhow, bail, ensure};
 
@@ -151,21 +144,6 @@ impl ApiServer {
         self.env.get(key).map(String::as_str).unwrap_or_default()
     }
 
-    /// Any value from `DIR/env` (e.g. `ETCD_URL`, `CSI_NODE_TOKEN`, `APISERVER_PID`).
-    pub fn env_value(&self, key: &str) -> Option<&str> {
-        self.env.get(key).map(String::as_str)
-    }
-
-    /// The state dir (certs, tokens, logs, kubeconfig).
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
-    }
-
-    /// The dir with etcd, kube-apiserver and kubectl.
-    pub fn bin(&self) -> &Path {
-        &self.bin
-    }
-
     /// Admin kubeconfig (with one context per identity).
     pub fn kubeconfig_path(&self) -> PathBuf {
         PathBuf::from(self.var("KUBECONFIG"))
@@ -176,40 +154,9 @@ impl ApiServer {
         self.var("APISERVER_URL")
     }
 
-    /// Bearer token of `admin` (group system:masters).
-    pub fn admin_token(&self) -> &str {
-        self.var("ADMIN_TOKEN")
-    }
-
-    /// Bearer token of user `rescheduler`, which has no groups and no RBAC
-    /// grants until a test makes some.
-    pub fn rescheduler_token(&self) -> &str {
-        self.var("RESCHEDULER_TOKEN")
-    }
-
-    /// Bearer token of user `csi-controller` (no groups, no grants).
-    pub fn csi_controller_token(&self) -> &str {
-        self.var("CSI_CONTROLLER_TOKEN")
-    }
-
-    /// Bearer token of user `csi-node` (no groups, no grants).
-    pub fn csi_node_token(&self) -> &str {
-        self.var("CSI_NODE_TOKEN")
-    }
-
     /// Path of the CA that signed the serving cert.
     pub fn ca_path(&self) -> PathBuf {
         PathBuf::from(self.var("CA_FILE"))
-    }
-
-    /// The CA that signed the serving cert, PEM.
-    pub fn ca_pem(&self) -> String {
-        std::fs::read_to_string(self.ca_path()).unwrap_or_default()
-    }
-
-    /// The kube-apiserver log so far, for assertion messages.
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("kube-apiserver.log")).unwrap_or_default()
     }
 
     fn kubectl_command(&self, args: &[&str]) -> Command {
@@ -251,92 +198,6 @@ impl ApiServer {
         out
     }
 
-    /// `kubectl` as a tokio child process, for async tests.
-    pub async fn kubectl_async(&self, args: &[&str]) -> Output {
-        let mut cmd = tokio::process::Command::from(self.kubectl_command(args));
-        cmd.kill_on_drop(true)
-            .output()
-            .await
-            .unwrap_or_else(|e| panic!("run kubectl {args:?}: {e}"))
-    }
-
-    /// Self-test: `/readyz`, create + read back a ConfigMap as admin, and
-    /// check that `rescheduler` (no grants) is Forbidden to read it.
-    pub async fn smoke(&self) -> anyhow::Result<()> {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let name = format!(
-            "modelcache-smoke-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-
-        let out = self.kubectl_async(&["get", "--raw", "/readyz"]).await;
-        ensure!(
-            out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok",
-            "readyz: {}",
-            describe(&out)
-        );
-
-        let out = self
-            .kubectl_async(&[
-                "create",
-                "configmap",
-                &name,
-                "--namespace=default",
-                "--from-literal=model=all-MiniLM-L6-v2",
-            ])
-            .await;
-        ensure!(out.status.success(), "create configmap: {}", describe(&out));
-
-        let out = self
-            .kubectl_async(&[
-                "get",
-                "configmap",
-                &name,
-                "--namespace=default",
-                "-o",
-                "json",
-            ])
-            .await;
-        ensure!(out.status.success(), "get configmap: {}", describe(&out));
-        let cm: serde_json::Value =
-            serde_json::from_slice(&out.stdout).context("configmap JSON")?;
-        ensure!(
-            cm["data"]["model"] == "all-MiniLM-L6-v2",
-            "configmap data: {}",
-            cm["data"]
-        );
-        ensure!(
-            cm["metadata"]["uid"]
-                .as_str()
-                .is_some_and(|u| !u.is_empty()),
-            "configmap has no uid: {cm}"
-        );
-
-        let out = self
-            .kubectl_async(&[
-                "--context",
-                "rescheduler",
-                "get",
-                "configmap",
-                &name,
-                "--namespace=default",
-            ])
-            .await;
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        ensure!(
-            !out.status.success() && stderr.contains("Forbidden"),
-            "rescheduler should be Forbidden: {}",
-            describe(&out)
-        );
-
-        let out = self
-            .kubectl_async(&["delete", "configmap", &name, "--namespace=default"])
-            .await;
-        ensure!(out.status.success(), "delete configmap: {}", describe(&out));
-        Ok(())
-    }
-
     /// Stops etcd and kube-apiserver (also done on Drop); idempotent.
     pub fn stop(&mut self) -> anyhow::Result<()> {
         if self.stopped {
@@ -367,13 +228,4 @@ impl Drop for ApiServer {
             eprintln!("apiserver: {e:#}");
         }
     }
-}
-
-fn describe(out: &Output) -> String {
-    format!(
-        "{}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout).trim(),
-        String::from_utf8_lossy(&out.stderr).trim()
-    )
 }

@@ -3,11 +3,9 @@
 //! mounts is persisted), while writer leases, which are persisted next to
 //! the source, keep fencing the seal.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::support::harness::*;
 use modelcache_csi::mount::loopdev::devices_backed_by;
 use tonic::Code;
 

@@ -1,0 +1,34 @@
+//! The integration tests, one binary: each module drives the real
+//! `modelcache-csi` (its binary over the CSI socket, or its library
+//! in-process) against real services from `support/` (kube-apiserver, MinIO,
+//! an OCI registry, fixtures that misbehave on purpose).
+//!
+//! Run as root in a private mount namespace (tests/scripts/test.sh does):
+//! `unshare -m --propagation private cargo test --test it`.
+
+mod support;
+
+mod admin_cli;
+mod any_client;
+mod concurrency;
+mod deploy;
+mod errors;
+mod hostile;
+mod idempotency;
+mod kube_sources;
+mod metrics;
+mod node_trust;
+mod pull_s3;
+mod pull_sources;
+mod puller_engine;
+mod puller_http;
+mod puller_oci;
+mod puller_s3;
+mod read_only;
+mod registration;
+mod rescheduler;
+mod restart;
+mod source_lifecycle;
+mod sub_path;
+mod tenant;
+mod xfs;
