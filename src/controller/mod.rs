@@ -5,6 +5,7 @@
 
 pub mod node_report;
 pub mod params;
+pub mod plan;
 pub mod volumes;
 mod wanted;
 
@@ -124,7 +125,7 @@ impl ControllerService {
         let _guard = self.locks.try_lock(&format!("name/{}", req.name))?;
         let (rec, topology) = self
             .provisioner
-            .create(volumes::CreateRequest {
+            .create(plan::CreateRequest {
                 name: req.name,
                 params: req.parameters,
                 mutable: req.mutable_parameters,

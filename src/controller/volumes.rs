@@ -1,17 +1,13 @@
 //! The controller's domain: provisioning, sealing and deleting volumes in
-//! their roots. Handlers in `mod.rs` validate and lock; this decides.
+//! their roots. Handlers in `mod.rs` validate and lock; CreateVolume is
+//! resolved here (the API), decided in `plan`, and executed here.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use serde::Serialize;
-
-use crate::cache::{
-    self, Backend, External, Role, Root, Roots, Seal, Verify, VolumeId, VolumeRecord,
-};
-use crate::capability;
+use crate::cache::{self, External, Role, Root, Roots, Seal, VolumeId, VolumeRecord};
 use crate::config::Config;
-use crate::csi::{CapacityRange, Topology, TopologyRequirement, VolumeCapability};
+use crate::csi::Topology;
 use crate::error::{Error, Result};
 use crate::kubeapi::{self, KubeApi};
 use crate::lock::KeyedMutex;
@@ -23,39 +19,11 @@ use crate::puller::{self, SourceOptions};
 use crate::trust::Tenant;
 use kube::ResourceExt;
 
-use super::params::{ImageLocation, Params};
+use super::params::Params;
+use super::plan::{self, Plan, Resolved, Work};
+use super::plan::{CreateRequest, InlineSource};
 
-/// Nominal size of a directory-backed source when the request names none.
-pub const DEFAULT_CAPACITY: i64 = 1 << 30;
-
-#[derive(Clone)]
-pub struct CreateRequest {
-    pub name: String,
-    pub params: HashMap<String, String>,
-    pub mutable: HashMap<String, String>,
-    pub capabilities: Vec<VolumeCapability>,
-    pub capacity: Option<CapacityRange>,
-    pub content_volume: Option<String>,
-    pub topology: Option<TopologyRequirement>,
-    pub secrets: HashMap<String, String>,
-    /// How long the caller waits; a pull still running then goes on
-    /// without it (see `puller::jobs`).
-    pub budget: Option<std::time::Duration>,
-    /// A source named in a pod's inline volume (`node::inline`), pulled
-    /// with `secrets` as they are (the pod's own nodePublishSecretRef).
-    pub inline: Option<InlineSource>,
-    /// Who hears of a pull when no PVC or pod does (`prefetch`).
-    pub progress: Option<Arc<dyn ProgressSink>>,
-}
-
-/// A tenant's source from a pod spec: admitted exactly like a PVC's
-/// `modelcache.csi.io/source`, against the class's allowedSources.
-#[derive(Clone, Debug)]
-pub struct InlineSource {
-    pub uri: String,
-    /// (namespace, name) of the pod, which hears of the pull.
-    pub pod: Option<(String, String)>,
-}
+pub use super::plan::DEFAULT_CAPACITY;
 
 pub struct Provisioner {
     pub cfg: Arc<Config>,
@@ -67,6 +35,14 @@ pub struct Provisioner {
     pub jobs: Jobs,
     /// API access, for per-PVC sources, `pvc://` and PVC events.
     pub kube: Option<KubeApi>,
+}
+
+/// How a pull goes: with what credentials and policy, told to whom, for
+/// which PVC.
+struct PullInputs {
+    options: SourceOptions,
+    sink: Arc<dyn ProgressSink>,
+    owner: Option<(String, String)>,
 }
 
 /// What a `pvc://` source turned out to be.
@@ -106,111 +82,49 @@ impl Provisioner {
         cache::lookup(&self.roots, volume_id)
     }
 
-    /// The root a new volume without a content source goes to.
-    pub fn select_root(&self, p: &Params) -> Result<Root> {
-        let backend = p.backend.unwrap_or(Backend::Local);
-        if !self.cfg.backend_enabled(backend) {
-            return Err(Error::invalid(
-                "parameters.backend",
-                format!(
-                    "backend {backend} is not enabled on this driver (enabled: {}); \
-                     start it with --backends including {backend}",
-                    self.cfg
-                        .backends
-                        .iter()
-                        .map(|b| b.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            ));
-        }
-        let node_local = backend == Backend::Local
-            || (backend == Backend::Xfs && p.image_location != Some(ImageLocation::Shared));
-        if node_local {
-            if p.shared_path.is_some() {
-                return Err(Error::invalid(
-                    "parameters.sharedPath",
-                    format!(
-                        "does not apply to node-local backend {backend}; for xfs set imageLocation: shared"
-                    ),
-                ));
-            }
-            return self.roots.node_local(backend).cloned().ok_or_else(|| {
-                Error::FailedPrecondition(format!(
-                    "backend {backend} keeps volumes on the node, so the controller must run on \
-                     the node with --node-id (distributed provisioning)"
-                ))
-            });
-        }
-        let path = match &p.shared_path {
-            Some(path) => path.clone(),
-            None => self.cfg.shared_paths.first().cloned().ok_or_else(|| {
-                Error::invalid(
-                    "parameters.sharedPath",
-                    format!("backend {backend} needs a shared filesystem: start the driver with --shared-path"),
-                )
-            })?,
-        };
-        self.roots.shared(backend, &path).cloned().ok_or_else(|| {
-            Error::invalid(
-                "parameters.sharedPath",
-                format!(
-                    "{} is not one of the driver's --shared-path values ({})",
-                    path.display(),
-                    self.cfg
-                        .shared_paths
-                        .iter()
-                        .map(|p| p.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            )
-        })
+    /// `lookup` for async callers: records may sit on a network filesystem.
+    async fn lookup_off_runtime(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
+        let (roots, id) = (self.roots.clone(), volume_id.to_string());
+        blocking(move || cache::lookup(&roots, &id)).await
     }
 
-    fn topology_of(&self, root: &Root) -> Vec<Topology> {
-        root.node
-            .as_ref()
-            .map(|n| {
-                vec![Topology {
-                    segments: HashMap::from([(self.cfg.topology_key(), n.clone())]),
-                }]
-            })
-            .unwrap_or_default()
-    }
-
-    /// A node-local root can serve the request only if its node is allowed.
-    fn check_topology(&self, root: &Root, req: Option<&TopologyRequirement>) -> Result<()> {
-        let (Some(node), Some(req)) = (&root.node, req) else {
-            return Ok(());
-        };
-        if req.requisite.is_empty() {
-            return Ok(());
-        }
-        let key = self.cfg.topology_key();
-        if req
-            .requisite
-            .iter()
-            .any(|t| t.segments.get(&key) == Some(node))
-        {
-            return Ok(());
-        }
-        Err(Error::ResourceExhausted(format!(
-            "this controller provisions {} volumes only on node {node}, which the requisite \
-             topology does not include",
-            root.backend
-        )))
-    }
-
+    /// CreateVolume: resolve what the request names (the API), plan it
+    /// (pure, `plan`), then do the plan's one kind of work.
     pub async fn create(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
         // The caller's budget runs from now: what comes before the pull
         // (the API, opening the source, the record) spends it too.
         let deadline = req.budget.map(|b| std::time::Instant::now() + b);
-        let mut params = Params::parse(&req.params)?;
+        let params = Params::parse(&req.params)?;
         let mutable = super::params::parse_mutable(&req.mutable)?;
-        let mut secrets: std::collections::BTreeMap<String, String> =
-            req.secrets.clone().into_iter().collect();
+        let (resolved, pull) = self.resolve(&req, params).await?;
+        let plan = plan::plan(&self.cfg, &self.roots, &req, resolved)?;
+        if let Some(existing) = self.existing(&plan).await? {
+            return Ok(existing);
+        }
+        let root = plan.root.clone();
+        let rec = self.execute(&req, plan, pull, deadline).await?;
+        if mutable.pinned.is_some() && rec.role == Role::Cache && rec.model.is_some() {
+            let (r, sid, pin) = (
+                root.clone(),
+                rec.source.clone(),
+                mutable.pinned == Some(true),
+            );
+            blocking(move || cache::evict::set_pinned(&r, &sid, pin)).await?;
+        }
+        if mutable.sealed == Some(true) && rec.role == Role::Source {
+            self.seal(&rec.id).await?;
+        }
+        Ok((rec, plan::topology_of(&self.cfg, &root)))
+    }
 
+    /// What the request names, from the API: the PVC's own source and
+    /// secret, a pod's inline source, a `pvc://` claim, the content volume.
+    async fn resolve(
+        &self,
+        req: &CreateRequest,
+        mut params: Params,
+    ) -> Result<(Resolved, PullInputs)> {
+        let mut secrets: BTreeMap<String, String> = req.secrets.clone().into_iter().collect();
         // The requesting PVC (external-provisioner --extra-create-metadata)
         // may name its own source and pull secret.
         let pvc = match (
@@ -295,286 +209,228 @@ impl Provisioner {
             }
             params.source = None;
         }
-
-        // The content source decides the root: a cache volume reads its
-        // source in place, so it cannot live anywhere else.
-        let content = match &content_volume {
+        let content = match content_volume {
             Some(id) => {
-                let (root, rec) = self.lookup(id).map_err(|_| {
+                let found = {
+                    let (roots, id) = (self.roots.clone(), id.clone());
+                    blocking(move || cache::lookup(&roots, &id)).await
+                };
+                Some(found.map_err(|_| {
                     Error::NotFound(format!(
                         "volume_content_source.volume.volume_id {id} does not exist"
                     ))
-                })?;
-                Some((root, rec))
+                })?)
             }
             None => None,
         };
-        let role = match (params.role, &content, &params.source, &external) {
-            (Some(r), ..) => r,
-            (None, None, None, None) => Role::Source,
-            (None, ..) => Role::Cache,
+        let sink: Arc<dyn ProgressSink> = match (&events, &req.progress) {
+            (Some(e), _) => e.clone(),
+            (None, Some(p)) => p.clone(),
+            (None, None) => Arc::new(NoProgress),
         };
-        if role == Role::Source && external.is_some() {
-            return Err(Error::invalid(
-                "parameters.role",
-                "a pvc:// claim of another driver can only be read: use role cache",
-            ));
-        }
-        if role == Role::Cache && content.is_none() && params.source.is_none() && external.is_none()
-        {
-            return Err(Error::invalid(
-                "parameters.role",
-                "a cache volume needs a source: set parameter source to a model URI, or \
-                 create the PVC with a dataSource naming a sealed source PVC",
-            ));
-        }
-        // The StorageClass's source is a default; a PVC's own dataSource is
-        // more specific and wins.
-        if content.is_some() {
-            params.source = None;
-        }
-        let root = match &content {
-            Some((root, _)) => {
-                if let Some(b) = params.backend
-                    && b != root.backend
-                {
-                    return Err(Error::invalid(
-                        "parameters.backend",
-                        format!(
-                            "{b} differs from the source volume's backend {}: a volume created \
-                             from a source must use the source's backend and storage",
-                            root.backend
-                        ),
-                    ));
-                }
-                if params.shared_path.is_some() && self.select_root(&params)?.key != root.key {
-                    return Err(Error::invalid(
-                        "parameters.sharedPath",
-                        format!("the source volume lives in {}", root.describe()),
-                    ));
-                }
-                root.clone()
-            }
-            None if external.is_some() => self.roots.node_local(Backend::Local).cloned().ok_or_else(|| {
-                Error::FailedPrecondition(
-                    "a pvc:// claim of another driver is read on the node that holds it: run the controller on the node (--node-id) with backend local".into(),
-                )
-            })?,
-            None => self.select_root(&params)?,
+        let pull = PullInputs {
+            options: SourceOptions {
+                params: params.source_options.clone(),
+                secrets,
+                tenant,
+            },
+            sink,
+            owner: pvc.as_ref().map(|(ns, c)| (ns.clone(), c.name_any())),
         };
-        capability::check(&req.capabilities, &root, role)?;
-        self.check_topology(&root, req.topology.as_ref())?;
+        Ok((
+            Resolved {
+                params,
+                content,
+                external,
+            },
+            pull,
+        ))
+    }
 
-        let uuid = cache::uuid_for_name(&self.cfg.driver_name, &req.name);
-        let id = root.volume_id(&uuid);
-        let fingerprint = fingerprint(&req);
-        for r in &self.roots.roots {
-            if let Some(existing) = cache::read_volume(r, &uuid)? {
-                if existing.request == fingerprint && existing.id == id {
-                    return Ok((existing, self.topology_of(r)));
+    /// A volume of this name already made: the same (a retry), or a
+    /// conflict.
+    async fn existing(&self, plan: &Plan) -> Result<Option<(VolumeRecord, Vec<Topology>)>> {
+        let (roots, want) = (self.roots.clone(), plan.record.clone());
+        let found = blocking(move || -> Result<Option<(Root, VolumeRecord)>> {
+            let uuid = VolumeId::parse(&want.id)
+                .map(|i| i.uuid)
+                .unwrap_or_default();
+            for r in &roots.roots {
+                if let Some(existing) = cache::read_volume(r, &uuid)? {
+                    return Ok(Some((r.clone(), existing)));
                 }
-                return Err(Error::AlreadyExists(format!(
-                    "volume name {} is already used by volume {} with different arguments",
-                    req.name, existing.id
-                )));
             }
-        }
-
-        let (required, limit) = req
-            .capacity
-            .as_ref()
-            .map(|c| (c.required_bytes, c.limit_bytes))
-            .unwrap_or((0, 0));
-        if required < 0 || limit < 0 {
-            return Err(Error::invalid(
-                "capacity_range",
-                "required_bytes and limit_bytes must not be negative",
-            ));
-        }
-        if limit > 0 && required > limit {
-            return Err(Error::invalid(
-                "capacity_range",
-                format!("required_bytes {required} exceeds limit_bytes {limit}"),
-            ));
-        }
-
-        let mut rec = VolumeRecord {
-            id: id.clone(),
-            name: req.name.clone(),
-            backend: root.backend,
-            role,
-            source: uuid.clone(),
-            sub_path: params.sub_path.clone(),
-            model: None,
-            revision: None,
-            external: external.clone(),
-            verify: params.verify.unwrap_or(Verify::Size),
-            capacity_bytes: 0,
-            node: root.node.clone(),
-            content_source: content_volume.clone(),
-            request: fingerprint,
-            created_unix: cache::now_unix(),
-        };
-
-        match (role, content) {
-            (Role::Source, None) => {
-                let min = if root.backend == Backend::Xfs {
-                    cache::xfs::MIN_IMAGE_BYTES as i64
-                } else {
-                    1
-                };
-                if limit > 0 && limit < min {
-                    return Err(Error::OutOfRange(format!(
-                        "capacity_range.limit_bytes {limit} is below the {min} bytes an XFS image needs"
-                    )));
-                }
-                let capacity = if required > 0 {
-                    required.max(min)
-                } else {
-                    DEFAULT_CAPACITY.max(min)
-                };
-                let capacity = if limit > 0 {
-                    capacity.min(limit)
-                } else {
-                    capacity
-                };
-                self.check_free(&root, capacity as u64)?;
-                rec.capacity_bytes = capacity;
-                let (r, sid) = (root.clone(), uuid.clone());
-                blocking(move || cache::create_source(&r, &sid, capacity as u64)).await?;
+            Ok(None)
+        })
+        .await?;
+        match found {
+            None => Ok(None),
+            Some((r, existing))
+                if existing.request == plan.record.request && existing.id == plan.record.id =>
+            {
+                Ok(Some((existing, plan::topology_of(&self.cfg, &r))))
             }
-            (Role::Source, Some((_, from))) => {
+            Some((_, existing)) => Err(Error::AlreadyExists(format!(
+                "volume name {} is already used by volume {} with different arguments",
+                plan.record.name, existing.id
+            ))),
+        }
+    }
+
+    /// Does a plan's work; each kind's filesystem work runs off the async
+    /// runtime. Returns the record as written.
+    async fn execute(
+        &self,
+        req: &CreateRequest,
+        plan: Plan,
+        pull: PullInputs,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<VolumeRecord> {
+        let Plan {
+            root,
+            record: mut rec,
+            work,
+            required,
+            limit,
+        } = plan;
+        let sid = match work {
+            Work::NewSource => {
+                let (r, rec) = (root, rec);
+                return blocking(move || {
+                    check_free(&r, rec.capacity_bytes as u64)?;
+                    cache::create_source(&r, &rec.source, rec.capacity_bytes as u64)?;
+                    cache::write_volume(&r, &rec)?;
+                    Ok(rec)
+                })
+                .await;
+            }
+            Work::CopySource { from } => {
                 let _g = self.sources.lock(&from.source).await;
-                let writers = cache::writers(&root, &from.source)?;
-                if !writers.is_empty() && cache::read_seal(&root, &from.source)?.is_none() {
-                    return Err(Error::FailedPrecondition(format!(
-                        "source volume {} is being written on node(s) {}; a copy now would be torn",
-                        from.id,
-                        writers.join(", ")
-                    )));
-                }
-                rec.capacity_bytes = required.max(from.capacity_bytes);
-                self.check_free(&root, rec.capacity_bytes as u64)?;
-                let (r, f, t) = (root.clone(), from.source.clone(), uuid.clone());
-                blocking(move || cache::copy_source(&r, &f, &t)).await?;
-            }
-            (Role::Cache, from) => {
-                if let Some(e) = &external {
-                    rec.source = format!("x{}", &uuid[..31]);
-                    rec.capacity_bytes = required.max(1);
-                    let path = match e {
-                        External::Dir { path } => path,
-                        External::XfsBlock { device } => device,
-                    };
-                    if !std::path::Path::new(path).exists() {
-                        return Err(Error::NotFound(format!(
-                            "{path} does not exist on node {}",
-                            root.node.clone().unwrap_or_default()
+                let (r, rec) = (root, rec);
+                return blocking(move || {
+                    let writers = cache::writers(&r, &from.source)?;
+                    if !writers.is_empty() && cache::read_seal(&r, &from.source)?.is_none() {
+                        return Err(Error::FailedPrecondition(format!(
+                            "source volume {} is being written on node(s) {}; a copy now would be torn",
+                            from.id,
+                            writers.join(", ")
                         )));
                     }
-                    cache::write_volume(&root, &rec)?;
-                    return Ok((rec, self.topology_of(&root)));
-                }
-                let sid = match from {
-                    Some((_, from)) => from.source,
-                    None => {
-                        let uri = params.source.clone().unwrap_or_default();
-                        let opts = SourceOptions {
-                            params: params.source_options.clone(),
-                            secrets: secrets.clone(),
-                            tenant: tenant.clone(),
-                        };
-                        let sink: Arc<dyn ProgressSink> = match (&events, &req.progress) {
-                            (Some(e), _) => e.clone(),
-                            (None, Some(p)) => p.clone(),
-                            (None, None) => Arc::new(NoProgress),
-                        };
-                        let shown = crate::trust::allowed::shown(&uri).to_string();
-                        let source = match puller::open(&uri, &opts).await {
-                            Ok(s) => s,
-                            Err(e) => {
-                                sink.failed(&shown, &e.to_string());
-                                return Err(e);
-                            }
-                        };
-                        // The job outlives this call: at the caller's
-                        // deadline it answers "still pulling", and the
-                        // retry joins the same job.
-                        let job = jobs::Request {
-                            key: req.name.clone(),
-                            uri: shown,
-                            owner: pvc.as_ref().map(|(ns, c)| (ns.clone(), c.name_any())),
-                            root: root.clone(),
-                            source,
-                            sink,
-                        };
-                        // Recorded so that a restart resumes it; a class
-                        // secret would have to be written too, so such a
-                        // pull waits for the provisioner's next call.
-                        // An inline volume's pull is not: kubelet asks again.
-                        let resumable =
-                            req.inline.is_none() && (req.secrets.is_empty() || tenant.is_some());
-                        if resumable && !self.jobs.is_running(&req.name) {
-                            let (d, w) = (self.wanted_dir(), req.clone());
-                            blocking(move || wanted::save(&d, &w)).await?;
-                        }
-                        let left = deadline
-                            .map(|d| d.saturating_duration_since(std::time::Instant::now()));
-                        tracing::debug!(budget = ?left, "joining the pull job");
-                        let pulled = self.jobs.pull(&self.engine, job, left).await;
-                        if resumable && !self.jobs.is_running(&req.name) {
-                            let (d, n) = (self.wanted_dir(), req.name.clone());
-                            blocking(move || wanted::remove(&d, &n)).await?;
-                        }
-                        let pulled = pulled?;
-                        rec.model = pulled.seal.origin.clone().into();
-                        rec.revision = pulled.seal.revision.clone();
-                        pulled.sid.clone()
-                    }
-                };
-                let _g = self.sources.lock(&sid).await;
-                let seal = self.sealed(&root, &sid, content_volume.as_deref())?;
-                if let Some(sub) = &params.sub_path
-                    && !seal.has_dir(sub)
-                {
-                    return Err(Error::invalid(
-                        "parameters.subPath",
-                        format!(
-                            "{sub:?} is not a directory of the source (directories: {})",
-                            preview(&seal.dirs)
-                        ),
-                    ));
-                }
-                let total = seal.total_bytes as i64;
-                if limit > 0 && limit < total {
-                    return Err(Error::OutOfRange(format!(
-                        "capacity_range.limit_bytes {limit} is smaller than the {total} bytes the source holds"
-                    )));
-                }
-                rec.source = sid.clone();
-                rec.capacity_bytes = required.max(total);
-                cache::add_ref(&root, &sid, &uuid)?;
-                // Eviction renames a model away before it looks for
-                // references; if that won, ours must not dangle.
-                if cache::read_seal(&root, &sid)?.is_none() {
-                    cache::remove_ref(&root, &sid, &uuid)?;
-                    return Err(Error::Unavailable(format!(
-                        "source {sid} was evicted while this volume was being created; retry"
-                    )));
-                }
-                if cache::evict::is_model(&sid) {
-                    cache::evict::touch(&root, &sid)?;
-                }
+                    check_free(&r, rec.capacity_bytes as u64)?;
+                    cache::copy_source(&r, &from.source, &rec.source)?;
+                    cache::write_volume(&r, &rec)?;
+                    Ok(rec)
+                })
+                .await;
             }
+            Work::External { path } => {
+                let (r, rec) = (root, rec);
+                return blocking(move || {
+                    if !std::path::Path::new(&path).exists() {
+                        return Err(Error::NotFound(format!(
+                            "{path} does not exist on node {}",
+                            r.node.clone().unwrap_or_default()
+                        )));
+                    }
+                    cache::write_volume(&r, &rec)?;
+                    Ok(rec)
+                })
+                .await;
+            }
+            Work::Clone { from } => from.source,
+            Work::Pull { uri } => {
+                let pulled = self.pull(req, &uri, &root, pull, deadline).await?;
+                rec.model = pulled.seal.origin.clone().into();
+                rec.revision = pulled.seal.revision.clone();
+                pulled.sid.clone()
+            }
+        };
+        // A cache volume: a reference to a sealed source, checked under the
+        // source's lock so that neither a delete nor an eviction slips in.
+        let _g = self.sources.lock(&sid).await;
+        blocking(move || {
+            let seal = sealed(&root, &sid, rec.content_source.as_deref())?;
+            if let Some(sub) = &rec.sub_path
+                && !seal.has_dir(sub)
+            {
+                return Err(Error::invalid(
+                    "parameters.subPath",
+                    format!(
+                        "{sub:?} is not a directory of the source (directories: {})",
+                        preview(&seal.dirs)
+                    ),
+                ));
+            }
+            let total = seal.total_bytes as i64;
+            if limit > 0 && limit < total {
+                return Err(Error::OutOfRange(format!(
+                    "capacity_range.limit_bytes {limit} is smaller than the {total} bytes the source holds"
+                )));
+            }
+            let uuid = std::mem::replace(&mut rec.source, sid.clone());
+            rec.capacity_bytes = required.max(total);
+            cache::add_ref(&root, &sid, &uuid)?;
+            // Eviction renames a model away before it looks for
+            // references; if that won, ours must not dangle.
+            if cache::read_seal(&root, &sid)?.is_none() {
+                cache::remove_ref(&root, &sid, &uuid)?;
+                return Err(Error::Unavailable(format!(
+                    "source {sid} was evicted while this volume was being created; retry"
+                )));
+            }
+            if cache::evict::is_model(&sid) {
+                cache::evict::touch(&root, &sid)?;
+            }
+            cache::write_volume(&root, &rec)?;
+            Ok(rec)
+        })
+        .await
+    }
+
+    /// Pulls a model URI into `root` through the pull job of this volume
+    /// name, which outlives the call: at the caller's deadline it answers
+    /// "still pulling", and the retry joins the same job.
+    async fn pull(
+        &self,
+        req: &CreateRequest,
+        uri: &str,
+        root: &Root,
+        pull: PullInputs,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Arc<crate::puller::engine::Pulled>> {
+        let shown = crate::trust::allowed::shown(uri).to_string();
+        let tenant = pull.options.tenant.is_some();
+        let source = match puller::open(uri, &pull.options).await {
+            Ok(s) => s,
+            Err(e) => {
+                pull.sink.failed(&shown, &e.to_string());
+                return Err(e);
+            }
+        };
+        let job = jobs::Request {
+            key: req.name.clone(),
+            uri: shown,
+            owner: pull.owner,
+            root: root.clone(),
+            source,
+            sink: pull.sink,
+        };
+        // Recorded so that a restart resumes it; a class secret would have
+        // to be written too, so such a pull waits for the provisioner's
+        // next call. An inline volume's pull is not: kubelet asks again.
+        let resumable = req.inline.is_none() && (req.secrets.is_empty() || tenant);
+        if resumable && !self.jobs.is_running(&req.name) {
+            let (d, w) = (self.wanted_dir(), req.clone());
+            blocking(move || wanted::save(&d, &w)).await?;
         }
-        cache::write_volume(&root, &rec)?;
-        if mutable.pinned.is_some() && role == Role::Cache && rec.model.is_some() {
-            cache::evict::set_pinned(&root, &rec.source, mutable.pinned == Some(true))?;
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        tracing::debug!(budget = ?left, "joining the pull job");
+        let pulled = self.jobs.pull(&self.engine, job, left).await;
+        if resumable && !self.jobs.is_running(&req.name) {
+            let (d, n) = (self.wanted_dir(), req.name.clone());
+            blocking(move || wanted::remove(&d, &n)).await?;
         }
-        if mutable.sealed == Some(true) && role == Role::Source {
-            self.seal(&rec.id).await?;
-        }
-        Ok((rec, self.topology_of(&root)))
+        pulled
     }
 
     /// A source a tenant named (in `field`), admitted under the class's
@@ -605,83 +461,25 @@ impl Provisioner {
         admitted
     }
 
-    /// The seal of a source a cache volume is about to read.
-    fn sealed(&self, root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
-        cache::read_seal(root, sid)?.ok_or_else(|| {
-            Error::FailedPrecondition(format!(
-                "source volume {} is not sealed: finish writing it, stop the pods that write it, \
-                 then seal it (mutable parameter sealed=true through a VolumeAttributesClass, \
-                 or `modelcache-csi seal`)",
-                from.unwrap_or(sid)
-            ))
-        })
-    }
-
-    /// A writable source may never be promised more than the filesystem can
-    /// still give: its free space beyond the reserve (`--min-free`). Neither
-    /// a directory nor a sparse image is allocated up front, so this is the
-    /// bound a size gets where no quota enforces it.
-    fn check_free(&self, root: &Root, bytes: u64) -> Result<()> {
-        let space = cache::space(root)?;
-        if bytes > space.usable() {
-            return Err(Error::ResourceExhausted(format!(
-                "{bytes} bytes were requested, but {} has {space}",
-                root.describe()
-            )));
-        }
-        Ok(())
-    }
-
     pub async fn delete(&self, volume_id: &str) -> Result<()> {
         let Some(id) = VolumeId::parse(volume_id) else {
             return Ok(());
         };
         let root = self.roots.for_id(&id)?.clone();
-        let Some(rec) = cache::read_volume(&root, &id.uuid)? else {
+        let rec = {
+            let (r, uuid) = (root.clone(), id.uuid.clone());
+            blocking(move || cache::read_volume(&r, &uuid)).await?
+        };
+        let Some(rec) = rec else {
             return Ok(());
         };
         let _g = self.sources.lock(&rec.source).await;
-        match rec.role {
-            Role::Cache => {
-                // The record goes first: while it exists, so does its reference.
-                cache::remove_volume(&root, &id.uuid)?;
-                cache::remove_ref(&root, &rec.source, &id.uuid)?;
-            }
-            Role::Source => {
-                let mut users = Vec::new();
-                for r in cache::refs(&root, &rec.source)? {
-                    match cache::read_volume(&root, &r)? {
-                        Some(v) => users.push(format!("{} ({})", v.name, v.id)),
-                        // A reference without a record: a create that died.
-                        None => cache::remove_ref(&root, &rec.source, &r)?,
-                    }
-                }
-                if !users.is_empty() {
-                    return Err(Error::FailedPrecondition(format!(
-                        "source volume {} is read by cache volumes {}; delete them first",
-                        rec.id,
-                        users.join(", ")
-                    )));
-                }
-                let writers = cache::writers(&root, &rec.source)?;
-                if !writers.is_empty() {
-                    return Err(Error::FailedPrecondition(format!(
-                        "source volume {} is still staged on node(s) {}",
-                        rec.id,
-                        writers.join(", ")
-                    )));
-                }
-                let (r, sid) = (root.clone(), rec.source.clone());
-                blocking(move || cache::delete_source(&r, &sid)).await?;
-                cache::remove_volume(&root, &id.uuid)?;
-            }
-        }
-        Ok(())
+        blocking(move || delete_volume(&root, &id.uuid, &rec)).await
     }
 
     /// Seals a source volume; a cache volume is sealed by construction.
     pub async fn seal(&self, volume_id: &str) -> Result<Seal> {
-        let (root, rec) = self.lookup(volume_id)?;
+        let (root, rec) = self.lookup_off_runtime(volume_id).await?;
         let _g = self.sources.lock(&rec.source).await;
         let origin = format!("volume {} ({})", rec.name, rec.id);
         let sid = rec.source.clone();
@@ -699,7 +497,7 @@ impl Provisioner {
                 .modified_on_node(volume_id, &attributes, pv_name.as_deref(), not_here)
                 .await;
         }
-        let (root, rec) = self.lookup(volume_id)?;
+        let (root, rec) = self.lookup_off_runtime(volume_id).await?;
         if let Some(pin) = m.pinned {
             if !cache::evict::is_model(&rec.source) {
                 return Err(Error::invalid(
@@ -707,15 +505,20 @@ impl Provisioner {
                     "only volumes of pulled models (parameter source) can pin them; source volumes are never evicted",
                 ));
             }
-            cache::evict::set_pinned(&root, &rec.source, pin)?;
+            let (r, sid) = (root.clone(), rec.source.clone());
+            blocking(move || cache::evict::set_pinned(&r, &sid, pin)).await?;
         }
         match (m.sealed, rec.role) {
             (Some(true), Role::Source) => self.seal(volume_id).await.map(|_| ()),
-            (Some(false), _) if cache::read_seal(&root, &rec.source)?.is_some() => {
-                Err(Error::invalid(
-                    "mutable_parameters.sealed",
-                    format!("volume {volume_id} is sealed, and sealing cannot be undone"),
-                ))
+            (Some(false), _) => {
+                let sealed = blocking(move || cache::read_seal(&root, &rec.source)).await?;
+                if sealed.is_some() {
+                    return Err(Error::invalid(
+                        "mutable_parameters.sealed",
+                        format!("volume {volume_id} is sealed, and sealing cannot be undone"),
+                    ));
+                }
+                Ok(())
             }
             _ => Ok(()),
         }
@@ -763,7 +566,7 @@ impl Provisioner {
         let mut all = Vec::new();
         for r in &self.roots.roots {
             for rec in cache::list_volumes(r)? {
-                all.push((rec, self.topology_of(r)));
+                all.push((rec, plan::topology_of(&self.cfg, r)));
             }
         }
         all.sort_by(|a, b| a.0.id.cmp(&b.0.id));
@@ -778,7 +581,7 @@ impl Provisioner {
         topology: Option<&Topology>,
     ) -> Result<i64> {
         let p = Params::parse(params)?;
-        let root = match self.select_root(&p) {
+        let root = match plan::select_root(&self.cfg, &self.roots, &p) {
             Ok(r) => r,
             Err(Error::FailedPrecondition(_)) => return Ok(0),
             Err(e) => return Err(e),
@@ -868,6 +671,73 @@ impl Provisioner {
         }
         ctx
     }
+}
+
+/// Removes a volume's record and what only it held, under its source's
+/// lock; a source still read or written is refused, naming who.
+fn delete_volume(root: &Root, uuid: &str, rec: &VolumeRecord) -> Result<()> {
+    match rec.role {
+        Role::Cache => {
+            // The record goes first: while it exists, so does its reference.
+            cache::remove_volume(root, uuid)?;
+            cache::remove_ref(root, &rec.source, uuid)?;
+        }
+        Role::Source => {
+            let mut users = Vec::new();
+            for r in cache::refs(root, &rec.source)? {
+                match cache::read_volume(root, &r)? {
+                    Some(v) => users.push(format!("{} ({})", v.name, v.id)),
+                    // A reference without a record: a create that died.
+                    None => cache::remove_ref(root, &rec.source, &r)?,
+                }
+            }
+            if !users.is_empty() {
+                return Err(Error::FailedPrecondition(format!(
+                    "source volume {} is read by cache volumes {}; delete them first",
+                    rec.id,
+                    users.join(", ")
+                )));
+            }
+            let writers = cache::writers(root, &rec.source)?;
+            if !writers.is_empty() {
+                return Err(Error::FailedPrecondition(format!(
+                    "source volume {} is still staged on node(s) {}",
+                    rec.id,
+                    writers.join(", ")
+                )));
+            }
+            cache::delete_source(root, &rec.source)?;
+            cache::remove_volume(root, uuid)?;
+        }
+    }
+    Ok(())
+}
+
+/// The seal of a source a cache volume is about to read.
+fn sealed(root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
+    cache::read_seal(root, sid)?.ok_or_else(|| {
+        Error::FailedPrecondition(format!(
+            "source volume {} is not sealed: finish writing it, stop the pods that write it, \
+             then seal it (mutable parameter sealed=true through a VolumeAttributesClass, \
+             or `modelcache-csi seal`)",
+            from.unwrap_or(sid)
+        ))
+    })
+}
+
+/// A writable source may never be promised more than the filesystem can
+/// still give: its free space beyond the reserve (`--min-free`). Neither
+/// a directory nor a sparse image is allocated up front, so this is the
+/// bound a size gets where no quota enforces it.
+fn check_free(root: &Root, bytes: u64) -> Result<()> {
+    let space = cache::space(root)?;
+    if bytes > space.usable() {
+        return Err(Error::ResourceExhausted(format!(
+            "{bytes} bytes were requested, but {} has {space}",
+            root.describe()
+        )));
+    }
+    Ok(())
 }
 
 fn join_sub(a: Option<String>, b: Option<String>) -> Option<String> {
@@ -985,43 +855,6 @@ fn preview(items: &[String]) -> String {
         s.push(format!("… {} more", items.len() - 8));
     }
     s.join(", ")
-}
-
-/// Canonical JSON of the arguments that define a volume, so a retry with
-/// the same arguments matches and anything else does not.
-fn fingerprint(req: &CreateRequest) -> String {
-    #[derive(Serialize)]
-    struct F<'a> {
-        params: BTreeMap<&'a str, &'a str>,
-        mutable: BTreeMap<&'a str, &'a str>,
-        required: i64,
-        limit: i64,
-        content: Option<&'a str>,
-        caps: Vec<String>,
-        // Absent for every other volume, so their fingerprints are as before.
-        #[serde(skip_serializing_if = "Option::is_none")]
-        inline: Option<&'a str>,
-    }
-    let mut caps: Vec<String> = req.capabilities.iter().map(|c| format!("{c:?}")).collect();
-    caps.sort();
-    let f = F {
-        params: req
-            .params
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect(),
-        mutable: req
-            .mutable
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect(),
-        required: req.capacity.as_ref().map_or(0, |c| c.required_bytes),
-        limit: req.capacity.as_ref().map_or(0, |c| c.limit_bytes),
-        content: req.content_volume.as_deref(),
-        caps,
-        inline: req.inline.as_ref().map(|i| i.uri.as_str()),
-    };
-    serde_json::to_string(&f).unwrap_or_default()
 }
 
 /// The node a node-local PV is pinned to, by the driver's topology key.

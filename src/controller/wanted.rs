@@ -16,7 +16,7 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::volumes::CreateRequest;
+use super::plan::CreateRequest;
 use crate::csi::{CapacityRange, TopologyRequirement, VolumeCapability};
 use crate::error::{IoContext, Result};
 use crate::state;

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::capability::MountRequest;
 use crate::controller::Provisioner;
-use crate::controller::volumes::{CreateRequest, InlineSource};
+use crate::controller::plan::{CreateRequest, InlineSource};
 use crate::csi::VolumeCapability;
 use crate::error::{Error, IoContext, Result};
 use crate::offload::blocking;

@@ -23,7 +23,7 @@ use kube::{Api, Client, ResourceExt};
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::controller::Provisioner;
-use crate::controller::volumes::CreateRequest;
+use crate::controller::plan::CreateRequest;
 use crate::csi::VolumeCapability;
 use crate::csi::volume_capability::{self, AccessType, MountVolume};
 use crate::error::{Error, Result};

@@ -39,6 +39,8 @@ log "cargo fmt --check"
 cargo fmt --all -- --check
 log "cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
+log "module cycles (tests/scripts/module-cycles.py)"
+python3 "$ROOT/tests/scripts/module-cycles.py"
 log "cargo build"
 cargo build --locked --all-targets
 log "waiting for the test tools"
