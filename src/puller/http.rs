@@ -162,21 +162,20 @@ pub(crate) fn service_url(value: &str, param: &str, example: &str) -> Result<Url
         })
 }
 
+/// A percent-encoded name, decoded; None when an escape is malformed or
+/// the bytes are not UTF-8, so a name never means two things.
 pub(crate) fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s.get(i + 1..i + 3)?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
+    let well_formed = s.split('%').skip(1).all(|rest| {
+        rest.get(..2)
+            .is_some_and(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+    });
+    if !well_formed {
+        return None;
     }
-    String::from_utf8(out).ok()
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .ok()
+        .map(|c| c.into_owned())
 }
 
 pub(crate) fn is_sha256(s: &str) -> bool {
@@ -274,51 +273,8 @@ pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Durati
     if let Ok(secs) = value.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
-    let at = parse_http_date(value)?;
+    let at = httpdate::parse_http_date(value).ok()?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
-}
-
-/// Parses the three HTTP date forms (RFC 9110 §5.6.7): IMF-fixdate
-/// `Sun, 06 Nov 1994 08:49:37 GMT`, RFC 850 `Sunday, 06-Nov-94 08:49:37 GMT`
-/// and asctime `Sun Nov  6 08:49:37 1994`.
-pub(crate) fn parse_http_date(s: &str) -> Option<SystemTime> {
-    let t: Vec<&str> = s.split_whitespace().collect();
-    let (day, month, year, time) = match t.as_slice() {
-        [_, d, m, y, time, "GMT"] => (*d, *m, y.parse::<i64>().ok()?, *time),
-        [_, dmy, time, "GMT"] => {
-            let mut p = dmy.split('-');
-            let (d, m, y) = (p.next()?, p.next()?, p.next()?);
-            let y: i64 = y.parse().ok()?;
-            // Two-digit years: RFC 9110 says never more than 50 years ahead.
-            (d, m, if y < 70 { 2000 + y } else { 1900 + y }, *time)
-        }
-        [_, m, d, time, y] => (*d, *m, y.parse::<i64>().ok()?, *time),
-        _ => return None,
-    };
-    let day: u32 = day.parse().ok()?;
-    const MONTHS: [&str; 12] = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ];
-    let month = MONTHS.iter().position(|m| *m == month)? as u32 + 1;
-    let mut hms = time.split(':').map(|x| x.parse::<u64>().ok());
-    let (h, mi, se) = (hms.next()??, hms.next()??, hms.next()??);
-    if !(1..=31).contains(&day) || h > 23 || mi > 59 || se > 60 {
-        return None;
-    }
-    let days = days_from_civil(year, month, day);
-    let secs = u64::try_from(days).ok()? * 86_400 + h * 3600 + mi * 60 + se;
-    Some(UNIX_EPOCH + Duration::from_secs(secs))
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
-fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = if y >= 0 { y } else { y - 399 } / 400;
-    let yoe = y - era * 400;
-    let mp = i64::from((m + 9) % 12);
-    let doy = (153 * mp + 2) / 5 + i64::from(d) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 /// GETs a small document (manifest, API answer) with a size limit.
@@ -402,12 +358,12 @@ impl Probe {
             return Some(format!("etag:{}", opaque(etag)));
         }
         if let Some(lm) = &self.last_modified {
-            return Some(match parse_http_date(lm) {
-                Some(t) => {
+            return Some(match httpdate::parse_http_date(lm) {
+                Ok(t) => {
                     let secs = t.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
                     format!("modified:{secs}-{size}")
                 }
-                None => format!("modified:{}-{size}", opaque(lm)),
+                Err(_) => format!("modified:{}-{size}", opaque(lm)),
             });
         }
         let weak = self.etag.as_deref()?.strip_prefix("W/")?;
@@ -1081,9 +1037,9 @@ mod tests {
             "Sunday, 06-Nov-94 08:49:37 GMT",
             "Sun Nov  6 08:49:37 1994",
         ] {
-            assert_eq!(parse_http_date(s), Some(t), "{s}");
+            assert_eq!(httpdate::parse_http_date(s).ok(), Some(t), "{s}");
         }
-        assert_eq!(parse_http_date("yesterday"), None);
+        assert!(httpdate::parse_http_date("yesterday").is_err());
         let mut h = HeaderMap::new();
         h.insert(
             header::RETRY_AFTER,

@@ -25,7 +25,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
-use tracing::{info, warn};
+use tracing::{Instrument, info, warn};
 
 pub use decide::{Decision, Observed, SELECTED_NODE, decide};
 
@@ -235,7 +235,15 @@ async fn reconcile(
     let ns = pvc.namespace().unwrap_or_default();
     let name = pvc.name_any();
     let span = tracing::info_span!("reschedule", pvc = %format!("{ns}/{name}"));
-    let _e = span.enter();
+    // Instrumented, not entered: the span must not stay entered on this
+    // thread while the future waits on the API.
+    reconcile_in_span(pvc, ctx).instrument(span).await
+}
+
+async fn reconcile_in_span(
+    pvc: Arc<PersistentVolumeClaim>,
+    ctx: Arc<Ctx>,
+) -> Result<Action, ReconcileError> {
     let observed = observe(&ctx, &pvc);
     let node = observed
         .pvc

@@ -303,20 +303,11 @@ impl Minio {
 
 /// (YYYYMMDD, YYYYMMDDTHHMMSSZ) for a Unix time, as SigV4 wants them.
 fn amz_dates(unix: u64) -> (String, String) {
-    let (days, secs) = ((unix / 86400) as i64, unix % 86400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    let date = format!("{y:04}{m:02}{d:02}");
-    let time = format!("{:02}{:02}{:02}", secs / 3600, secs / 60 % 60, secs % 60);
-    (date.clone(), format!("{date}T{time}Z"))
+    let t = chrono::DateTime::from_timestamp(unix as i64, 0).expect("a time after 1970");
+    (
+        t.format("%Y%m%d").to_string(),
+        t.format("%Y%m%dT%H%M%SZ").to_string(),
+    )
 }
 
 fn uri_encode(s: &str, encode_slash: bool) -> String {
