@@ -1,0 +1,569 @@
+//! Fetching one remote file: parallel ranges or one stream, written with
+//! O_DIRECT, resumed after the last durable byte, verified by sha256.
+
+use super::*;
+
+/// What one remote file became.
+pub(super) enum Fetched {
+    File(FileEntry),
+    /// A verified layer blob, unpacked later in manifest order.
+    Layer {
+        index: usize,
+        key: String,
+        blob: PathBuf,
+        compression: Compression,
+        subdir: String,
+        extracted: Option<Vec<FileEntry>>,
+    },
+}
+
+/// Fetches and verifies one remote file (or layer blob).
+pub(super) async fn fetch_file(
+    ctx: Arc<Ctx>,
+    work: Arc<Work>,
+    index: usize,
+    file: RemoteFile,
+) -> Result<Fetched> {
+    // Layers are keyed by position too: a manifest may repeat a digest.
+    let key = match file.unpack {
+        Unpack::None => file.path.clone(),
+        Unpack::Tar(_) => format!("layer-{index}-{}", file.locator),
+    };
+    let w = work.clone();
+    let k = key.clone();
+    let mut st = blocking(move || load_state(&w, &k)).await?;
+    let stem = state_path(&work, &key)
+        .file_stem()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
+    let (dest, part) = match file.unpack {
+        Unpack::None => (
+            work.data.join(&file.path),
+            work.partial.join(format!("{stem}.part")),
+        ),
+        // Blobs are named by digest in a directory of their own.
+        Unpack::Tar(_) => (
+            work.blobs.join(format!("{stem}.blob")),
+            work.blobs.join(format!("{stem}.blob.part")),
+        ),
+    };
+    let layer = |extracted: Option<Vec<FileEntry>>, compression| Fetched::Layer {
+        index,
+        key: key.clone(),
+        blob: dest.clone(),
+        compression,
+        subdir: file.path.clone(),
+        extracted,
+    };
+    if let Unpack::Tar(c) = file.unpack
+        && st.extracted.is_some()
+    {
+        ctx.bytes.fetch_add(st.size.unwrap_or(0), Ordering::Relaxed);
+        return Ok(layer(st.extracted.clone(), c));
+    }
+    // A finished file is kept only at the size the listing gives now.
+    let same_size = file.size.is_none_or(|s| st.size == Some(s));
+    let (size, sha) = match (&st.sha256, dest.exists() && same_size) {
+        (Some(sha), true) => {
+            let size = st.size.unwrap_or(0);
+            ctx.bytes.fetch_add(size, Ordering::Relaxed);
+            (size, sha.clone())
+        }
+        _ => {
+            st.path = key.clone();
+            let (size, sha) = download(&ctx, &work, &file, &dest, &part, &mut st).await?;
+            if let Some(expected) = &file.sha256
+                && !expected.eq_ignore_ascii_case(&sha)
+            {
+                let (d, w, k) = (dest.clone(), work.clone(), key.clone());
+                let _ = blocking(move || {
+                    let _ = fs::remove_file(&d);
+                    state::remove_file(&state_path(&w, &k)).ctx("remove pull state", &w.state)
+                })
+                .await;
+                return Err(Error::FailedPrecondition(format!(
+                    "{} failed verification: the source promised sha256 {expected}, the bytes hash to {sha}; nothing was sealed",
+                    file.path_or_locator()
+                )));
+            }
+            st.sha256 = Some(sha.clone());
+            st.size = Some(size);
+            let (w, s) = (work.clone(), st.clone());
+            blocking(move || save_state(&w, &s)).await?;
+            (size, sha)
+        }
+    };
+    Ok(match file.unpack {
+        Unpack::None => Fetched::File(FileEntry {
+            path: file.path.clone(),
+            size,
+            sha256: sha,
+        }),
+        Unpack::Tar(c) => layer(None, c),
+    })
+}
+
+impl RemoteFile {
+    pub(super) fn path_or_locator(&self) -> &str {
+        if self.path.is_empty() {
+            &self.locator
+        } else {
+            &self.path
+        }
+    }
+}
+
+/// Downloads `file` to `dest` through `part`, returning its size and sha256.
+pub(super) async fn download(
+    ctx: &Arc<Ctx>,
+    work: &Arc<Work>,
+    file: &RemoteFile,
+    dest: &Path,
+    part: &Path,
+    st: &mut FileState,
+) -> Result<(u64, String)> {
+    if let Some(parent) = dest.parent() {
+        fs::create_dir_all(parent).ctx("create", parent)?;
+    }
+    let ranged = ctx.source.ranges() && file.size.is_some();
+    // Chunks recorded as done describe `.part`. Without it (a kill between
+    // the rename into place and the state that records the sha256), they
+    // describe nothing, and trusting them would seal a zero-filled file.
+    if !part.exists() {
+        st.done.clear();
+    }
+    // O_DIRECT pays for itself on large files; a small one would only
+    // cost a second descriptor.
+    let direct = ranged && file.size.is_some_and(|s| s >= ctx.flush_at as u64);
+    let out = Arc::new(PartFile::open(part, !ranged, direct)?);
+    let (size, sha) = if let (true, Some(size)) = (ranged, file.size) {
+        out.reserve(size, part)?;
+        ranged_download(ctx, work, file, &out, part, size, st).await?
+    } else {
+        st.done.clear();
+        whole_download(ctx, file, &out, part).await?
+    };
+    let (p, d) = (part.to_path_buf(), dest.to_path_buf());
+    blocking(move || {
+        fs::rename(&p, &d).ctx("rename into place", &d)?;
+        Ok(())
+    })
+    .await?;
+    Ok((size, sha))
+}
+
+pub(super) fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < size {
+        let end = start.saturating_add(chunk.max(1)).min(size);
+        out.push((start, end));
+        start = end;
+    }
+    out
+}
+
+/// How far a range gets between records of its progress: finer than a
+/// chunk, coarse enough that recording (one fdatasync and one small state
+/// write, batched across connections) stays out of the way.
+pub(super) const PARTIAL_EVERY: u64 = 8 << 20;
+
+/// What a connection tells the committer.
+pub(super) enum Finished {
+    /// Chunk `i` is written whole.
+    Chunk(u64),
+    /// Chunk `i`'s first `n` bytes are written.
+    Prefix(u64, u64),
+}
+
+/// Parallel ranges written with positioned writes and hashed by a
+/// [`Frontier`]. A finished range is handed to a committer, which makes
+/// every range finished so far durable with one fdatasync and only then
+/// records them in `state/`; connections never wait for the disk.
+pub(super) async fn ranged_download(
+    ctx: &Arc<Ctx>,
+    work: &Arc<Work>,
+    file: &RemoteFile,
+    out: &Arc<PartFile>,
+    part: &Path,
+    size: u64,
+    st: &mut FileState,
+) -> Result<(u64, String)> {
+    let chunk = ctx.cfg.chunk_bytes.max(1);
+    // Chunk indexes mean nothing under another chunk size, nor for a file
+    // the server now lists at another size.
+    if st.chunk_bytes != Some(chunk) || st.size_listed != Some(size) {
+        st.done.clear();
+        st.partial.clear();
+        st.chunk_bytes = Some(chunk);
+        st.size_listed = Some(size);
+    }
+    let all = chunks(size, chunk);
+    let n = all.len() as u64;
+    st.done.retain(|i| *i < n);
+    let done = st.done.clone();
+    st.partial.retain(|i, b| {
+        *i < n && !done.contains(i) && *b > 0 && *b < all[*i as usize].1 - all[*i as usize].0
+    });
+    let frontier = ctx.frontier(Some(size));
+    for i in &st.done {
+        let (start, end) = all[*i as usize];
+        frontier.mark_written(start, end);
+        ctx.bytes.fetch_add(end - start, Ordering::Relaxed);
+    }
+    for (i, b) in &st.partial {
+        let start = all[*i as usize].0;
+        frontier.mark_written(start, start + b);
+        ctx.bytes.fetch_add(*b, Ordering::Relaxed);
+    }
+    let hasher = {
+        let (f, out, part) = (frontier.clone(), out.clone(), part.to_path_buf());
+        tokio::task::spawn_blocking(move || f.read_back(&out, &part, size))
+    };
+    // This future is dropped mid-way when another file of the pull fails;
+    // the hasher thread must then stop waiting for writers that are gone.
+    let _close = CloseOnDrop(frontier.clone());
+    let (finished_tx, finished_rx) = tokio::sync::mpsc::unbounded_channel::<Finished>();
+    let committer = tokio::spawn(commit_ranges(
+        ctx.clone(),
+        work.clone(),
+        out.clone(),
+        part.to_path_buf(),
+        st.clone(),
+        all.len() > 1,
+        finished_rx,
+    ));
+    let missing: Vec<u64> = (0..all.len() as u64)
+        .filter(|i| !st.done.contains(i))
+        .collect();
+    let fetched: Result<()> = futures::stream::iter(missing)
+        .map(|i| {
+            let (ctx, out, frontier, tx) = (
+                ctx.clone(),
+                out.clone(),
+                frontier.clone(),
+                finished_tx.clone(),
+            );
+            let file = file.clone();
+            let (start, end) = all[i as usize];
+            let resume_at = start + st.partial.get(&i).copied().unwrap_or(0);
+            let part = part.to_path_buf();
+            async move {
+                let reported = AtomicU64::new(resume_at);
+                let report = |pos: u64| {
+                    if pos.saturating_sub(reported.load(Ordering::Relaxed)) >= PARTIAL_EVERY {
+                        reported.store(pos, Ordering::Relaxed);
+                        let _ = tx.send(Finished::Prefix(i, pos - start));
+                    }
+                };
+                fetch_range(&ctx, &file, &out, &part, resume_at, end, &frontier, &report).await?;
+                let _ = tx.send(Finished::Chunk(i));
+                Ok(())
+            }
+        })
+        .buffer_unordered(ctx.cfg.connections.max(1))
+        .try_collect()
+        .await;
+    drop(finished_tx);
+    frontier.close();
+    // What was fetched is made durable and recorded even when another
+    // range failed: a retry resumes from it.
+    let committed = committer
+        .await
+        .map_err(|e| Error::Internal(format!("committer failed: {e}")))?;
+    if let Ok(s) = &committed {
+        *st = s.clone();
+    }
+    fetched?;
+    committed?;
+    let sha = hasher
+        .await
+        .map_err(|e| Error::Internal(format!("hasher failed: {e}")))??;
+    Ok((size, sha))
+}
+
+/// Makes finished ranges durable in batches: waits for one, takes every
+/// other already finished, fdatasyncs once, then records them all. So
+/// `state/` only ever names ranges whose bytes are on disk. A file of one
+/// range is not recorded per range: its sha256 record follows at once.
+pub(super) async fn commit_ranges(
+    ctx: Arc<Ctx>,
+    work: Arc<Work>,
+    out: Arc<PartFile>,
+    part: PathBuf,
+    mut st: FileState,
+    record: bool,
+    mut finished: tokio::sync::mpsc::UnboundedReceiver<Finished>,
+) -> Result<FileState> {
+    while let Some(first) = finished.recv().await {
+        let mut batch = vec![first];
+        while let Ok(f) = finished.try_recv() {
+            batch.push(f);
+        }
+        let (o, p) = (out.clone(), part.clone());
+        blocking(move || o.sync_data().ctx("sync", &p)).await?;
+        for f in batch {
+            match f {
+                Finished::Chunk(i) => {
+                    st.partial.remove(&i);
+                    st.done.insert(i);
+                }
+                Finished::Prefix(i, n) if !st.done.contains(&i) => {
+                    let b = st.partial.entry(i).or_default();
+                    *b = (*b).max(n);
+                }
+                Finished::Prefix(..) => {}
+            }
+        }
+        if !record {
+            continue;
+        }
+        let snapshot = {
+            let _g = ctx.state_lock.lock().unwrap_or_else(|p| p.into_inner());
+            st.clone()
+        };
+        let w = work.clone();
+        blocking(move || save_state(&w, &snapshot)).await?;
+    }
+    Ok(st)
+}
+
+/// Fetches `[start, end)` into `out`, resuming after the last byte written
+/// when a stream fails or stalls; `report` hears each written position.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn fetch_range(
+    ctx: &Ctx,
+    file: &RemoteFile,
+    out: &Arc<PartFile>,
+    part: &Path,
+    start: u64,
+    end: u64,
+    frontier: &Arc<Frontier>,
+    report: &(dyn Fn(u64) + Send + Sync),
+) -> Result<()> {
+    let mut pos = start;
+    let mut attempt = 0u32;
+    loop {
+        let r = stream_into(
+            ctx,
+            file,
+            out,
+            part,
+            &mut pos,
+            Some(end),
+            true,
+            frontier,
+            report,
+        )
+        .await;
+        match r {
+            Ok(()) if pos == end => return Ok(()),
+            Ok(()) => {
+                let e = Error::Unavailable(format!(
+                    "{} ended at byte {pos}, expected {end}",
+                    file.path_or_locator()
+                ));
+                if attempt + 1 >= ctx.cfg.attempts {
+                    return Err(e);
+                }
+                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            }
+            Err(e) if is_retryable(&e) && attempt + 1 < ctx.cfg.attempts => {
+                warn!(file = file.path_or_locator(), error = %e, attempt, "range failed; resuming");
+                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            }
+            Err(e) => return Err(e),
+        }
+        attempt += 1;
+    }
+}
+
+/// A source that cannot serve ranges: fetched whole, hashed inline, and
+/// restarted from 0 after a failure.
+pub(super) async fn whole_download(
+    ctx: &Ctx,
+    file: &RemoteFile,
+    out: &Arc<PartFile>,
+    part: &Path,
+) -> Result<(u64, String)> {
+    let mut attempt = 0u32;
+    loop {
+        out.set_len(0).ctx("truncate", part)?;
+        let mut pos = 0;
+        // One stream from byte 0 always leads: every byte is hashed inline.
+        let frontier = ctx.frontier(file.size);
+        // A listed size bounds the stream: a longer body is refused as it
+        // arrives, not after it filled the disk.
+        let (size, report) = (file.size, &|_| {});
+        match stream_into(
+            ctx, file, out, part, &mut pos, size, false, &frontier, report,
+        )
+        .await
+        {
+            Ok(()) if file.size.is_none_or(|s| s == pos) => {
+                let (o, p) = (out.clone(), part.to_path_buf());
+                let sha = blocking(move || {
+                    o.sync_data().ctx("sync", &p)?;
+                    frontier.close();
+                    frontier.read_back(&o, &p, pos)
+                })
+                .await?;
+                return Ok((pos, sha));
+            }
+            Ok(()) => {
+                let e = Error::Unavailable(format!(
+                    "{} was cut short at byte {pos}",
+                    file.path_or_locator()
+                ));
+                if attempt + 1 >= ctx.cfg.attempts {
+                    return Err(e);
+                }
+                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            }
+            Err(e) if is_retryable(&e) && attempt + 1 < ctx.cfg.attempts => {
+                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            }
+            Err(e) => return Err(e),
+        }
+        ctx.bytes.fetch_sub(pos, Ordering::Relaxed);
+        attempt += 1;
+    }
+}
+
+/// Streams one request into `out` at `*pos`, advancing it as bytes are
+/// written (telling `report` each new position), refusing bytes past
+/// `end`; with `ranged`, asks for `[*pos, end)` only. Returns Ok when the stream ends (the caller checks length), and
+/// Unavailable when it stalls: fewer than `stall_min_bytes_per_sec x stall`
+/// bytes in a stall window, so a trickle counts as a stall too.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn stream_into(
+    ctx: &Ctx,
+    file: &RemoteFile,
+    out: &Arc<PartFile>,
+    part: &Path,
+    pos: &mut u64,
+    end: Option<u64>,
+    ranged: bool,
+    frontier: &Arc<Frontier>,
+    report: &(dyn Fn(u64) + Send + Sync),
+) -> Result<()> {
+    let len = end.filter(|_| ranged).map(|e| e.saturating_sub(*pos));
+    let start = *pos;
+    let mut stream =
+        match tokio::time::timeout(ctx.cfg.stall, ctx.source.read(file, *pos, len)).await {
+            Ok(s) => s?,
+            Err(_) => {
+                return Err(Error::Unavailable(format!(
+                    "no answer for {} within {:?}",
+                    file.path_or_locator(),
+                    ctx.cfg.stall
+                )));
+            }
+        };
+    let _moving = ctx.flow.enter();
+    let mut win = frontier.take_window();
+    let min_bytes = u64::try_from(
+        u128::from(ctx.cfg.stall_min_bytes_per_sec) * ctx.cfg.stall.as_millis() / 1000,
+    )
+    .unwrap_or(u64::MAX)
+    .max(1);
+    let mut window_end = tokio::time::Instant::now() + ctx.cfg.stall;
+    let mut in_window = 0u64;
+    loop {
+        let next = tokio::time::timeout_at(window_end, stream.next()).await;
+        let item = match next {
+            Err(_) if in_window >= min_bytes => {
+                // Moving fast enough: judge the next window afresh.
+                window_end = tokio::time::Instant::now() + ctx.cfg.stall;
+                in_window = 0;
+                continue;
+            }
+            Err(_) => {
+                flush(out, part, pos, &mut win, frontier, ctx).await?;
+                return Err(Error::Unavailable(format!(
+                    "{} stalled: {in_window} bytes in {:?}, less than the {min_bytes} \
+                     (--pull-stall-min-bytes-per-second x --pull-stall-seconds) a live stream sends",
+                    file.path_or_locator(),
+                    ctx.cfg.stall
+                )));
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                flush(out, part, pos, &mut win, frontier, ctx).await?;
+                return Err(e);
+            }
+            Ok(Some(Ok(b))) => b,
+        };
+        in_window = in_window.saturating_add(item.len() as u64);
+        let after = pos
+            .saturating_add(win.len() as u64)
+            .saturating_add(item.len() as u64);
+        if let Some(end) = end
+            && after > end
+        {
+            return Err(Error::SourceFault(format!(
+                "{} sent more bytes than asked for: bytes {start}-{} were asked, {after} reached",
+                file.path_or_locator(),
+                end.saturating_sub(1)
+            )));
+        }
+        if end.is_none() && ctx.bytes.load(Ordering::Relaxed) > ctx.max_bytes {
+            return Err(Error::ResourceExhausted(format!(
+                "{} is larger than the model may be ({} bytes: --max-model-bytes or the \
+                 class's maxModelBytes); its size was not listed",
+                file.path_or_locator(),
+                ctx.max_bytes
+            )));
+        }
+        let mut rest: &[u8] = &item;
+        while !rest.is_empty() {
+            rest = win.fill(rest);
+            if win.is_full() {
+                flush(out, part, pos, &mut win, frontier, ctx).await?;
+                report(*pos);
+            }
+        }
+    }
+    flush(out, part, pos, &mut win, frontier, ctx).await?;
+    frontier.give_window(win);
+    Ok(())
+}
+
+/// Writes the window at `*pos` and hands it to the frontier, which hashes
+/// it or holds it; `win` comes back empty (the same buffer or another).
+pub(super) async fn flush(
+    out: &Arc<PartFile>,
+    part: &Path,
+    pos: &mut u64,
+    win: &mut Window,
+    frontier: &Arc<Frontier>,
+    ctx: &Ctx,
+) -> Result<()> {
+    if win.is_empty() {
+        return Ok(());
+    }
+    let w = std::mem::replace(win, Window::empty());
+    let n = w.len() as u64;
+    let (o, p, f, at) = (out.clone(), part.to_path_buf(), frontier.clone(), *pos);
+    *win = blocking(move || {
+        o.write_window(&w, at, &p)?;
+        Ok(f.hand_over(at, w))
+    })
+    .await?;
+    *pos += n;
+    ctx.bytes.fetch_add(n, Ordering::Relaxed);
+    ctx.fetched.fetch_add(n, Ordering::Relaxed);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn chunking_covers_the_file_exactly() {
+        assert_eq!(chunks(10, 4), vec![(0, 4), (4, 8), (8, 10)]);
+        assert_eq!(chunks(8, 4), vec![(0, 4), (4, 8)]);
+        assert!(chunks(0, 4).is_empty());
+    }
+}

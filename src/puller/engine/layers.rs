@@ -1,0 +1,116 @@
+//! Unpacking verified layer blobs in manifest order, growing an XFS
+//! image that turns out too small for what a layer unpacks to.
+
+use super::*;
+
+/// Unpacks verified layers one at a time, in manifest order, so later
+/// layers override and white out earlier ones as the image spec says.
+pub(super) fn unpack_layers(
+    work: &Work,
+    extract: Extract,
+    mut layers: Vec<Fetched>,
+    mut budget: Budget,
+) -> Result<Vec<FileEntry>> {
+    layers.sort_by_key(|l| match l {
+        Fetched::Layer { index, .. } => *index,
+        Fetched::File(_) => 0,
+    });
+    let mut lists = Vec::new();
+    for l in layers {
+        let Fetched::Layer {
+            key,
+            blob,
+            compression,
+            subdir,
+            extracted,
+            ..
+        } = l
+        else {
+            continue;
+        };
+        // Each layer gets what the ones before it left.
+        let spend = |budget: &mut Budget, files: &[FileEntry]| {
+            let bytes = files.iter().map(|f| f.size).fold(0, u64::saturating_add);
+            budget.bytes = budget.bytes.saturating_sub(bytes);
+            budget.entries = budget.entries.saturating_sub(files.len() as u64);
+        };
+        if let Some(done) = extracted {
+            spend(&mut budget, &done);
+            lists.push(done);
+            continue;
+        }
+        let target = if subdir.is_empty() {
+            work.data.clone()
+        } else {
+            work.data.join(&subdir)
+        };
+        fs::create_dir_all(&target).ctx("create", &target)?;
+        let mut files = extract_growing(work, extract, &blob, compression, &target, &budget)?;
+        spend(&mut budget, &files);
+        if !subdir.is_empty() {
+            for f in &mut files {
+                f.path = format!("{subdir}/{}", f.path);
+            }
+        }
+        let mut st = load_state(work, &key)?;
+        st.extracted = Some(files.clone());
+        save_state(work, &st)?;
+        let _ = fs::remove_file(&blob);
+        lists.push(files);
+    }
+    crate::puller::unpack::merge(&work.data, lists)
+}
+
+/// Times an xfs image may grow for one layer: 2^8 times its first size.
+pub(super) const MAX_GROWTH: u32 = 8;
+
+/// Unpacks one layer. On the xfs backend the image was sized from the
+/// compressed bytes, so a layer can unpack to more than it holds: then the
+/// image grows (doubling, as far as the disk under it allows) and the
+/// layer is unpacked again from the start, which replaces every file the
+/// failed attempt wrote.
+pub(super) fn extract_growing(
+    work: &Work,
+    extract: Extract,
+    blob: &Path,
+    compression: Compression,
+    target: &Path,
+    budget: &Budget,
+) -> Result<Vec<FileEntry>> {
+    let mut grown = 0;
+    loop {
+        let err = match extract(blob, compression, target, budget) {
+            Err(e) if e.is_no_space() && grown < MAX_GROWTH => e,
+            r => return r,
+        };
+        let Some(mnt) = &work.mounted else {
+            return Err(err);
+        };
+        let image = work.dir.join("image.xfs");
+        let size = fs::metadata(&image).ctx("stat", &image)?.len();
+        let vfs = nix::sys::statvfs::statvfs(&work.dir)
+            .map_err(|e| Error::io("statfs", &work.dir, e.into()))?;
+        // Leave the disk under the image some room of its own: a loop
+        // device whose backing file cannot grow fails writes with EIO.
+        let free =
+            (vfs.blocks_available() as u64 * vfs.fragment_size() as u64).saturating_sub(RESERVE);
+        let growth = size.min(free);
+        if growth < RESERVE {
+            return Err(Error::ResourceExhausted(format!(
+                "layer {} unpacks to more than its {size}-byte image holds, and {} has no room to grow it ({free} bytes free beyond a {RESERVE}-byte reserve): {err}",
+                blob.display(),
+                work.dir.display()
+            )));
+        }
+        warn!(
+            image_bytes = size,
+            grow_to = size + growth,
+            "a layer unpacks to more than its image holds; growing the image"
+        );
+        cache::xfs::grow_mounted(&image, mnt, size + growth)?;
+        grown += 1;
+    }
+}
+
+/// Disk kept free under a growing image.
+pub(super) const RESERVE: u64 = 64 << 20;

@@ -1,0 +1,188 @@
+//! A source's listing judged before anything is fetched: every name,
+//! no name twice, sizes that add up, and the pull's limits.
+
+use super::*;
+
+/// Inside the xfs image, which is the model's root, partial files live
+/// in this directory; a source may not list anything under it.
+pub const PARTIAL_DIR: &str = ".modelcache-partial";
+
+/// The longest file name and path a model may hold (Linux NAME_MAX and
+/// PATH_MAX): longer ones would fail deep in the pull with ENAMETOOLONG.
+pub(super) const MAX_NAME_BYTES: usize = 255;
+pub(super) const MAX_PATH_BYTES: usize = 4096;
+
+/// Refuses a model path a source listed, as it was sent, never altered:
+/// '/'-separated, relative, no empty, '.' or '..' component, no control
+/// character, within NAME_MAX and PATH_MAX, not under [`PARTIAL_DIR`].
+pub(super) fn check_path(p: &str) -> Result<()> {
+    let why = if p.split('/').any(|c| matches!(c, "" | "." | "..")) {
+        Some("which would land outside the model")
+    } else if p.chars().any(char::is_control) {
+        Some("which has a control character in it")
+    } else if p.len() > MAX_PATH_BYTES || p.split('/').any(|c| c.len() > MAX_NAME_BYTES) {
+        Some("which is longer than a path or file name may be")
+    } else if p.split('/').next() == Some(PARTIAL_DIR) {
+        Some("which is where the driver keeps partial files")
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(Error::SourceFault(format!(
+            "it lists a file at {p:?}, {why}; refused"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The one place a listing is judged before anything is fetched: every
+/// name (see [`check_path`]), no name twice, no file inside a file, sizes
+/// that add up, and the pull's limits. Returns the model's size when every
+/// file's size is known.
+pub(super) fn check_listing(r: &Resolved, limits: &PullLimits) -> Result<Option<u64>> {
+    if r.files.is_empty() {
+        return Err(Error::NotFound(format!("{} has no files", r.uri)));
+    }
+    let count = r.files.len() as u64;
+    if count > limits.max_files {
+        return Err(Error::ResourceExhausted(format!(
+            "{} lists {count} files, more than this driver or StorageClass allows ({} files: \
+             --max-model-files or the class's maxModelFiles); nothing was fetched",
+            r.uri, limits.max_files
+        )));
+    }
+    let mut names = BTreeSet::new();
+    for f in &r.files {
+        if f.path.is_empty() && f.unpack != Unpack::None {
+            continue; // a layer unpacked at the model root
+        }
+        check_path(&f.path)?;
+        if f.unpack == Unpack::None && !names.insert(f.path.as_str()) {
+            return Err(Error::SourceFault(format!(
+                "{} lists the file {:?} twice",
+                r.uri, f.path
+            )));
+        }
+    }
+    for n in &names {
+        for (i, _) in n.match_indices('/') {
+            if names.contains(&n[..i]) {
+                return Err(Error::SourceFault(format!(
+                    "{} lists {:?} both as a file and as a directory (of {n:?})",
+                    r.uri,
+                    &n[..i]
+                )));
+            }
+        }
+    }
+    let total = r.total_bytes()?;
+    let known = r.known_bytes();
+    if known > limits.max_bytes {
+        return Err(Error::ResourceExhausted(format!(
+            "{} lists {known} bytes, more than this driver or StorageClass allows ({} bytes: \
+             --max-model-bytes or the class's maxModelBytes); nothing was fetched",
+            r.uri, limits.max_bytes
+        )));
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn model_paths_stay_inside() {
+        for bad in ["/etc/passwd", "../x", "a/../../x", "a/./b", ""] {
+            assert!(check_path(bad).is_err(), "{bad}");
+        }
+        check_path("1_Pooling/config.json").unwrap();
+    }
+
+    #[test]
+    fn names_are_refused_as_sent_never_altered() {
+        let long = "n".repeat(256);
+        for bad in [
+            "a\u{7}b",
+            "tab\there",
+            "new\nline",
+            "del\u{7f}",
+            "c1\u{85}",
+            long.as_str(),
+            ".modelcache-partial/x",
+        ] {
+            let e = check_path(bad).unwrap_err();
+            assert!(matches!(e, Error::SourceFault(_)), "{bad:?}: {e:?}");
+            assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
+        }
+        check_path("ünïcode/名前.bin").unwrap();
+        check_path("x/.modelcache-partial").unwrap();
+    }
+
+    fn listing(files: &[(&str, Option<u64>)]) -> Resolved {
+        Resolved {
+            uri: "test://m".into(),
+            revision: "r".into(),
+            files: files
+                .iter()
+                .map(|(p, size)| RemoteFile {
+                    path: p.to_string(),
+                    size: *size,
+                    sha256: None,
+                    locator: p.to_string(),
+                    unpack: Unpack::None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_listing_is_judged_before_anything_is_fetched() {
+        let limits = PullLimits::default();
+        let fault = |files: &[(&str, Option<u64>)]| {
+            let e = check_listing(&listing(files), &limits).unwrap_err();
+            assert!(matches!(e, Error::SourceFault(_)), "{e:?}");
+            e.to_string()
+        };
+        let e = fault(&[("a", Some(u64::MAX)), ("b", Some(1))]);
+        assert!(e.contains("more than 2^64"), "{e}");
+        let e = fault(&[("a", Some(1)), ("a", Some(1))]);
+        assert!(e.contains("\"a\" twice"), "{e}");
+        let e = fault(&[("a", Some(1)), ("a/b", Some(1))]);
+        assert!(e.contains("both as a file and as a directory"), "{e}");
+        let e = fault(&[("d/a", Some(1)), ("d/a/b/c", Some(1))]);
+        assert!(e.contains("\"d/a\""), "{e}");
+        assert_eq!(
+            check_listing(
+                &listing(&[("a", Some(1)), ("a.part", Some(2)), ("ab/c", None)]),
+                &limits
+            )
+            .unwrap(),
+            None
+        );
+        assert_eq!(
+            check_listing(&listing(&[("a", Some(1)), ("b", Some(2))]), &limits).unwrap(),
+            Some(3)
+        );
+        let tight = PullLimits {
+            max_bytes: 2,
+            max_files: 1,
+        };
+        let e = check_listing(&listing(&[("a", Some(1)), ("b", None)]), &tight).unwrap_err();
+        assert!(
+            matches!(&e, Error::ResourceExhausted(m) if m.contains("maxModelFiles")),
+            "{e:?}"
+        );
+        let e = check_listing(
+            &listing(&[("a", Some(3)), ("b", None)]),
+            &PullLimits {
+                max_files: 9,
+                ..tight
+            },
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::ResourceExhausted(m) if m.contains("maxModelBytes")),
+            "{e:?}"
+        );
+    }
+}

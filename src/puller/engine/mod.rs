@@ -1,0 +1,536 @@
+//! The download engine: one resolved model into one sealed source.
+//!
+//! - **Content-addressed.** The source id is a digest of the normalized URI
+//!   and its immutable revision, so every volume of one model revision
+//!   shares one copy, and a moved tag becomes a new model, not a changed one.
+//! - **Crash-safe.** Work happens in `sources/.pull-<sid>/`, beside the
+//!   final place, under an flock. Progress is recorded per file in
+//!   `state/`, after the bytes it describes are fsynced. A retry after
+//!   `kill -9` resumes from there. The seal is written last and the
+//!   directory renamed into place, so a half-written model is never visible.
+//!   Losing the rename to another puller is a success.
+//! - **Fast and bounded.** Large files are fetched as parallel ranges,
+//!   largest file first, and written with O_DIRECT positioned writes
+//!   (`direct.rs`), so bytes are copied once, into an aligned buffer, and
+//!   never through the page cache. sha256 is one in-order pass over memory:
+//!   the range at the hashed frontier is hashed as it is written, and a
+//!   buffer that arrives ahead of it is held, up to a small per-file
+//!   reorder window, until the frontier reaches it. A range that would run
+//!   further ahead waits while enough other streams keep the pull moving;
+//!   otherwise its bytes are read back from disk later, so a single large
+//!   file still gets all its connections. Finished ranges are made durable
+//!   in batches, one fdatasync each, off the connections' path. Buffers
+//!   share one memory budget, whatever the model's size or the number of
+//!   connections.
+//! - **Patient.** Retryable failures back off exponentially with jitter and
+//!   honour Retry-After. A stream that yields nothing for `stall` is
+//!   dropped and its range resumed from the last byte written.
+//!
+//! Here: the engine, one pull's shared context, retry and backoff. Its
+//! parts: `listing` (a listing judged before any fetch), `workdir` (the
+//! locked work directory and per-file progress), `fetch` (one file, as
+//! ranges or a stream), `frontier` (in-order hashing of ranges that arrive
+//! out of order), `layers` (unpacking, growing an XFS image), `seal` (the
+//! seal and the rename into place).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
+use tracing::{Instrument, info, info_span, warn};
+
+use super::direct::{ALIGN, PartFile, Window};
+use super::source::{Compression, PullLimits, RemoteFile, Resolved, Source, Unpack};
+use super::unpack::Budget;
+use crate::cache::manifest::{self, FileEntry, LinkEntry, Tree};
+use crate::cache::{self, Backend, Root, Seal};
+pub use crate::config::EngineConfig;
+use crate::error::{Error, IoContext, Result};
+use crate::lock::KeyedMutex;
+use crate::offload::blocking;
+pub use crate::progress::{NoProgress, Progress, ProgressSink};
+use crate::{mount, state};
+
+mod fetch;
+mod frontier;
+mod layers;
+mod listing;
+mod seal;
+mod workdir;
+
+use fetch::*;
+use frontier::*;
+use layers::*;
+use listing::*;
+use seal::*;
+use workdir::*;
+
+pub use listing::PARTIAL_DIR;
+
+/// Unpacks a verified layer blob into a directory within a budget,
+/// returning its files.
+pub type Extract = fn(&Path, Compression, &Path, &Budget) -> Result<Vec<FileEntry>>;
+
+pub struct Pulled {
+    pub sid: String,
+    pub seal: Seal,
+    /// True when the model was already sealed and nothing was fetched.
+    pub hit: bool,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    extract: Extract,
+    inflight: KeyedMutex,
+    models: Arc<Semaphore>,
+}
+
+/// The source id of a model revision.
+pub fn model_id(uri: &str, revision: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(uri.as_bytes());
+    h.update([0]);
+    h.update(revision.as_bytes());
+    format!("m{}", &hex::encode(h.finalize())[..31])
+}
+
+/// What one pull is about, once its listing passed [`check_listing`].
+struct Pull<'a> {
+    sid: &'a str,
+    resolved: &'a Resolved,
+    /// The model's size, when every file's size is listed.
+    total: Option<u64>,
+    limits: PullLimits,
+}
+
+/// Shared by the tasks of one pull.
+struct Ctx {
+    source: Arc<dyn Source>,
+    /// Bytes the pull may fetch in all (files of unlisted size included).
+    max_bytes: u64,
+    cfg: EngineConfig,
+    bytes: AtomicU64,
+    /// Bytes really downloaded by this process (resumed ones excluded).
+    fetched: AtomicU64,
+    state_lock: Mutex<()>,
+    /// Bytes a stream buffers before it writes them.
+    flush_at: usize,
+    flow: Arc<Flow>,
+}
+
+impl Ctx {
+    /// A frontier for one file of `size` bytes, with its reorder window;
+    /// a small file's buffers are no larger than the file.
+    fn frontier(&self, size: Option<u64>) -> Arc<Frontier> {
+        let window = size.map_or(self.flush_at, |s| {
+            usize::try_from(s)
+                .unwrap_or(usize::MAX)
+                .clamp(1, self.flush_at)
+                .div_ceil(ALIGN)
+                * ALIGN
+        });
+        Arc::new(Frontier::new(
+            window,
+            self.cfg.connections.max(1),
+            self.flow.clone(),
+        ))
+    }
+}
+
+fn is_retryable(e: &Error) -> bool {
+    matches!(e, Error::Unavailable(_) | Error::RetryAfter { .. })
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig, extract: Extract) -> Engine {
+        let models = Arc::new(Semaphore::new(cfg.models.max(1)));
+        Engine {
+            cfg,
+            extract,
+            inflight: KeyedMutex::default(),
+            models,
+        }
+    }
+
+    /// Resolves, then returns the sealed model, pulling it if needed.
+    /// Concurrent calls for one model join the same pull.
+    pub async fn pull(
+        &self,
+        root: &Root,
+        source: Arc<dyn Source>,
+        sink: &dyn ProgressSink,
+    ) -> Result<Pulled> {
+        let resolved = self.retry("resolve", || source.resolve()).await?;
+        let limits = self.cfg.limits.lower(source.limits());
+        let total = check_listing(&resolved, &limits)?;
+        let scope = source.key_scope();
+        let sid = if scope.is_empty() {
+            model_id(&resolved.uri, &resolved.revision)
+        } else {
+            model_id(&format!("{}\0{scope}", resolved.uri), &resolved.revision)
+        };
+        let span =
+            info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
+        let scheme = crate::metrics::scheme_of(&resolved.uri);
+        let m = crate::metrics::global();
+        let started = Instant::now();
+        let result = async {
+            if let Some(seal) = cache::read_seal(root, &sid)? {
+                return Ok(Pulled {
+                    sid,
+                    seal,
+                    hit: true,
+                });
+            }
+            let _joined = self.inflight.lock(&sid).await;
+            if let Some(seal) = cache::read_seal(root, &sid)? {
+                return Ok(Pulled {
+                    sid,
+                    seal,
+                    hit: true,
+                });
+            }
+            let _permit = self
+                .models
+                .acquire()
+                .await
+                .map_err(|_| Error::Internal("puller is shutting down".into()))?;
+            sink.started(&resolved.uri, total);
+            let pull = Pull {
+                sid: &sid,
+                resolved: &resolved,
+                total,
+                limits,
+            };
+            match self.fetch(root, &pull, source, sink).await {
+                Ok((seal, fetched)) => {
+                    m.pull_bytes
+                        .get_or_create(&crate::metrics::Scheme {
+                            scheme: scheme.clone(),
+                        })
+                        .inc_by(fetched);
+                    let took = started.elapsed();
+                    info!(
+                        bytes = seal.total_bytes,
+                        secs = took.as_secs_f64(),
+                        "sealed"
+                    );
+                    sink.sealed(&resolved.uri, &resolved.revision, seal.total_bytes, took);
+                    Ok(Pulled {
+                        sid,
+                        seal,
+                        hit: false,
+                    })
+                }
+                Err(e) => {
+                    warn!(error = %e, "pull failed");
+                    Err(e)
+                }
+            }
+        }
+        .instrument(span)
+        .await;
+        let outcome = match &result {
+            Ok(p) if p.hit => {
+                m.cache_hits
+                    .get_or_create(&crate::metrics::Scheme {
+                        scheme: scheme.clone(),
+                    })
+                    .inc();
+                None
+            }
+            Ok(_) => Some("sealed"),
+            Err(_) => Some("failed"),
+        };
+        if let Some(outcome) = outcome {
+            m.pulls
+                .get_or_create(&crate::metrics::PullOutcome {
+                    scheme: scheme.clone(),
+                    outcome: outcome.into(),
+                })
+                .inc();
+            m.pull_duration
+                .get_or_create(&crate::metrics::Scheme { scheme })
+                .observe(started.elapsed().as_secs_f64());
+        }
+        result
+    }
+
+    async fn retry<T, F, Fut>(&self, what: &str, mut op: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut attempt = 0;
+        loop {
+            match op().await {
+                Ok(v) => return Ok(v),
+                Err(e) if is_retryable(&e) && attempt + 1 < self.cfg.attempts => {
+                    let wait = backoff(&self.cfg, attempt, &e);
+                    warn!(error = %e, attempt, wait_ms = wait.as_millis() as u64, "{what} failed; retrying");
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn fetch(
+        &self,
+        root: &Root,
+        pull: &Pull<'_>,
+        source: Arc<dyn Source>,
+        sink: &dyn ProgressSink,
+    ) -> Result<(Seal, u64)> {
+        let (sid, need) = (pull.sid, pull.total);
+        let capacity = self.cfg.capacity.get(&root.backend).copied();
+        if let Some(need) = need {
+            let (r, s) = (root.clone(), sid.to_string());
+            blocking(move || cache::evict::make_room(&r, need, capacity, &s)).await?;
+        }
+        let (r, s) = (root.clone(), sid.to_string());
+        let work = Arc::new(blocking(move || open_work(&r, &s, need)).await?);
+        let result = self
+            .fetch_into(root, pull, source, sink, &work, capacity)
+            .await;
+        // Work a retry could resume is kept (a crash, a dead server, a
+        // failure the next attempt may not meet). Work that failed for want
+        // of space, for being over its limits, or because the source served
+        // garbage would only hold space no later pull can use, so it goes
+        // now, while the lock is still ours.
+        if let Err(e) = &result
+            && (e.is_no_space() || matches!(e, Error::ResourceExhausted(_) | Error::SourceFault(_)))
+        {
+            let w = work.clone();
+            if let Err(d) = blocking(move || discard_work(&w)).await {
+                warn!(error = %d, "could not remove the failed pull's work directory");
+            }
+        }
+        result
+    }
+
+    async fn fetch_into(
+        &self,
+        root: &Root,
+        pull: &Pull<'_>,
+        source: Arc<dyn Source>,
+        sink: &dyn ProgressSink,
+        work: &Arc<Work>,
+        capacity: Option<u64>,
+    ) -> Result<(Seal, u64)> {
+        let (sid, resolved, need) = (pull.sid, pull.resolved, pull.total);
+        let ctx = Arc::new(Ctx {
+            source,
+            max_bytes: pull.limits.max_bytes,
+            cfg: self.cfg.clone(),
+            bytes: AtomicU64::new(0),
+            fetched: AtomicU64::new(0),
+            state_lock: Mutex::new(()),
+            flush_at: flush_at(&self.cfg),
+            flow: Arc::new(Flow::new(self.cfg.connections.max(1))),
+        });
+
+        // Largest first: the biggest file bounds the pull, so it must not
+        // wait behind small ones. The seal's order does not depend on this.
+        let mut order: Vec<(usize, RemoteFile)> =
+            resolved.files.iter().cloned().enumerate().collect();
+        order.sort_by_key(|(_, f)| std::cmp::Reverse(f.size.unwrap_or(0)));
+        // Streams, not files, are what a pull runs at once: a file of one
+        // range is one stream, a larger one up to `connections`. So small
+        // files, which are bound by round trips and fsyncs, not bytes, run
+        // many at a time, and large ones as before. The semaphore is fair:
+        // a large file waiting for its streams holds back the files after it.
+        let connections = self.cfg.connections.max(1);
+        let budget = self.cfg.files.max(1) * connections;
+        let streams = Arc::new(Semaphore::new(budget));
+        let files = futures::stream::iter(order)
+            .map(|(i, f)| {
+                let (ctx, work, streams) = (ctx.clone(), work.clone(), streams.clone());
+                let need = if f.size.is_some_and(|s| s <= ctx.cfg.chunk_bytes) {
+                    1
+                } else {
+                    connections
+                };
+                async move {
+                    let _streams = streams
+                        .acquire_many_owned(need as u32)
+                        .await
+                        .map_err(|_| Error::Internal("pull is shutting down".into()))?;
+                    fetch_file(ctx, work, i, f).await
+                }
+            })
+            .buffer_unordered(budget);
+        let mut files = std::pin::pin!(files);
+        let mut results = Vec::new();
+        let start = Instant::now();
+        let mut tick = tokio::time::interval_at(
+            tokio::time::Instant::now() + self.cfg.progress_every,
+            self.cfg.progress_every,
+        );
+        loop {
+            tokio::select! {
+                next = files.next() => match next {
+                    // The first failure that retries could not mend ends the
+                    // pull at once; what other files made durable is resumed.
+                    Some(Err(e)) => return Err(e),
+                    Some(Ok(r)) => results.push(r),
+                    None => break,
+                },
+                _ = tick.tick() => {
+                    let p = progress(&resolved.uri, ctx.bytes.load(Ordering::Relaxed), need, start.elapsed());
+                    info!(
+                        bytes = p.bytes,
+                        total = ?p.total,
+                        rate_mib_s = p.rate_bytes_per_sec / 1048576.0,
+                        eta_s = ?p.eta.map(|e| e.as_secs()),
+                        "pulling"
+                    );
+                    sink.progress(&p);
+                }
+            }
+        }
+        let mut entries = Vec::new();
+        let mut layers = Vec::new();
+        for r in results {
+            match r {
+                Fetched::File(f) => entries.push(f),
+                l @ Fetched::Layer { .. } => layers.push(l),
+            }
+        }
+        // Every file is in place: the partial directory must not become
+        // part of the model (inside the xfs image it is at its root).
+        let w = work.clone();
+        blocking(move || {
+            let _ = fs::remove_dir_all(&w.partial);
+            Ok(())
+        })
+        .await?;
+        if !layers.is_empty() {
+            // What layers may unpack to: the model's limits less its plain
+            // files, and never more than the cache has room for.
+            let plain: u64 = entries
+                .iter()
+                .map(|e: &FileEntry| e.size)
+                .fold(0, u64::saturating_add);
+            let (w, x, r, limits) = (work.clone(), self.extract, root.clone(), pull.limits);
+            let plain_files = entries.len() as u64;
+            entries.extend(
+                blocking(move || {
+                    let room = cache::evict::available(&r, capacity)?;
+                    let by_limit = limits.max_bytes.saturating_sub(plain);
+                    let budget = Budget {
+                        bytes: by_limit.min(room),
+                        bytes_limit: if by_limit <= room {
+                            format!(
+                                "the model's limit of {} bytes, --max-model-bytes or the class's maxModelBytes",
+                                limits.max_bytes
+                            )
+                        } else {
+                            format!("the room left in {}", r.describe())
+                        },
+                        entries: limits.max_files.saturating_sub(plain_files),
+                        entries_limit: format!(
+                            "the model's limit of {} files, --max-model-files or the class's maxModelFiles",
+                            limits.max_files
+                        ),
+                    };
+                    unpack_layers(&w, x, layers, budget)
+                })
+                .await?,
+            );
+        }
+
+        let (r, s, uri, rev) = (
+            root.clone(),
+            sid.to_string(),
+            resolved.uri.clone(),
+            resolved.revision.clone(),
+        );
+        let work2 = work.clone();
+        let seal = blocking(move || seal_work(&r, &s, &work2, entries, &uri, &rev)).await?;
+        let spilled = ctx.flow.spilled.load(Ordering::Relaxed);
+        if spilled > 0 {
+            info!(
+                spilled_bytes = spilled,
+                "bytes that ran ahead of a full reorder window were hashed from disk"
+            );
+        }
+        Ok((seal, ctx.fetched.load(Ordering::Relaxed)))
+    }
+}
+
+/// Bytes of one buffer: the budget shared by every buffer that may exist,
+/// one per stream and one more per stream for the reorder windows; whole
+/// blocks, so that full buffers go out with O_DIRECT.
+fn flush_at(cfg: &EngineConfig) -> usize {
+    let buffers = (cfg.models.max(1) * cfg.files.max(1) * cfg.connections.max(1) * 2) as u64;
+    let n = (cfg.buffer_budget / buffers).clamp(256 << 10, 4 << 20) as usize;
+    n / ALIGN * ALIGN
+}
+
+fn progress(uri: &str, bytes: u64, total: Option<u64>, elapsed: Duration) -> Progress {
+    let rate = bytes as f64 / elapsed.as_secs_f64().max(1e-3);
+    let eta = total
+        .filter(|_| rate > 0.0)
+        .map(|t| Duration::from_secs_f64(t.saturating_sub(bytes) as f64 / rate));
+    Progress {
+        uri: uri.to_string(),
+        bytes,
+        total,
+        rate_bytes_per_sec: rate,
+        eta,
+    }
+}
+
+fn backoff(cfg: &EngineConfig, attempt: u32, e: &Error) -> Duration {
+    if let Error::RetryAfter { after, .. } = e {
+        // A server may ask for hours; a pull waits at most ten minutes a time.
+        return (*after).min(Duration::from_secs(600));
+    }
+    let exp = cfg.backoff.saturating_mul(1u32 << attempt.min(16));
+    let capped = exp.min(cfg.backoff_max);
+    // Full jitter: retries from many nodes do not arrive in lockstep.
+    capped.mul_f64(0.5 + fastrand::f64() * 0.5)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn write_buffers_share_one_budget() {
+        let cfg = EngineConfig::default();
+        assert_eq!(flush_at(&cfg), 2 << 20);
+        let many = EngineConfig {
+            connections: 16,
+            ..EngineConfig::default()
+        };
+        assert_eq!(flush_at(&many), 512 << 10);
+        let huge = EngineConfig {
+            connections: 1000,
+            ..EngineConfig::default()
+        };
+        assert_eq!(flush_at(&huge), 256 << 10);
+    }
+
+    #[test]
+    fn backoff_honours_retry_after_and_grows() {
+        let cfg = EngineConfig::default();
+        let e = Error::RetryAfter {
+            message: "busy".into(),
+            after: Duration::from_secs(3),
+        };
+        assert_eq!(backoff(&cfg, 0, &e), Duration::from_secs(3));
+        let u = Error::Unavailable("x".into());
+        assert!(backoff(&cfg, 0, &u) <= cfg.backoff);
+        assert!(backoff(&cfg, 20, &u) <= cfg.backoff_max);
+    }
+}
