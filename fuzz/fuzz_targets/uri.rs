@@ -8,7 +8,7 @@
 use std::path::Component;
 
 use libfuzzer_sys::fuzz_target;
-use modelcache_csi::kubeapi::parse_pvc_uri;
+use modelcache_csi::uri::parse_pvc_uri;
 use modelcache_csi::mount::subpath::validate_syntax;
 use modelcache_csi::puller::{file, hf, http, oci, registry, s3, validate_uri};
 
