@@ -36,18 +36,30 @@ const MAX_FRAME: usize = 16_384;
 /// No client sends a request header block larger than this.
 const MAX_BLOCK: usize = 1 << 20;
 
-/// Binds a Unix socket, replacing one a killed predecessor left.
+/// Binds a Unix socket, replacing one a killed predecessor left. The path
+/// appears only once the socket listens: it is bound under a hidden name
+/// (kubelet's plugin watcher skips dot files) and renamed into place, so a
+/// client that dials the moment the file appears is never refused.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    // A socket left by a killed predecessor would make bind fail.
-    match std::fs::remove_file(path) {
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    std::fs::create_dir_all(dir)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    match std::fs::remove_file(&tmp) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e.into()),
     }
-    Ok(UnixListener::bind(path)?)
+    let listener = UnixListener::bind(&tmp)?;
+    // Over whatever a killed predecessor left.
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e.into());
+    }
+    Ok(listener)
 }
 
 /// Connections accepted on `listener`, each relayed through the shim to
