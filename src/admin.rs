@@ -14,13 +14,13 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::cache::manifest::{self, Seal};
-use crate::cache::{self, Backend, Root, Roots, evict};
+use crate::cache::{self, Root, Roots, evict};
 use crate::config::Config;
 use crate::error::{Error, IoContext, Result};
 use crate::offload::blocking;
 use crate::puller::engine::{Engine, Progress, ProgressSink};
 use crate::puller::{self, SourceOptions};
-use crate::{mount, state};
+use crate::state;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Output {
@@ -398,36 +398,20 @@ pub struct VerifyReport {
     pub mismatches: Vec<Mismatch>,
 }
 
-/// Rehashes every file of a sealed entry. An XFS image is attached and
-/// mounted read-only (`ro,norecovery,nouuid`) in a scratch directory for
-/// the time of the check.
+/// Rehashes every file of a sealed entry, through the store's read-only
+/// view of it (an XFS image is mounted `ro,norecovery,nouuid` for the time
+/// of the check).
 fn verify(root: &Root, sid: &str, output: Output) -> Result<VerifyReport> {
     let seal = cache::read_seal(root, sid)?.ok_or_else(|| {
         Error::FailedPrecondition(format!(
             "{sid} is not sealed: there is nothing to verify it against"
         ))
     })?;
-    match root.backend {
-        Backend::Xfs => {
-            let image = root.source(sid).image();
-            let tmp = root.tmp_dir();
-            std::fs::create_dir_all(&tmp).ctx("create", &tmp)?;
-            let mnt = tmp.join(format!("verify-{}", uuid::Uuid::new_v4().simple()));
-            std::fs::create_dir(&mnt).ctx("create a scratch dir", &mnt)?;
-            let report = mount::loopdev::attach(&image, true)
-                .ctx("attach", &image)
-                .and_then(|dev| {
-                    mount::mount_device(dev.path(), &mnt, "xfs", true, "norecovery,nouuid")
-                        .ctx("mount", &image)?;
-                    let r = rehash(&mnt, &seal, sid, output);
-                    let _ = mount::unmount(&mnt);
-                    r
-                });
-            let _ = std::fs::remove_dir(&mnt);
-            report
-        }
-        _ => rehash(&root.source(sid).data(), &seal, sid, output),
-    }
+    let mut report = None;
+    root.backend.store().view_sealed(root, sid, &mut |data| {
+        report = Some(rehash(data, &seal, sid, output));
+    })?;
+    report.unwrap_or_else(|| Err(Error::Internal(format!("{sid} was not verified"))))
 }
 
 fn rehash(data: &Path, seal: &Seal, sid: &str, output: Output) -> Result<VerifyReport> {

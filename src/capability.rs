@@ -1,7 +1,7 @@
 //! What a CSI VolumeCapability asks for, checked against what a volume can
 //! give. Shared by CreateVolume, ValidateVolumeCapabilities and the node.
 
-use crate::cache::{Backend, Role, Root};
+use crate::cache::{Role, Root};
 use crate::csi::VolumeCapability;
 use crate::csi::volume_capability::AccessType;
 use crate::csi::volume_capability::access_mode::Mode;
@@ -97,7 +97,8 @@ pub fn check(caps: &[VolumeCapability], root: &Root, role: Role) -> Result<Vec<M
             Some(AccessType::Mount(m)) => m.fs_type.as_str(),
             _ => "",
         };
-        if fs_type == "xfs" && root.backend != Backend::Xfs {
+        let store = root.backend.store();
+        if !fs_type.is_empty() && store.fs_type() != Some(fs_type) {
             return Err(Error::invalid(
                 format!("{field}.mount.fs_type"),
                 format!(
@@ -122,7 +123,7 @@ pub fn check(caps: &[VolumeCapability], root: &Root, role: Role) -> Result<Vec<M
             ));
         }
         if role == Role::Source
-            && root.backend == Backend::Xfs
+            && !store.multi_node_writers()
             && matches!(
                 req.mode,
                 Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter

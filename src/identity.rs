@@ -79,9 +79,7 @@ impl Identity for IdentityService {
 
     async fn probe(&self, _: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
         let cfg = self.cfg.clone();
-        let problems = tokio::task::spawn_blocking(move || problems(&cfg))
-            .await
-            .map_err(|e| Status::internal(format!("probe failed: {e}")))?;
+        let problems = crate::offload::blocking(move || Ok(problems(&cfg))).await?;
         for p in &problems {
             tracing::warn!(problem = %p, "not ready");
         }

@@ -22,7 +22,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::layout::{ConfinedSource, check_node_id};
-use super::{Backend, Root, now_unix};
+use super::{Root, now_unix};
 use crate::error::{Error, IoContext, Result};
 use crate::state;
 
@@ -44,20 +44,6 @@ pub enum Share {
     /// A directory on a shared filesystem that several nodes may write at
     /// once, each at one staging path.
     MultiNode,
-}
-
-impl Share {
-    /// XFS is a local filesystem: two read-write mounts of one image, on two
-    /// nodes or through two loop devices, corrupt it. A directory on a
-    /// network filesystem takes several writers, but only when the volume
-    /// asked for it.
-    pub fn for_stage(backend: Backend, multi_node_multi_writer: bool) -> Share {
-        if backend == Backend::Shared && multi_node_multi_writer {
-            Share::MultiNode
-        } else {
-            Share::Exclusive
-        }
-    }
 }
 
 /// A holder as found in `writers/`: the lease, or why it could not be read
@@ -260,6 +246,7 @@ fn lease_bytes(lease: &Lease) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::Backend;
     use crate::config::Config;
 
     const SID: &str = "0123456789abcdef0123456789abcdef";

@@ -19,6 +19,7 @@ pub mod layout;
 pub mod lease;
 pub mod manifest;
 pub mod record;
+pub mod store;
 pub mod xfs;
 
 use std::fs;
@@ -167,43 +168,19 @@ pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
 
 /// Creates an empty writable source. Idempotent.
 pub fn create_source(root: &Root, sid: &str, capacity_bytes: u64) -> Result<()> {
-    let sp = root.source(sid);
-    match root.backend {
-        Backend::Xfs => {
-            if !sp.image().exists() {
-                xfs::create_image(&sp.image(), capacity_bytes)?;
-            }
-        }
-        Backend::Local | Backend::Shared => {
-            let data = sp.data();
-            if !data.is_dir() {
-                // Built beside the final place and renamed: a crash leaves no
-                // half-made source under the real name.
-                let tmp = sp
-                    .dir
-                    .join(format!(".data-{}", uuid::Uuid::new_v4().simple()));
-                fs::create_dir_all(&tmp).ctx("create", &tmp)?;
-                fs::rename(&tmp, &data).ctx("rename into place", &data)?;
-                state::sync_dir(&sp.dir).ctx("sync", &sp.dir)?;
-            }
-        }
-    }
-    Ok(())
+    root.backend
+        .store()
+        .create(&root.source(sid), capacity_bytes)
 }
 
 /// Makes `to` a writable copy of `from`: the one case where bytes are
 /// duplicated, because the result must be writable. Reflinks where the
-/// filesystem can. A directory source is copied by `copy::copy_tree`, which
-/// never recreates device nodes, fifos, sockets or setuid/setgid bits; an
-/// image is copied as one file, and whatever it holds is only ever mounted
-/// nosuid,nodev.
+/// filesystem can; what a copy may not carry is the store's to refuse.
 pub fn copy_source(root: &Root, from: &str, to: &str) -> Result<()> {
+    let store = root.backend.store();
     let src = root.open_source(from)?;
     let dst = root.source(to);
-    let to_path = match root.backend {
-        Backend::Xfs => dst.image(),
-        Backend::Local | Backend::Shared => dst.data(),
-    };
+    let to_path = store.bytes_path(&dst);
     if to_path.exists() {
         return Ok(());
     }
@@ -211,18 +188,7 @@ pub fn copy_source(root: &Root, from: &str, to: &str) -> Result<()> {
     let tmp = dst
         .dir
         .join(format!(".copy-{}", uuid::Uuid::new_v4().simple()));
-    let copied = match root.backend {
-        Backend::Xfs => copy_image(&src, &tmp),
-        Backend::Local | Backend::Shared => {
-            let data = src.data()?;
-            copy::copy_tree(
-                &crate::mount::subpath::proc_path(&data),
-                &tmp,
-                &src.real.data(),
-            )
-        }
-    };
-    if let Err(e) = copied {
+    if let Err(e) = store.copy(&src, &tmp) {
         let _ = fs::remove_dir_all(&tmp).or_else(|_| fs::remove_file(&tmp));
         return Err(e);
     }
@@ -231,47 +197,11 @@ pub fn copy_source(root: &Root, from: &str, to: &str) -> Result<()> {
     Ok(())
 }
 
-fn copy_image(src: &layout::ConfinedSource, tmp: &Path) -> Result<()> {
-    let image = src.image(false)?;
-    // cp opens the very file checked above, through this process's fd.
-    let from = format!(
-        "/proc/{}/fd/{}",
-        std::process::id(),
-        std::os::fd::AsRawFd::as_raw_fd(&image)
-    );
-    let status = std::process::Command::new("cp")
-        .args(["--reflink=auto", "--sparse=always"])
-        .arg(&from)
-        .arg(tmp)
-        .status()
-        .ctx("run cp from", &src.real.image())?;
-    drop(image);
-    if !status.success() {
-        return Err(Error::Internal(format!(
-            "copying {} to {} failed: cp {status}",
-            src.real.image().display(),
-            tmp.display()
-        )));
-    }
-    // The copy must be writable even if the original was sealed (0444).
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(tmp, fs::Permissions::from_mode(0o644)).ctx("chmod", tmp)?;
-    xfs::new_uuid(tmp)
-}
-
 /// Removes a source and everything in it. The caller has checked that no
 /// volume reads it and no node writes it.
 pub fn delete_source(root: &Root, sid: &str) -> Result<()> {
     let sp = root.source(sid);
-    if root.backend == Backend::Xfs {
-        let attached = crate::mount::loopdev::devices_backed_by(&sp.image()).unwrap_or_default();
-        if !attached.is_empty() {
-            return Err(Error::FailedPrecondition(format!(
-                "source {sid} is still attached on this node as {}; unstage its volumes first",
-                attached[0].0.display()
-            )));
-        }
-    }
+    root.backend.store().check_detached(sid, &sp)?;
     if !sp.dir.exists() {
         return Ok(());
     }
@@ -374,12 +304,8 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
                 writers.join(", ")
             )));
         }
-        let tree = match root.backend {
-            Backend::Xfs => xfs::scan_image(src.image(true)?, &sp.image(), &root.tmp_dir())?,
-            Backend::Local | Backend::Shared => {
-                manifest::scan(&crate::mount::subpath::proc_path(&src.data()?))?
-            }
-        };
+        let store = root.backend.store();
+        let tree = store.scan(root, &src, &sp)?;
         let seal = Seal {
             format: manifest::FORMAT,
             source: sid.to_string(),
@@ -391,13 +317,7 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
             dirs: tree.dirs,
             symlinks: tree.symlinks,
         };
-        if root.backend == Backend::Xfs {
-            // Through a descriptor: chmod by path would follow a link.
-            use std::os::unix::fs::PermissionsExt;
-            src.image(false)?
-                .set_permissions(fs::Permissions::from_mode(0o444))
-                .ctx("chmod", &sp.image())?;
-        }
+        store.make_immutable(&src, &sp)?;
         state::write_json(&sp.seal(), &seal).ctx("write seal", &sp.seal())?;
         Ok(seal)
     })();

@@ -238,9 +238,7 @@ impl ControllerService {
 }
 
 fn unimplemented<T>(what: &str) -> std::result::Result<Response<T>, Status> {
-    Err(Status::unimplemented(format!(
-        "{what} is not offered by modelcache-csi"
-    )))
+    Err(Error::Unimplemented(format!("{what} is not offered by modelcache-csi")).into())
 }
 
 #[tonic::async_trait]

@@ -235,14 +235,11 @@ fn capacity_range(req: &CreateRequest) -> Result<(i64, i64)> {
 /// The size of a new, empty source: what was asked, at least what its
 /// backend needs, at most the limit.
 fn new_source_capacity(backend: Backend, required: i64, limit: i64) -> Result<i64> {
-    let min = if backend == Backend::Xfs {
-        cache::xfs::MIN_IMAGE_BYTES as i64
-    } else {
-        1
-    };
+    let min = backend.store().min_source_bytes() as i64;
     if limit > 0 && limit < min {
         return Err(Error::OutOfRange(format!(
-            "capacity_range.limit_bytes {limit} is below the {min} bytes an XFS image needs"
+            "capacity_range.limit_bytes {limit} is below the {min} bytes a source of backend \
+             {backend} needs"
         )));
     }
     let capacity = if required > 0 {

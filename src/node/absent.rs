@@ -17,9 +17,10 @@ use crate::csi::*;
 pub struct AbsentNode;
 
 fn refused(rpc: &str) -> Status {
-    Status::unimplemented(format!(
+    crate::error::Error::Unimplemented(format!(
         "{rpc}: this modelcache-csi process runs --mode=controller; node RPCs go to the node plugin (--mode=node or all)"
     ))
+    .into()
 }
 
 #[tonic::async_trait]

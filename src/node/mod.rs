@@ -241,9 +241,10 @@ impl Node for NodeService {
         &self,
         _: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        Err(Status::unimplemented(
-            "NodeExpandVolume is not offered by modelcache-csi",
-        ))
+        Err(crate::error::Error::Unimplemented(
+            "NodeExpandVolume is not offered by modelcache-csi".into(),
+        )
+        .into())
     }
 
     async fn node_get_capabilities(

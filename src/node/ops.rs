@@ -13,13 +13,13 @@
 //! so a forged record or link can never bind a host path. Every mount is
 //! nosuid and nodev, writable ones included.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::cache::layout::ConfinedSource;
-use crate::cache::lease::{self, Share};
-use crate::cache::{self, Backend, External, Role, Root, Roots, Seal, Verify, VolumeRecord};
+use crate::cache::lease;
+use crate::cache::store::identity;
+use crate::cache::{self, External, Role, Root, Roots, Seal, Verify, VolumeRecord};
 use crate::capability::MountRequest;
 use crate::config::Config;
 use crate::csi::volume_capability::access_mode::Mode;
@@ -48,12 +48,6 @@ fn node_id(cfg: &Config) -> Result<String> {
     cfg.node_id.clone().ok_or_else(|| {
         Error::FailedPrecondition("this process serves no node: start it with --node-id".into())
     })
-}
-
-/// (device, inode) of what a path shows: two mounts of the same tree agree.
-fn identity(path: &Path) -> Result<(u64, u64)> {
-    let m = std::fs::metadata(path).ctx("stat", path)?;
-    Ok((m.dev(), m.ino()))
 }
 
 fn mount_entry(path: &Path) -> Result<Option<mountinfo::MountEntry>> {
@@ -174,7 +168,10 @@ impl NodeOps {
             let (r, sid) = (root.clone(), rec.source.clone());
             Arc::new(blocking(move || r.open_source(&sid)).await?)
         };
-        let share = Share::for_stage(root.backend, req.mode == Mode::MultiNodeMultiWriter);
+        let share = root
+            .backend
+            .store()
+            .share(req.mode == Mode::MultiNodeMultiWriter);
         let new_lease = if writable {
             let (r, s, sid, n, st) = (
                 root.clone(),
@@ -358,16 +355,7 @@ fn stage_blocking(
     seal: Option<Seal>,
 ) -> Result<()> {
     if let Some((content, existing)) = staged(staging)? {
-        let same = match root.backend {
-            Backend::Xfs => mount::loopdev::backing_file(Path::new(&existing.source))
-                .ok()
-                .flatten()
-                .is_some_and(|b| std::fs::canonicalize(src.via.image()).is_ok_and(|i| i == b)),
-            Backend::Local | Backend::Shared => {
-                let data = src.data()?;
-                identity(&content)? == identity(&mount::subpath::proc_path(&data))?
-            }
-        };
+        let same = root.backend.store().shows(src, &content, &existing)?;
         if same && existing.is_readonly() != writable {
             return Ok(());
         }
@@ -386,7 +374,7 @@ fn stage_blocking(
         ..MountFlags::default()
     };
     let content = wrap(staging)?;
-    let mounted = mount_content(root, src, &content, writable, base);
+    let mounted = root.backend.store().mount(src, &content, writable, base);
     if let Err(e) = mounted {
         let _ = unmount_staging(staging);
         return Err(e);
@@ -398,41 +386,6 @@ fn stage_blocking(
         if let Err(e) = cache::manifest::verify(&content, &seal, false) {
             let _ = unmount_staging(staging);
             return Err(e);
-        }
-    }
-    Ok(())
-}
-
-/// Mounts a source's bytes on `content`: its XFS image through a loop
-/// device, or its directory, read-only unless `writable`.
-fn mount_content(
-    root: &Root,
-    src: &ConfinedSource,
-    content: &Path,
-    writable: bool,
-    base: MountFlags,
-) -> Result<()> {
-    match (root.backend, writable) {
-        (Backend::Xfs, _) => {
-            let image = src.real.image();
-            let lo = mount::loopdev::attach_file(src.image(writable)?, !writable)
-                .ctx("attach loop device for", &image)?;
-            let data = if writable {
-                ""
-            } else {
-                cache::xfs::READER_OPTIONS
-            };
-            mount::mount_device(lo.path(), content, "xfs", !writable, data).ctx("mount", &image)?;
-        }
-        (_, writable) => {
-            let fd = src.data()?;
-            let from = mount::subpath::proc_path(&fd);
-            let data = src.real.data();
-            if writable {
-                mount::bind_writable(&from, content, base).ctx("bind-mount", &data)?
-            } else {
-                mount::bind_readonly(&from, content, base).ctx("bind-mount", &data)?
-            }
         }
     }
     Ok(())
@@ -525,19 +478,8 @@ fn check_condition(
         abnormal: true,
         message: m,
     };
-    if root.backend == Backend::Xfs {
-        match mount::loopdev::backing_file(Path::new(&entry.source)) {
-            Ok(Some(b)) if b.to_string_lossy().ends_with("(deleted)") => {
-                return abnormal(format!("the image behind {} was deleted", entry.source));
-            }
-            Ok(Some(_)) => {}
-            _ => return abnormal(format!("{} is not an attached loop device", entry.source)),
-        }
-    } else if !sp.data().is_dir() {
-        return abnormal(format!(
-            "source directory {} is missing",
-            sp.data().display()
-        ));
+    if let Some(gone) = root.backend.store().gone(&sp, entry) {
+        return abnormal(gone);
     }
     let seal = cache::read_seal(root, &rec.source).ok().flatten();
     if rec.role == Role::Cache && seal.is_none() {

@@ -341,3 +341,214 @@ fn error_policy(_pvc: Arc<PersistentVolumeClaim>, err: &ReconcileError, _ctx: Ar
     warn!(error = %err, "reconcile failed; retrying");
     Action::requeue(Duration::from_secs(5))
 }
+
+#[cfg(test)]
+mod mock_tests {
+    //! `reconcile` against kube-rs's mocked API (tower-test): the requests
+    //! it makes and what it does with each answer, where a real server
+    //! cannot be made to answer 409 on cue. tests/it/rescheduler.rs runs the
+    //! whole rescheduler against a real kube-apiserver.
+
+    use super::*;
+    use http::{Method, Request, Response};
+    use http_body_util::BodyExt;
+    use kube::client::Body;
+
+    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    const DRIVER: &str = "modelcache.csi.io";
+
+    /// A pending claim of this driver whose selected node does not exist.
+    fn pending(bound: bool) -> PersistentVolumeClaim {
+        let mut pvc: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {
+                "name": "llm",
+                "namespace": "team-a",
+                "uid": "u-1",
+                "resourceVersion": "42",
+                "annotations": {
+                    "volume.kubernetes.io/storage-provisioner": DRIVER,
+                    SELECTED_NODE: "gone"
+                }
+            },
+            "spec": {"storageClassName": "models"},
+            "status": {"phase": "Pending"}
+        }))
+        .unwrap();
+        if bound {
+            pvc.spec.as_mut().unwrap().volume_name = Some("pv-1".into());
+        }
+        pvc
+    }
+
+    /// A rescheduler with empty informers and no grace period, over `client`.
+    fn ctx(client: Client) -> Arc<Ctx> {
+        Arc::new(Ctx {
+            recorder: Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: "modelcache.csi.io-rescheduler".into(),
+                    instance: None,
+                },
+            ),
+            client,
+            cfg: Config {
+                driver_name: DRIVER.into(),
+                node_selector: BTreeMap::new(),
+                grace: Duration::ZERO,
+                resync: Duration::from_secs(60),
+                instance: None,
+            },
+            nodes: reflector::store().0,
+            csinodes: reflector::store().0,
+            classes: reflector::store().0,
+            pvs: reflector::store().0,
+            pvcs: reflector::store().0,
+            first_seen: Mutex::new(HashMap::new()),
+            actions: Arc::new(Mutex::new(BTreeMap::new())),
+        })
+    }
+
+    fn mocked() -> (Arc<Ctx>, Handle) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        (ctx(Client::new(service, "default")), handle)
+    }
+
+    async fn json_of(req: Request<Body>) -> serde_json::Value {
+        let bytes = req.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    fn answer(status: u16, body: &serde_json::Value) -> Response<Body> {
+        Response::builder()
+            .status(status)
+            .body(Body::from(serde_json::to_vec(body).unwrap()))
+            .unwrap()
+    }
+
+    /// The one patch: the annotation removed, guarded by the resourceVersion
+    /// that was observed; then one Warning event on the claim.
+    #[tokio::test]
+    async fn a_claim_on_a_missing_node_is_patched_as_observed_and_told_why() {
+        let (ctx, mut api) = mocked();
+        let server = tokio::spawn(async move {
+            let (req, send) = api.next_request().await.expect("a patch");
+            assert_eq!(req.method(), Method::PATCH);
+            assert_eq!(
+                req.uri().path(),
+                "/api/v1/namespaces/team-a/persistentvolumeclaims/llm"
+            );
+            assert_eq!(
+                req.headers()["content-type"],
+                "application/merge-patch+json"
+            );
+            let patch = json_of(req).await;
+            assert_eq!(patch["metadata"]["resourceVersion"], "42", "{patch}");
+            let annotations = patch["metadata"]["annotations"].as_object().unwrap();
+            assert_eq!(annotations.len(), 1, "{patch}");
+            assert!(annotations[SELECTED_NODE].is_null(), "{patch}");
+            let mut cleared = pending(false);
+            cleared.annotations_mut().remove(SELECTED_NODE);
+            send.send_response(answer(200, &serde_json::to_value(&cleared).unwrap()));
+
+            let (req, send) = api.next_request().await.expect("an event");
+            assert_eq!(req.method(), Method::POST);
+            assert_eq!(
+                req.uri().path(),
+                "/apis/events.k8s.io/v1/namespaces/team-a/events"
+            );
+            let event = json_of(req).await;
+            assert_eq!(event["type"], "Warning", "{event}");
+            assert_eq!(event["reason"], "ProvisioningFailed", "{event}");
+            assert_eq!(event["regarding"]["name"], "llm", "{event}");
+            let note = event["note"].as_str().unwrap_or_default();
+            assert!(
+                note.contains("node gone") && note.contains(SELECTED_NODE),
+                "{event}"
+            );
+            send.send_response(answer(201, &event));
+            api
+        });
+        let action = reconcile(Arc::new(pending(false)), ctx.clone())
+            .await
+            .unwrap();
+        assert_eq!(action, Action::await_change());
+        let mut api = server.await.unwrap();
+        let actions = ctx.actions.lock().unwrap().clone();
+        assert_eq!(actions.get("node-missing"), Some(&1), "{actions:?}");
+        drop(ctx);
+        assert!(api.next_request().await.is_none(), "nothing else was asked");
+    }
+
+    /// Another replica (or the scheduler) changed the claim first: no event,
+    /// no count, and a look again shortly.
+    #[tokio::test]
+    async fn a_claim_changed_since_it_was_observed_is_left_to_the_next_look() {
+        let (ctx, mut api) = mocked();
+        let server = tokio::spawn(async move {
+            let (req, send) = api.next_request().await.expect("a patch");
+            assert_eq!(req.method(), Method::PATCH);
+            send.send_response(answer(
+                409,
+                &serde_json::json!({
+                    "apiVersion": "v1",
+                    "kind": "Status",
+                    "status": "Failure",
+                    "message": "the object has been modified",
+                    "reason": "Conflict",
+                    "code": 409
+                }),
+            ));
+            api
+        });
+        let action = reconcile(Arc::new(pending(false)), ctx.clone())
+            .await
+            .unwrap();
+        assert_eq!(action, Action::requeue(Duration::from_millis(200)));
+        let mut api = server.await.unwrap();
+        assert!(ctx.actions.lock().unwrap().is_empty());
+        drop(ctx);
+        assert!(
+            api.next_request().await.is_none(),
+            "no event after a conflict"
+        );
+    }
+
+    /// A bound claim is never touched: no request at all.
+    #[tokio::test]
+    async fn a_bound_claim_costs_no_request() {
+        let (ctx, mut api) = mocked();
+        let action = reconcile(Arc::new(pending(true)), ctx.clone())
+            .await
+            .unwrap();
+        assert_eq!(action, Action::requeue(Duration::from_secs(60)));
+        drop(ctx);
+        assert!(api.next_request().await.is_none());
+    }
+
+    /// A server error is the controller's to retry, not a conflict.
+    #[tokio::test]
+    async fn a_server_error_is_retried_by_the_controller() {
+        let (ctx, mut api) = mocked();
+        let server = tokio::spawn(async move {
+            let (_req, send) = api.next_request().await.expect("a patch");
+            send.send_response(answer(
+                500,
+                &serde_json::json!({
+                    "apiVersion": "v1",
+                    "kind": "Status",
+                    "status": "Failure",
+                    "message": "etcd is down",
+                    "reason": "InternalError",
+                    "code": 500
+                }),
+            ));
+        });
+        let result = reconcile(Arc::new(pending(false)), ctx.clone()).await;
+        server.await.unwrap();
+        assert!(matches!(result, Err(ReconcileError::Kube(_))), "{result:?}");
+        assert!(ctx.actions.lock().unwrap().is_empty());
+    }
+}

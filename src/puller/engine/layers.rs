@@ -2,6 +2,7 @@
 //! image that turns out too small for what a layer unpacks to.
 
 use super::*;
+use crate::cache::store::{GROWTH_RESERVE, Growth};
 
 /// Unpacks verified layers one at a time, in manifest order, so later
 /// layers override and white out earlier ones as the image spec says.
@@ -83,34 +84,21 @@ pub(super) fn extract_growing(
             Err(e) if e.is_no_space() && grown < MAX_GROWTH => e,
             r => return r,
         };
-        let Some(mnt) = &work.mounted else {
-            return Err(err);
-        };
-        let image = work.dir.join("image.xfs");
-        let size = fs::metadata(&image).ctx("stat", &image)?.len();
-        let vfs = nix::sys::statvfs::statvfs(&work.dir)
-            .map_err(|e| Error::io("statfs", &work.dir, e.into()))?;
-        // Leave the disk under the image some room of its own: a loop
-        // device whose backing file cannot grow fails writes with EIO.
-        let free =
-            (vfs.blocks_available() as u64 * vfs.fragment_size() as u64).saturating_sub(RESERVE);
-        let growth = size.min(free);
-        if growth < RESERVE {
-            return Err(Error::ResourceExhausted(format!(
-                "layer {} unpacks to more than its {size}-byte image holds, and {} has no room to grow it ({free} bytes free beyond a {RESERVE}-byte reserve): {err}",
-                blob.display(),
-                work.dir.display()
-            )));
+        match work.store.grow_pull(&work.dir, work.mounted.as_deref())? {
+            Growth::Fixed => return Err(err),
+            Growth::NoRoom { size, free } => {
+                return Err(Error::ResourceExhausted(format!(
+                    "layer {} unpacks to more than its {size}-byte image holds, and {} has no room to grow it ({free} bytes free beyond a {GROWTH_RESERVE}-byte reserve): {err}",
+                    blob.display(),
+                    work.dir.display()
+                )));
+            }
+            Growth::Grew { from, to } => warn!(
+                image_bytes = from,
+                grow_to = to,
+                "a layer unpacks to more than its image holds; grew the image"
+            ),
         }
-        warn!(
-            image_bytes = size,
-            grow_to = size + growth,
-            "a layer unpacks to more than its image holds; growing the image"
-        );
-        cache::xfs::grow_mounted(&image, mnt, size + growth)?;
         grown += 1;
     }
 }
-
-/// Disk kept free under a growing image.
-pub(super) const RESERVE: u64 = 64 << 20;

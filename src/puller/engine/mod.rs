@@ -51,7 +51,7 @@ use super::direct::{ALIGN, PartFile, Window};
 use super::source::{Compression, PullLimits, RemoteFile, Resolved, Source, Unpack};
 use super::unpack::Budget;
 use crate::cache::manifest::{self, FileEntry, LinkEntry, Tree};
-use crate::cache::{self, Backend, Root, Seal};
+use crate::cache::{self, Root, Seal};
 pub use crate::config::EngineConfig;
 use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;

@@ -40,6 +40,9 @@ pub(super) struct Work {
     /// no name a source lists (`a` and `a.part`) can collide with them.
     pub(super) partial: PathBuf,
     pub(super) mounted: Option<PathBuf>,
+    /// How the root holds a source: where the area came from, and how it
+    /// grows.
+    pub(super) store: &'static dyn crate::cache::store::SourceStore,
     /// Held for the whole pull; released on drop, or by the kernel on death.
     pub(super) _lock: nix::fcntl::Flock<File>,
 }
@@ -85,30 +88,9 @@ pub(super) fn open_work(root: &Root, sid: &str, need: Option<u64>) -> Result<Wor
     let blobs = dir.join("blobs");
     fs::create_dir_all(&state).ctx("create", &state)?;
     fs::create_dir_all(&blobs).ctx("create", &blobs)?;
-    let (data, mounted) = match root.backend {
-        Backend::Local | Backend::Shared => {
-            let data = dir.join("data");
-            fs::create_dir_all(&data).ctx("create", &data)?;
-            (data, None)
-        }
-        Backend::Xfs => {
-            let image = dir.join("image.xfs");
-            if !image.exists() {
-                let need = need.unwrap_or(1 << 30);
-                // Room for XFS metadata and layer unpacking on top of the model.
-                let size = (need + need / 8 + (64 << 20)).max(cache::xfs::MIN_IMAGE_BYTES);
-                cache::xfs::create_image(&image, size)?;
-            }
-            let mnt = dir.join("mnt");
-            fs::create_dir_all(&mnt).ctx("create", &mnt)?;
-            if !mount::is_mount_point(&mnt).ctx("inspect", &mnt)? {
-                let lo =
-                    mount::loopdev::attach(&image, false).ctx("attach loop device for", &image)?;
-                mount::mount_device(lo.path(), &mnt, "xfs", false, "").ctx("mount", &image)?;
-            }
-            (mnt.clone(), Some(mnt))
-        }
-    };
+    let store = root.backend.store();
+    let area = store.open_pull(&dir, need)?;
+    let (data, mounted) = (area.data, area.mounted);
     let partial = match mounted {
         Some(_) => data.join(PARTIAL_DIR),
         None => dir.join("partial"),
@@ -121,6 +103,7 @@ pub(super) fn open_work(root: &Root, sid: &str, need: Option<u64>) -> Result<Wor
         blobs,
         partial,
         mounted,
+        store,
         _lock: lock,
     })
 }

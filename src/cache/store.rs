@@ -1,0 +1,400 @@
+//! How a source's bytes are held: a directory tree (`local`, `shared`) or
+//! an XFS filesystem image (`xfs`). Each backend's way of creating,
+//! copying, scanning, sealing, pulling into, mounting and checking a source
+//! lives here behind `SourceStore`; everything else asks a root's backend
+//! for its store (`Backend::store`) and never tells the backends apart.
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use super::layout::{Backend, ConfinedSource, Root, SourcePaths};
+use super::lease::Share;
+use super::manifest::{self, Tree};
+use super::xfs;
+use crate::error::{Error, IoContext, Result};
+use crate::mount::{self, MountFlags, mountinfo::MountEntry};
+
+/// Where a pull writes a model's files, and the mount to undo after.
+pub struct PullArea {
+    pub data: PathBuf,
+    pub mounted: Option<PathBuf>,
+}
+
+/// What growing a pull's area for one more layer came to.
+pub enum Growth {
+    /// The area grew from one size to another; unpack again.
+    Grew { from: u64, to: u64 },
+    /// It could grow, but the disk under it has no room.
+    NoRoom { size: u64, free: u64 },
+    /// This kind of area has no size of its own to grow.
+    Fixed,
+}
+
+/// Disk kept free under a growing image: a loop device whose backing file
+/// cannot grow fails writes with EIO.
+pub const GROWTH_RESERVE: u64 = 64 << 20;
+
+pub trait SourceStore: Sync {
+    /// Bytes a new writable source needs at the least.
+    fn min_source_bytes(&self) -> u64;
+    /// The filesystem type a capability may name for it (besides none).
+    fn fs_type(&self) -> Option<&'static str>;
+    /// Whether several nodes may write one source at once.
+    fn multi_node_writers(&self) -> bool;
+    /// The lease a writable stage takes.
+    fn share(&self, multi_node_multi_writer: bool) -> Share;
+
+    /// An empty writable source of `capacity` bytes. Idempotent.
+    fn create(&self, sp: &SourcePaths, capacity: u64) -> Result<()>;
+    /// The path that holds a source's bytes; once it exists, a create or a
+    /// copy is done.
+    fn bytes_path(&self, sp: &SourcePaths) -> PathBuf;
+    /// Copies a source's bytes to `tmp` (renamed to `bytes_path` after).
+    fn copy(&self, src: &ConfinedSource, tmp: &Path) -> Result<()>;
+    /// Refuses to delete a source this node still has attached.
+    fn check_detached(&self, sid: &str, sp: &SourcePaths) -> Result<()>;
+    /// Every file, directory and link of a source, for its seal.
+    fn scan(&self, root: &Root, src: &ConfinedSource, sp: &SourcePaths) -> Result<Tree>;
+    /// After the seal: the bytes read-only on disk too, where that means
+    /// something.
+    fn make_immutable(&self, src: &ConfinedSource, sp: &SourcePaths) -> Result<()>;
+
+    /// A pull's area in its work directory.
+    fn open_pull(&self, work_dir: &Path, need: Option<u64>) -> Result<PullArea>;
+    /// Grows a pull's area (mounted at `mounted`, if it is a filesystem of
+    /// its own) that a layer overflowed.
+    fn grow_pull(&self, work_dir: &Path, mounted: Option<&Path>) -> Result<Growth>;
+
+    /// Mounts a source's bytes on `content`, read-only unless `writable`.
+    fn mount(
+        &self,
+        src: &ConfinedSource,
+        content: &Path,
+        writable: bool,
+        base: MountFlags,
+    ) -> Result<()>;
+    /// Whether a mount found at `content` shows this source.
+    fn shows(&self, src: &ConfinedSource, content: &Path, existing: &MountEntry) -> Result<bool>;
+    /// Why a staged mount of this source no longer shows it, if so.
+    fn gone(&self, sp: &SourcePaths, entry: &MountEntry) -> Option<String>;
+    /// Runs `check` over a read-only view of a sealed source.
+    fn view_sealed(&self, root: &Root, sid: &str, check: &mut dyn FnMut(&Path)) -> Result<()>;
+}
+
+impl Backend {
+    /// This backend's store.
+    pub fn store(self) -> &'static dyn SourceStore {
+        static LOCAL: DirStore = DirStore { shared: false };
+        static SHARED: DirStore = DirStore { shared: true };
+        static IMAGE: ImageStore = ImageStore;
+        match self {
+            Backend::Local => &LOCAL,
+            Backend::Shared => &SHARED,
+            Backend::Xfs => &IMAGE,
+        }
+    }
+}
+
+/// A directory tree, on the node (`local`) or on a filesystem every node
+/// mounts (`shared`); bind-mounted to stage it.
+pub struct DirStore {
+    shared: bool,
+}
+
+/// An XFS filesystem image, attached through a loop device to stage it.
+pub struct ImageStore;
+
+/// (device, inode) of what a path shows: two mounts of one tree agree.
+pub fn identity(path: &Path) -> Result<(u64, u64)> {
+    let m = fs::metadata(path).ctx("stat", path)?;
+    Ok((m.dev(), m.ino()))
+}
+
+impl SourceStore for DirStore {
+    fn min_source_bytes(&self) -> u64 {
+        1
+    }
+
+    fn fs_type(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn multi_node_writers(&self) -> bool {
+        true
+    }
+
+    /// A directory on a network filesystem takes several writers, but only
+    /// when the volume asked for it.
+    fn share(&self, multi_node_multi_writer: bool) -> Share {
+        if self.shared && multi_node_multi_writer {
+            Share::MultiNode
+        } else {
+            Share::Exclusive
+        }
+    }
+
+    fn create(&self, sp: &SourcePaths, _capacity: u64) -> Result<()> {
+        let data = sp.data();
+        if !data.is_dir() {
+            // Built beside the final place and renamed: a crash leaves no
+            // half-made source under the real name.
+            let tmp = sp
+                .dir
+                .join(format!(".data-{}", uuid::Uuid::new_v4().simple()));
+            fs::create_dir_all(&tmp).ctx("create", &tmp)?;
+            fs::rename(&tmp, &data).ctx("rename into place", &data)?;
+            crate::state::sync_dir(&sp.dir).ctx("sync", &sp.dir)?;
+        }
+        Ok(())
+    }
+
+    fn bytes_path(&self, sp: &SourcePaths) -> PathBuf {
+        sp.data()
+    }
+
+    /// `copy::copy_tree` never recreates device nodes, fifos, sockets or
+    /// setuid/setgid bits.
+    fn copy(&self, src: &ConfinedSource, tmp: &Path) -> Result<()> {
+        let data = src.data()?;
+        super::copy::copy_tree(&mount::subpath::proc_path(&data), tmp, &src.real.data())
+    }
+
+    fn check_detached(&self, _sid: &str, _sp: &SourcePaths) -> Result<()> {
+        Ok(())
+    }
+
+    fn scan(&self, _root: &Root, src: &ConfinedSource, _sp: &SourcePaths) -> Result<Tree> {
+        manifest::scan(&mount::subpath::proc_path(&src.data()?))
+    }
+
+    fn make_immutable(&self, _src: &ConfinedSource, _sp: &SourcePaths) -> Result<()> {
+        Ok(())
+    }
+
+    fn open_pull(&self, work_dir: &Path, _need: Option<u64>) -> Result<PullArea> {
+        let data = work_dir.join("data");
+        fs::create_dir_all(&data).ctx("create", &data)?;
+        Ok(PullArea {
+            data,
+            mounted: None,
+        })
+    }
+
+    fn grow_pull(&self, _work_dir: &Path, _mounted: Option<&Path>) -> Result<Growth> {
+        Ok(Growth::Fixed)
+    }
+
+    fn mount(
+        &self,
+        src: &ConfinedSource,
+        content: &Path,
+        writable: bool,
+        base: MountFlags,
+    ) -> Result<()> {
+        let fd = src.data()?;
+        let from = mount::subpath::proc_path(&fd);
+        let data = src.real.data();
+        if writable {
+            mount::bind_writable(&from, content, base).ctx("bind-mount", &data)
+        } else {
+            mount::bind_readonly(&from, content, base).ctx("bind-mount", &data)
+        }
+    }
+
+    fn shows(&self, src: &ConfinedSource, content: &Path, _existing: &MountEntry) -> Result<bool> {
+        let data = src.data()?;
+        Ok(identity(content)? == identity(&mount::subpath::proc_path(&data))?)
+    }
+
+    fn gone(&self, sp: &SourcePaths, _entry: &MountEntry) -> Option<String> {
+        (!sp.data().is_dir())
+            .then(|| format!("source directory {} is missing", sp.data().display()))
+    }
+
+    fn view_sealed(&self, root: &Root, sid: &str, check: &mut dyn FnMut(&Path)) -> Result<()> {
+        check(&root.source(sid).data());
+        Ok(())
+    }
+}
+
+impl SourceStore for ImageStore {
+    fn min_source_bytes(&self) -> u64 {
+        xfs::MIN_IMAGE_BYTES
+    }
+
+    fn fs_type(&self) -> Option<&'static str> {
+        Some("xfs")
+    }
+
+    /// XFS is a local filesystem: two read-write mounts of one image, on
+    /// two nodes or through two loop devices, corrupt it.
+    fn multi_node_writers(&self) -> bool {
+        false
+    }
+
+    fn share(&self, _multi_node_multi_writer: bool) -> Share {
+        Share::Exclusive
+    }
+
+    fn create(&self, sp: &SourcePaths, capacity: u64) -> Result<()> {
+        if !sp.image().exists() {
+            xfs::create_image(&sp.image(), capacity)?;
+        }
+        Ok(())
+    }
+
+    fn bytes_path(&self, sp: &SourcePaths) -> PathBuf {
+        sp.image()
+    }
+
+    /// One file, reflinked where the filesystem can, with a new UUID;
+    /// whatever it holds is only ever mounted nosuid,nodev.
+    fn copy(&self, src: &ConfinedSource, tmp: &Path) -> Result<()> {
+        let image = src.image(false)?;
+        // cp opens the very file checked above, through this process's fd.
+        let from = format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            std::os::fd::AsRawFd::as_raw_fd(&image)
+        );
+        let status = std::process::Command::new("cp")
+            .args(["--reflink=auto", "--sparse=always"])
+            .arg(&from)
+            .arg(tmp)
+            .status()
+            .ctx("run cp from", &src.real.image())?;
+        drop(image);
+        if !status.success() {
+            return Err(Error::Internal(format!(
+                "copying {} to {} failed: cp {status}",
+                src.real.image().display(),
+                tmp.display()
+            )));
+        }
+        // The copy must be writable even if the original was sealed (0444).
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(tmp, fs::Permissions::from_mode(0o644)).ctx("chmod", tmp)?;
+        xfs::new_uuid(tmp)
+    }
+
+    fn check_detached(&self, sid: &str, sp: &SourcePaths) -> Result<()> {
+        let attached = mount::loopdev::devices_backed_by(&sp.image()).unwrap_or_default();
+        match attached.first() {
+            Some((dev, _)) => Err(Error::FailedPrecondition(format!(
+                "source {sid} is still attached on this node as {}; unstage its volumes first",
+                dev.display()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn scan(&self, root: &Root, src: &ConfinedSource, sp: &SourcePaths) -> Result<Tree> {
+        xfs::scan_image(src.image(true)?, &sp.image(), &root.tmp_dir())
+    }
+
+    fn make_immutable(&self, src: &ConfinedSource, sp: &SourcePaths) -> Result<()> {
+        // Through a descriptor: chmod by path would follow a link.
+        use std::os::unix::fs::PermissionsExt;
+        src.image(false)?
+            .set_permissions(fs::Permissions::from_mode(0o444))
+            .ctx("chmod", &sp.image())
+    }
+
+    /// The image, sized from what the listing says, attached and mounted in
+    /// the work directory: the model's files land in their filesystem.
+    fn open_pull(&self, work_dir: &Path, need: Option<u64>) -> Result<PullArea> {
+        let image = work_dir.join("image.xfs");
+        if !image.exists() {
+            let need = need.unwrap_or(1 << 30);
+            // Room for XFS metadata and layer unpacking on top of the model.
+            let size = (need + need / 8 + (64 << 20)).max(xfs::MIN_IMAGE_BYTES);
+            xfs::create_image(&image, size)?;
+        }
+        let mnt = work_dir.join("mnt");
+        fs::create_dir_all(&mnt).ctx("create", &mnt)?;
+        if !mount::is_mount_point(&mnt).ctx("inspect", &mnt)? {
+            let lo = mount::loopdev::attach(&image, false).ctx("attach loop device for", &image)?;
+            mount::mount_device(lo.path(), &mnt, "xfs", false, "").ctx("mount", &image)?;
+        }
+        Ok(PullArea {
+            data: mnt.clone(),
+            mounted: Some(mnt),
+        })
+    }
+
+    /// Doubles the image, as far as the disk under it allows beyond
+    /// [`GROWTH_RESERVE`].
+    fn grow_pull(&self, work_dir: &Path, mounted: Option<&Path>) -> Result<Growth> {
+        let Some(mnt) = mounted else {
+            return Ok(Growth::Fixed);
+        };
+        let image = work_dir.join("image.xfs");
+        let size = fs::metadata(&image).ctx("stat", &image)?.len();
+        let vfs = nix::sys::statvfs::statvfs(work_dir)
+            .map_err(|e| Error::io("statfs", work_dir, e.into()))?;
+        let free = (vfs.blocks_available() as u64 * vfs.fragment_size() as u64)
+            .saturating_sub(GROWTH_RESERVE);
+        let growth = size.min(free);
+        if growth < GROWTH_RESERVE {
+            return Ok(Growth::NoRoom { size, free });
+        }
+        xfs::grow_mounted(&image, mnt, size + growth)?;
+        Ok(Growth::Grew {
+            from: size,
+            to: size + growth,
+        })
+    }
+
+    fn mount(
+        &self,
+        src: &ConfinedSource,
+        content: &Path,
+        writable: bool,
+        _base: MountFlags,
+    ) -> Result<()> {
+        let image = src.real.image();
+        let lo = mount::loopdev::attach_file(src.image(writable)?, !writable)
+            .ctx("attach loop device for", &image)?;
+        let data = if writable { "" } else { xfs::READER_OPTIONS };
+        mount::mount_device(lo.path(), content, "xfs", !writable, data).ctx("mount", &image)
+    }
+
+    fn shows(&self, src: &ConfinedSource, _content: &Path, existing: &MountEntry) -> Result<bool> {
+        Ok(mount::loopdev::backing_file(Path::new(&existing.source))
+            .ok()
+            .flatten()
+            .is_some_and(|b| fs::canonicalize(src.via.image()).is_ok_and(|i| i == b)))
+    }
+
+    fn gone(&self, _sp: &SourcePaths, entry: &MountEntry) -> Option<String> {
+        match mount::loopdev::backing_file(Path::new(&entry.source)) {
+            Ok(Some(b)) if b.to_string_lossy().ends_with("(deleted)") => {
+                Some(format!("the image behind {} was deleted", entry.source))
+            }
+            Ok(Some(_)) => None,
+            _ => Some(format!("{} is not an attached loop device", entry.source)),
+        }
+    }
+
+    /// Attached and mounted read-only (`ro,norecovery,nouuid`) in a scratch
+    /// directory for the time of the check.
+    fn view_sealed(&self, root: &Root, sid: &str, check: &mut dyn FnMut(&Path)) -> Result<()> {
+        let image = root.source(sid).image();
+        let tmp = root.tmp_dir();
+        fs::create_dir_all(&tmp).ctx("create", &tmp)?;
+        let mnt = tmp.join(format!("verify-{}", uuid::Uuid::new_v4().simple()));
+        fs::create_dir(&mnt).ctx("create a scratch dir", &mnt)?;
+        let viewed = mount::loopdev::attach(&image, true)
+            .ctx("attach", &image)
+            .and_then(|dev| {
+                mount::mount_device(dev.path(), &mnt, "xfs", true, "norecovery,nouuid")
+                    .ctx("mount", &image)?;
+                check(&mnt);
+                let _ = mount::unmount(&mnt);
+                Ok(())
+            });
+        let _ = fs::remove_dir(&mnt);
+        viewed
+    }
+}
