@@ -50,6 +50,13 @@ pub fn lookup(roots: &Roots, volume_id: &str) -> Result<(Root, VolumeRecord)> {
     Ok((root, rec))
 }
 
+/// `lookup` for async callers: records may sit on a network filesystem,
+/// whose stalls must not hold a runtime worker.
+pub async fn lookup_off_runtime(roots: &Roots, volume_id: &str) -> Result<(Root, VolumeRecord)> {
+    let (roots, id) = (roots.clone(), volume_id.to_string());
+    crate::offload::blocking(move || lookup(&roots, &id)).await
+}
+
 /// Reads a volume's record, refusing one that fails `VolumeRecord::check`
 /// with an error naming the file.
 pub fn read_volume(root: &Root, uuid: &str) -> Result<Option<VolumeRecord>> {

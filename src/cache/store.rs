@@ -13,7 +13,7 @@ use super::lease::Share;
 use super::manifest::{self, Tree};
 use super::xfs;
 use crate::error::{Error, IoContext, Result};
-use crate::mount::{self, MountFlags, mountinfo::MountEntry};
+use crate::mount::{self, MountFlags, Mounter, mountinfo::MountEntry};
 
 /// Where a pull writes a model's files, and the mount to undo after.
 pub struct PullArea {
@@ -66,16 +66,24 @@ pub trait SourceStore: Sync {
     /// its own) that a layer overflowed.
     fn grow_pull(&self, work_dir: &Path, mounted: Option<&Path>) -> Result<Growth>;
 
-    /// Mounts a source's bytes on `content`, read-only unless `writable`.
+    /// Mounts a source's bytes on `content` through `m`, read-only unless
+    /// `writable`.
     fn mount(
         &self,
+        m: &dyn Mounter,
         src: &ConfinedSource,
         content: &Path,
         writable: bool,
         base: MountFlags,
     ) -> Result<()>;
     /// Whether a mount found at `content` shows this source.
-    fn shows(&self, src: &ConfinedSource, content: &Path, existing: &MountEntry) -> Result<bool>;
+    fn shows(
+        &self,
+        m: &dyn Mounter,
+        src: &ConfinedSource,
+        content: &Path,
+        existing: &MountEntry,
+    ) -> Result<bool>;
     /// Why a staged mount of this source no longer shows it, if so.
     fn gone(&self, sp: &SourcePaths, entry: &MountEntry) -> Option<String>;
     /// Runs `check` over a read-only view of a sealed source.
@@ -187,6 +195,7 @@ impl SourceStore for DirStore {
 
     fn mount(
         &self,
+        m: &dyn Mounter,
         src: &ConfinedSource,
         content: &Path,
         writable: bool,
@@ -195,16 +204,19 @@ impl SourceStore for DirStore {
         let fd = src.data()?;
         let from = mount::subpath::proc_path(&fd);
         let data = src.real.data();
-        if writable {
-            mount::bind_writable(&from, content, base).ctx("bind-mount", &data)
-        } else {
-            mount::bind_readonly(&from, content, base).ctx("bind-mount", &data)
-        }
+        m.bind(&from, content, !writable, base)
+            .ctx("bind-mount", &data)
     }
 
-    fn shows(&self, src: &ConfinedSource, content: &Path, _existing: &MountEntry) -> Result<bool> {
+    fn shows(
+        &self,
+        m: &dyn Mounter,
+        src: &ConfinedSource,
+        content: &Path,
+        _existing: &MountEntry,
+    ) -> Result<bool> {
         let data = src.data()?;
-        Ok(identity(content)? == identity(&mount::subpath::proc_path(&data))?)
+        Ok(identity(&m.view(content))? == identity(&mount::subpath::proc_path(&data))?)
     }
 
     fn gone(&self, sp: &SourcePaths, _entry: &MountEntry) -> Option<String> {
@@ -348,6 +360,7 @@ impl SourceStore for ImageStore {
 
     fn mount(
         &self,
+        m: &dyn Mounter,
         src: &ConfinedSource,
         content: &Path,
         writable: bool,
@@ -357,10 +370,17 @@ impl SourceStore for ImageStore {
         let lo = mount::loopdev::attach_file(src.image(writable)?, !writable)
             .ctx("attach loop device for", &image)?;
         let data = if writable { "" } else { xfs::READER_OPTIONS };
-        mount::mount_device(lo.path(), content, "xfs", !writable, data).ctx("mount", &image)
+        m.mount_device(lo.path(), content, "xfs", !writable, data)
+            .ctx("mount", &image)
     }
 
-    fn shows(&self, src: &ConfinedSource, _content: &Path, existing: &MountEntry) -> Result<bool> {
+    fn shows(
+        &self,
+        _m: &dyn Mounter,
+        src: &ConfinedSource,
+        _content: &Path,
+        existing: &MountEntry,
+    ) -> Result<bool> {
         Ok(mount::loopdev::backing_file(Path::new(&existing.source))
             .ok()
             .flatten()

@@ -163,7 +163,7 @@ impl ControllerService {
                 "at least one capability is required",
             ));
         }
-        let (root, rec) = self.provisioner.lookup(&req.volume_id)?;
+        let (root, rec) = self.provisioner.lookup(&req.volume_id).await?;
         Ok(
             match capability::check(&req.volume_capabilities, &root, rec.role) {
                 Ok(_) => ValidateVolumeCapabilitiesResponse {

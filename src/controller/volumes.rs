@@ -78,14 +78,9 @@ impl Provisioner {
         }
     }
 
-    pub fn lookup(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
-        cache::lookup(&self.roots, volume_id)
-    }
-
-    /// `lookup` for async callers: records may sit on a network filesystem.
-    async fn lookup_off_runtime(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
-        let (roots, id) = (self.roots.clone(), volume_id.to_string());
-        blocking(move || cache::lookup(&roots, &id)).await
+    /// A volume's root and record, read off the runtime.
+    pub async fn lookup(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
+        cache::lookup_off_runtime(&self.roots, volume_id).await
     }
 
     /// CreateVolume: resolve what the request names (the API), plan it
@@ -211,10 +206,7 @@ impl Provisioner {
         }
         let content = match content_volume {
             Some(id) => {
-                let found = {
-                    let (roots, id) = (self.roots.clone(), id.clone());
-                    blocking(move || cache::lookup(&roots, &id)).await
-                };
+                let found = cache::lookup_off_runtime(&self.roots, &id).await;
                 Some(found.map_err(|_| {
                     Error::NotFound(format!(
                         "volume_content_source.volume.volume_id {id} does not exist"
@@ -479,7 +471,7 @@ impl Provisioner {
 
     /// Seals a source volume; a cache volume is sealed by construction.
     pub async fn seal(&self, volume_id: &str) -> Result<Seal> {
-        let (root, rec) = self.lookup_off_runtime(volume_id).await?;
+        let (root, rec) = self.lookup(volume_id).await?;
         let _g = self.sources.lock(&rec.source).await;
         let origin = format!("volume {} ({})", rec.name, rec.id);
         let sid = rec.source.clone();
@@ -497,7 +489,7 @@ impl Provisioner {
                 .modified_on_node(volume_id, &attributes, pv_name.as_deref(), not_here)
                 .await;
         }
-        let (root, rec) = self.lookup_off_runtime(volume_id).await?;
+        let (root, rec) = self.lookup(volume_id).await?;
         if let Some(pin) = m.pinned {
             if !cache::evict::is_model(&rec.source) {
                 return Err(Error::invalid(

@@ -6,10 +6,14 @@
 //! nodev, noexec) that a bind inherits from its source. Every call blocks; run it in
 //! `spawn_blocking`.
 
+#[cfg(test)]
+pub mod fake;
 pub mod loopdev;
+pub mod mounter;
 pub mod mountinfo;
 pub mod subpath;
 
+pub use mounter::{Kernel, Mounter};
 pub use mountinfo::{MountEntry, mount_at, mounts_under, read_table};
 
 use std::fmt::Display;

@@ -25,11 +25,13 @@ use crate::config::Config;
 use crate::csi::volume_capability::access_mode::Mode;
 use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;
-use crate::mount::{self, MountFlags, mountinfo};
+use crate::mount::{self, MountFlags, Mounter, mountinfo};
 
 pub struct NodeOps {
     pub cfg: Arc<Config>,
     pub roots: Roots,
+    /// The kernel, or a fake in tests.
+    mounter: Arc<dyn Mounter>,
     /// Serialises loop-device reuse for one source within this process.
     sources: KeyedMutex,
     /// `verify: full` rehashes, bounded by each NodeStage's deadline.
@@ -37,6 +39,7 @@ pub struct NodeOps {
 }
 
 /// What a staged volume's condition says.
+#[derive(Debug)]
 pub struct Condition {
     pub abnormal: bool,
     pub message: String,
@@ -50,8 +53,8 @@ fn node_id(cfg: &Config) -> Result<String> {
     })
 }
 
-fn mount_entry(path: &Path) -> Result<Option<mountinfo::MountEntry>> {
-    let table = mountinfo::read_table().ctx("read mount table for", path)?;
+fn mount_entry(m: &dyn Mounter, path: &Path) -> Result<Option<mountinfo::MountEntry>> {
+    let table = m.table().ctx("read mount table for", path)?;
     let canonical = match std::fs::canonicalize(path) {
         Ok(p) => p,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -61,9 +64,9 @@ fn mount_entry(path: &Path) -> Result<Option<mountinfo::MountEntry>> {
 }
 
 /// Unmounts everything stacked on `path`.
-fn unmount_all(path: &Path) -> Result<()> {
-    while mount_entry(path)?.is_some() {
-        mount::unmount(path).ctx("unmount", path)?;
+fn unmount_all(m: &dyn Mounter, path: &Path) -> Result<()> {
+    while mount_entry(m, path)?.is_some() {
+        m.unmount(path).ctx("unmount", path)?;
     }
     Ok(())
 }
@@ -82,12 +85,12 @@ const WRAPPER_BYTES: u64 = 64 * 1024;
 /// The content mount of a staging path and where it is. A volume staged by
 /// an older driver has its content on the staging path itself (a bind or an
 /// XFS mount, never the root of a tmpfs).
-fn staged(staging: &Path) -> Result<Option<(PathBuf, mountinfo::MountEntry)>> {
+fn staged(m: &dyn Mounter, staging: &Path) -> Result<Option<(PathBuf, mountinfo::MountEntry)>> {
     let inner = staging.join(CONTENT);
-    if let Some(e) = mount_entry(&inner)? {
+    if let Some(e) = mount_entry(m, &inner)? {
         return Ok(Some((inner, e)));
     }
-    Ok(match mount_entry(staging)? {
+    Ok(match mount_entry(m, staging)? {
         Some(e) if !(e.fs_type == "tmpfs" && e.root == Path::new("/")) => {
             Some((staging.to_path_buf(), e))
         }
@@ -96,10 +99,11 @@ fn staged(staging: &Path) -> Result<Option<(PathBuf, mountinfo::MountEntry)>> {
 }
 
 /// The wrapper tmpfs on `staging`, and the empty directory for the content.
-fn wrap(staging: &Path) -> Result<PathBuf> {
+fn wrap(m: &dyn Mounter, staging: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(staging).ctx("create staging path", staging)?;
-    if mount_entry(staging)?.is_none() {
-        mount::mount_tmpfs(staging, WRAPPER_BYTES).ctx("mount the staging tmpfs on", staging)?;
+    if mount_entry(m, staging)?.is_none() {
+        m.mount_tmpfs(staging, WRAPPER_BYTES)
+            .ctx("mount the staging tmpfs on", staging)?;
     }
     let inner = staging.join(CONTENT);
     match std::fs::create_dir(&inner) {
@@ -111,17 +115,28 @@ fn wrap(staging: &Path) -> Result<PathBuf> {
 
 /// Unmounts a staging path: its content, then the wrapper (or the content
 /// an older driver mounted on the path itself).
-fn unmount_staging(staging: &Path) -> Result<()> {
-    unmount_all(&staging.join(CONTENT))?;
-    unmount_all(staging)
+fn unmount_staging(m: &dyn Mounter, staging: &Path) -> Result<()> {
+    unmount_all(m, &staging.join(CONTENT))?;
+    unmount_all(m, staging)
+}
+
+/// A source's seal, read off the runtime.
+async fn seal_of(root: &Root, sid: &str) -> Result<Option<Seal>> {
+    let (r, sid) = (root.clone(), sid.to_string());
+    blocking(move || cache::read_seal(&r, &sid)).await
 }
 
 impl NodeOps {
     pub fn new(cfg: Arc<Config>) -> NodeOps {
+        NodeOps::with_mounter(cfg, Arc::new(mount::Kernel))
+    }
+
+    pub fn with_mounter(cfg: Arc<Config>, mounter: Arc<dyn Mounter>) -> NodeOps {
         let roots = cfg.roots();
         NodeOps {
             cfg,
             roots,
+            mounter,
             sources: KeyedMutex::default(),
             verifier: Default::default(),
         }
@@ -136,13 +151,14 @@ impl NodeOps {
         req: MountRequest,
         budget: Option<std::time::Duration>,
     ) -> Result<()> {
-        let (root, rec) = cache::lookup(&self.roots, volume_id)?;
+        let (root, rec) = cache::lookup_off_runtime(&self.roots, volume_id).await?;
+        let m = self.mounter.clone();
         if let Some(ext) = rec.external.clone() {
             // `lookup` admits external records only from this node's own
             // local root (see VolumeRecord::check).
-            return blocking(move || stage_external(&ext, &staging)).await;
+            return blocking(move || stage_external(&*m, &ext, &staging)).await;
         }
-        let seal = cache::read_seal(&root, &rec.source)?;
+        let seal = seal_of(&root, &rec.source).await?;
         // Sealed means read-only, for a source volume as for its caches.
         let writable = rec.role == Role::Source && seal.is_none();
         if !writable && seal.is_none() {
@@ -189,21 +205,21 @@ impl NodeOps {
             let _ = cache::evict::touch_confined(&src);
         }
         let full = (rec.verify == Verify::Full).then(|| seal.clone()).flatten();
-        let (r, s, st) = (root.clone(), src.clone(), staging.clone());
-        let mut result = blocking(move || stage_blocking(&r, &s, &st, writable, seal)).await;
+        let (r, s, st, mm) = (root.clone(), src.clone(), staging.clone(), m.clone());
+        let mut result = blocking(move || stage_blocking(&*mm, &r, &s, &st, writable, seal)).await;
         if result.is_ok()
             && let Some(seal) = full
         {
             result = match self
                 .verifier
-                .verify(&seal, staging.join(CONTENT), budget)
+                .verify(&seal, m.view(&staging.join(CONTENT)), budget)
                 .await
             {
                 // Still hashing: the mount stays for the retry to join.
                 Err(e @ Error::Unavailable(_)) => Err(e),
                 Err(e) => {
                     let st = staging.clone();
-                    let _ = blocking(move || unmount_staging(&st)).await;
+                    let _ = blocking(move || unmount_staging(&*m, &st)).await;
                     Err(e)
                 }
                 Ok(()) => Ok(()),
@@ -218,12 +234,12 @@ impl NodeOps {
 
     pub async fn unstage(&self, volume_id: &str, staging: PathBuf) -> Result<()> {
         {
-            let staging = staging.clone();
-            blocking(move || unmount_staging(&staging)).await?;
+            let (m, staging) = (self.mounter.clone(), staging.clone());
+            blocking(move || unmount_staging(&*m, &staging)).await?;
         }
         // The volume may be gone already, or live in a root this node does
         // not serve; either way there is no lease of ours to drop.
-        if let Ok((root, rec)) = cache::lookup(&self.roots, volume_id)
+        if let Ok((root, rec)) = cache::lookup_off_runtime(&self.roots, volume_id).await
             && rec.role == Role::Source
         {
             let node = node_id(&self.cfg)?;
@@ -245,8 +261,8 @@ impl NodeOps {
         req: MountRequest,
         readonly: bool,
     ) -> Result<()> {
-        let (root, rec) = cache::lookup(&self.roots, volume_id)?;
-        let sealed = cache::read_seal(&root, &rec.source)?.is_some();
+        let (root, rec) = cache::lookup_off_runtime(&self.roots, volume_id).await?;
+        let sealed = seal_of(&root, &rec.source).await?.is_some();
         let immutable = rec.role == Role::Cache || sealed;
         if immutable && req.ro_flag == Some(false) {
             return Err(Error::invalid(
@@ -255,12 +271,14 @@ impl NodeOps {
             ));
         }
         let ro = immutable || readonly || req.ro_flag == Some(true) || !req.is_writer();
-        blocking(move || publish_blocking(&rec, &staging, &target, req.flags, ro)).await
+        let m = self.mounter.clone();
+        blocking(move || publish_blocking(&*m, &rec, &staging, &target, req.flags, ro)).await
     }
 
     pub async fn unpublish(&self, target: PathBuf) -> Result<()> {
+        let m = self.mounter.clone();
         blocking(move || {
-            unmount_all(&target)?;
+            unmount_all(&*m, &target)?;
             match std::fs::remove_dir(&target) {
                 Ok(()) => Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -279,10 +297,10 @@ impl NodeOps {
         path: PathBuf,
         staging: Option<PathBuf>,
     ) -> Result<(nix::sys::statvfs::Statvfs, Condition)> {
-        let lookup = cache::lookup(&self.roots, volume_id);
-        let vid = volume_id.to_string();
+        let lookup = cache::lookup_off_runtime(&self.roots, volume_id).await;
+        let (vid, m) = (volume_id.to_string(), self.mounter.clone());
         blocking(move || {
-            let Some(entry) = mount_entry(&path)? else {
+            let Some(entry) = mount_entry(&*m, &path)? else {
                 return Err(Error::NotFound(format!(
                     "volume {vid} is not mounted at {}",
                     path.display()
@@ -295,7 +313,7 @@ impl NodeOps {
                     abnormal: true,
                     message: format!("volume record unavailable: {e}"),
                 },
-                Ok((root, rec)) => check_condition(&root, &rec, &entry, staging.as_deref()),
+                Ok((root, rec)) => check_condition(&*m, &root, &rec, &entry, staging.as_deref()),
             };
             Ok((st, condition))
         })
@@ -305,15 +323,15 @@ impl NodeOps {
 
 /// Another PV's bytes, read-only in place: no seal to check, so the mount
 /// itself is the only guarantee.
-fn stage_external(ext: &External, staging: &Path) -> Result<()> {
+fn stage_external(m: &dyn Mounter, ext: &External, staging: &Path) -> Result<()> {
     let flags = MountFlags {
         nosuid: true,
         nodev: true,
         ..MountFlags::default()
     };
-    if let Some((content, existing)) = staged(staging)? {
+    if let Some((content, existing)) = staged(m, staging)? {
         let same = match ext {
-            External::Dir { path } => identity(&content)? == identity(Path::new(path))?,
+            External::Dir { path } => identity(&m.view(&content))? == identity(Path::new(path))?,
             External::XfsBlock { device } => {
                 std::fs::canonicalize(device).is_ok_and(|d| Path::new(&existing.source) == d)
             }
@@ -328,34 +346,37 @@ fn stage_external(ext: &External, staging: &Path) -> Result<()> {
             existing.source
         )));
     }
-    let content = wrap(staging)?;
+    let content = wrap(m, staging)?;
     let mounted = match ext {
-        External::Dir { path } => mount::bind_readonly(Path::new(path), &content, flags)
+        External::Dir { path } => m
+            .bind(Path::new(path), &content, true, flags)
             .ctx("bind-mount read-only", Path::new(path)),
-        External::XfsBlock { device } => mount::mount_device(
-            Path::new(device),
-            &content,
-            "xfs",
-            true,
-            cache::xfs::READER_OPTIONS,
-        )
-        .ctx("mount read-only", Path::new(device)),
+        External::XfsBlock { device } => m
+            .mount_device(
+                Path::new(device),
+                &content,
+                "xfs",
+                true,
+                cache::xfs::READER_OPTIONS,
+            )
+            .ctx("mount read-only", Path::new(device)),
     };
     if mounted.is_err() {
-        let _ = unmount_staging(staging);
+        let _ = unmount_staging(m, staging);
     }
     mounted
 }
 
 fn stage_blocking(
+    m: &dyn Mounter,
     root: &Root,
     src: &ConfinedSource,
     staging: &Path,
     writable: bool,
     seal: Option<Seal>,
 ) -> Result<()> {
-    if let Some((content, existing)) = staged(staging)? {
-        let same = root.backend.store().shows(src, &content, &existing)?;
+    if let Some((content, existing)) = staged(m, staging)? {
+        let same = root.backend.store().shows(m, src, &content, &existing)?;
         if same && existing.is_readonly() != writable {
             return Ok(());
         }
@@ -373,18 +394,18 @@ fn stage_blocking(
         nodev: true,
         ..MountFlags::default()
     };
-    let content = wrap(staging)?;
-    let mounted = root.backend.store().mount(src, &content, writable, base);
+    let content = wrap(m, staging)?;
+    let mounted = root.backend.store().mount(m, src, &content, writable, base);
     if let Err(e) = mounted {
-        let _ = unmount_staging(staging);
+        let _ = unmount_staging(m, staging);
         return Err(e);
     }
     if let Some(seal) = seal {
         // Checked through the mount itself: what pods will read is what is
         // verified. Sizes here; a full rehash is the caller's, within its
         // deadline (`super::verify`).
-        if let Err(e) = cache::manifest::verify(&content, &seal, false) {
-            let _ = unmount_staging(staging);
+        if let Err(e) = cache::manifest::verify(&m.view(&content), &seal, false) {
+            let _ = unmount_staging(m, staging);
             return Err(e);
         }
     }
@@ -392,13 +413,14 @@ fn stage_blocking(
 }
 
 fn publish_blocking(
+    m: &dyn Mounter,
     rec: &VolumeRecord,
     staging: &Path,
     target: &Path,
     flags: MountFlags,
     ro: bool,
 ) -> Result<()> {
-    let Some((content, _)) = staged(staging)? else {
+    let Some((content, _)) = staged(m, staging)? else {
         return Err(Error::FailedPrecondition(format!(
             "volume {} is not staged at {}: call NodeStageVolume first",
             rec.id,
@@ -408,24 +430,26 @@ fn publish_blocking(
     // The subPath is opened beneath the staged root and mounted through its
     // descriptor, so a symlink swapped in afterwards cannot redirect it.
     let sub_fd = match &rec.sub_path {
-        Some(sub) => Some(mount::subpath::open_beneath(&content, sub).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                Error::NotFound(format!(
-                    "subPath {sub:?} does not exist in volume {}",
-                    rec.id
-                ))
-            } else {
-                Error::invalid("subPath", format!("{sub:?} cannot be used: {e}"))
-            }
-        })?),
+        Some(sub) => Some(
+            mount::subpath::open_beneath(&m.view(&content), sub).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    Error::NotFound(format!(
+                        "subPath {sub:?} does not exist in volume {}",
+                        rec.id
+                    ))
+                } else {
+                    Error::invalid("subPath", format!("{sub:?} cannot be used: {e}"))
+                }
+            })?,
+        ),
         None => None,
     };
     let src: PathBuf = match &sub_fd {
         Some(fd) => mount::subpath::proc_path(fd),
         None => content.clone(),
     };
-    if let Some(existing) = mount_entry(target)? {
-        if identity(target)? == identity(&src)? && existing.is_readonly() == ro {
+    if let Some(existing) = mount_entry(m, target)? {
+        if identity(&m.view(target))? == identity(&m.view(&src))? && existing.is_readonly() == ro {
             return Ok(());
         }
         return Err(Error::AlreadyExists(format!(
@@ -443,14 +467,18 @@ fn publish_blocking(
         nodev: true,
         ..flags
     };
-    if ro {
-        mount::bind_readonly(&src, target, flags).ctx("bind-mount read-only onto", target)
-    } else {
-        mount::bind_writable(&src, target, flags).ctx("bind-mount onto", target)
-    }
+    m.bind(&src, target, ro, flags).ctx(
+        if ro {
+            "bind-mount read-only onto"
+        } else {
+            "bind-mount onto"
+        },
+        target,
+    )
 }
 
 fn check_condition(
+    m: &dyn Mounter,
     root: &Root,
     rec: &VolumeRecord,
     entry: &mountinfo::MountEntry,
@@ -486,7 +514,7 @@ fn check_condition(
         return abnormal(format!("the seal of source {} is missing", rec.source));
     }
     if let Some(staging) = staging {
-        let content = match staged(staging) {
+        let content = match staged(m, staging) {
             Ok(Some((content, _))) => content,
             _ => {
                 return abnormal(format!(
@@ -496,7 +524,7 @@ fn check_condition(
             }
         };
         if let Some(seal) = &seal
-            && let Err(e) = cache::manifest::verify(&content, seal, false)
+            && let Err(e) = cache::manifest::verify(&m.view(&content), seal, false)
         {
             return abnormal(e.to_string());
         }
@@ -504,5 +532,413 @@ fn check_condition(
     Condition {
         abnormal: false,
         message: "volume is mounted and its source is present".into(),
+    }
+}
+
+/// Node logic against a fake mount table (`mount::fake`), as any user: the
+/// mounts are recorded, not made, and what a mount would show is read from
+/// the directory behind it.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{Backend, uuid_for_name};
+    use crate::mount::fake::FakeMounter;
+
+    struct Node {
+        dir: tempfile::TempDir,
+        ops: NodeOps,
+        fake: Arc<FakeMounter>,
+        root: Root,
+    }
+
+    fn node() -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Arc::new(Config {
+            node_id: Some("n1".into()),
+            state_dir: dir.path().join("state"),
+            backends: vec![Backend::Local],
+            ..Config::default()
+        });
+        let fake = Arc::new(FakeMounter::default());
+        let ops = NodeOps::with_mounter(cfg, fake.clone());
+        let root = ops.roots.roots[0].clone();
+        Node {
+            dir,
+            ops,
+            fake,
+            root,
+        }
+    }
+
+    fn request(mode: Mode, ro_flag: Option<bool>) -> MountRequest {
+        MountRequest {
+            mode,
+            flags: MountFlags::default(),
+            ro_flag,
+        }
+    }
+
+    fn reader() -> MountRequest {
+        request(Mode::SingleNodeReaderOnly, None)
+    }
+
+    impl Node {
+        fn path(&self, p: &str) -> PathBuf {
+            let p = self.dir.path().join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            p
+        }
+
+        /// A source holding `files`, sealed when asked; returns its id and
+        /// data directory.
+        fn source(&self, name: &str, files: &[(&str, &str)], sealed: bool) -> (String, PathBuf) {
+            let sid = uuid_for_name("modelcache.csi.io", name);
+            cache::create_source(&self.root, &sid, 1 << 20).unwrap();
+            let data = self.root.source(&sid).data();
+            for (f, body) in files {
+                let p = data.join(f);
+                std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+                std::fs::write(p, body).unwrap();
+            }
+            if sealed {
+                cache::seal_source(&self.root, &sid, "test").unwrap();
+            }
+            (sid, data.canonicalize().unwrap())
+        }
+
+        /// A volume record over `sid`; returns its id.
+        fn volume(&self, name: &str, sid: &str, role: Role, sub_path: Option<&str>) -> String {
+            let uuid = uuid_for_name("modelcache.csi.io", name);
+            let rec = VolumeRecord {
+                id: self.root.volume_id(&uuid),
+                name: name.into(),
+                backend: Backend::Local,
+                role,
+                source: sid.into(),
+                sub_path: sub_path.map(String::from),
+                verify: Verify::Size,
+                capacity_bytes: 1 << 20,
+                node: Some("n1".into()),
+                model: None,
+                revision: None,
+                external: None,
+                content_source: None,
+                request: String::new(),
+                created_unix: 0,
+            };
+            cache::write_volume(&self.root, &rec).unwrap();
+            rec.id
+        }
+
+        /// A sealed model and a cache volume over it.
+        fn cache_volume(&self, sub_path: Option<&str>) -> (String, PathBuf) {
+            let (sid, data) = self.source(
+                "model",
+                &[("config.json", "{}"), ("onnx/model.onnx", "weights")],
+                true,
+            );
+            (self.volume("cache-1", &sid, Role::Cache, sub_path), data)
+        }
+
+        fn mounted(&self, p: &Path) -> mountinfo::MountEntry {
+            self.fake
+                .at(p)
+                .unwrap_or_else(|| panic!("nothing mounted at {}", p.display()))
+        }
+    }
+
+    fn has(e: &mountinfo::MountEntry, opts: &[&str]) {
+        for o in opts {
+            assert!(e.has_option(o), "{o} missing from {:?}", e.mount_options);
+        }
+    }
+
+    #[tokio::test]
+    async fn stage_and_publish_show_the_sealed_source_read_only_once() {
+        let n = node();
+        let (vid, data) = n.cache_volume(None);
+        let (staging, target) = (n.path("staging/v1"), n.path("pods/p1/v"));
+
+        n.ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap();
+        assert_eq!(n.mounted(&staging).fs_type, "tmpfs");
+        let content = staging.join(CONTENT);
+        has(&n.mounted(&content), &["ro", "nosuid", "nodev"]);
+        assert_eq!(n.fake.view(&content), data);
+        let after_stage = n.fake.made();
+        assert_eq!(after_stage, 2, "a wrapper tmpfs and the content bind");
+        n.ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap();
+        assert_eq!(n.fake.made(), after_stage, "a second stage mounts nothing");
+
+        for _ in 0..2 {
+            n.ops
+                .publish(&vid, staging.clone(), target.clone(), reader(), false)
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            n.fake.made(),
+            after_stage + 1,
+            "a second publish mounts nothing"
+        );
+        has(&n.mounted(&target), &["ro", "nosuid", "nodev"]);
+        assert_eq!(n.fake.view(&target.join("onnx")), data.join("onnx"));
+
+        let (st, condition) = n
+            .ops
+            .stats(&vid, target.clone(), Some(staging.clone()))
+            .await
+            .unwrap();
+        assert!(!condition.abnormal, "{}", condition.message);
+        assert!(st.blocks() > 0);
+
+        for _ in 0..2 {
+            n.ops.unpublish(target.clone()).await.unwrap();
+            n.ops.unstage(&vid, staging.clone()).await.unwrap();
+        }
+        assert!(!target.exists(), "the target directory is removed");
+        assert!(n.fake.under(n.dir.path()).is_empty());
+    }
+
+    #[tokio::test]
+    async fn publish_refuses_what_it_cannot_honour() {
+        let n = node();
+        let (vid, _) = n.cache_volume(None);
+        let (staging, target) = (n.path("staging/v1"), n.path("pods/p1/v"));
+
+        let e = n
+            .ops
+            .publish(&vid, staging.clone(), target.clone(), reader(), false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::FailedPrecondition(m) if m.contains("NodeStageVolume")),
+            "{e}"
+        );
+
+        n.ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap();
+        let rw = request(Mode::SingleNodeReaderOnly, Some(false));
+        let e = n
+            .ops
+            .publish(&vid, staging.clone(), target.clone(), rw, false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { field, .. } if field == "volume_capability.mount.mount_flags"),
+            "{e}"
+        );
+
+        // Something else already mounted where the pod's volume goes.
+        let other = n.path("elsewhere");
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::create_dir_all(&target).unwrap();
+        n.fake
+            .bind(&other, &target, true, MountFlags::default())
+            .unwrap();
+        let e = n
+            .ops
+            .publish(&vid, staging.clone(), target.clone(), reader(), false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::AlreadyExists(m) if m.contains("unpublish it first")),
+            "{e}"
+        );
+        assert_eq!(n.fake.view(&target), other.canonicalize().unwrap());
+
+        // A staging path someone else mounted is not taken over either.
+        let foreign = n.path("staging/v2");
+        std::fs::create_dir_all(foreign.join(CONTENT)).unwrap();
+        n.fake
+            .bind(&other, &foreign.join(CONTENT), true, MountFlags::default())
+            .unwrap();
+        let e = n
+            .ops
+            .stage(&vid, foreign.clone(), reader(), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(&e, Error::AlreadyExists(_)), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_failed_stage_leaves_no_mount_behind() {
+        let n = node();
+        let (vid, data) = n.cache_volume(None);
+        let staging = n.path("staging/v1");
+
+        n.fake.fail_next("bind", libc::EPERM);
+        let e = n
+            .ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("bind-mount"), "{e}");
+        assert!(n.fake.under(&staging).is_empty(), "the wrapper went too");
+
+        // Bytes that no longer match the seal are never shown to a pod.
+        std::fs::write(data.join("onnx/model.onnx"), "tampered, longer").unwrap();
+        let e = n
+            .ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("model.onnx"), "{e}");
+        assert!(n.fake.under(&staging).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_sub_path_is_opened_beneath_the_staged_source() {
+        let n = node();
+        let (vid, data) = n.cache_volume(Some("onnx"));
+        let (staging, target) = (n.path("staging/v1"), n.path("pods/p1/v"));
+        n.ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap();
+        n.ops
+            .publish(&vid, staging.clone(), target.clone(), reader(), false)
+            .await
+            .unwrap();
+        assert_eq!(n.fake.view(&target), data.join("onnx"));
+
+        let missing = n.volume(
+            "cache-2",
+            &n.source("model", &[], false).0,
+            Role::Cache,
+            Some("gone"),
+        );
+        let staging2 = n.path("staging/v2");
+        n.ops
+            .stage(&missing, staging2.clone(), reader(), None)
+            .await
+            .unwrap();
+        let e = n
+            .ops
+            .publish(&missing, staging2, n.path("pods/p2/v"), reader(), false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::NotFound(m) if m.contains("\"gone\"")),
+            "{e}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_sub_path_through_a_link_out_of_the_source_is_refused() {
+        let n = node();
+        let (sid, data) = n.source("linked", &[("a", "x")], false);
+        std::os::unix::fs::symlink(n.dir.path(), data.join("escape")).unwrap();
+        cache::seal_source(&n.root, &sid, "test").unwrap();
+        let vid = n.volume("cache-3", &sid, Role::Cache, Some("escape"));
+        let staging = n.path("staging/v3");
+        n.ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap();
+        let target = n.path("pods/p3/v");
+        let e = n
+            .ops
+            .publish(&vid, staging, target.clone(), reader(), false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { field, .. } if field == "subPath"),
+            "{e}"
+        );
+        assert!(n.fake.at(&target).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_source_is_staged_writable_under_a_lease_or_not_at_all() {
+        let n = node();
+        let (sid, _) = n.source("writable", &[("a", "x")], false);
+        let vid = n.volume("the-source", &sid, Role::Source, None);
+        let staging = n.path("staging/src");
+
+        let e = n
+            .ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::FailedPrecondition(m) if m.contains("seal it first")),
+            "{e}"
+        );
+
+        n.fake.fail_next("bind", libc::EIO);
+        let writer = request(Mode::SingleNodeWriter, None);
+        let failed = n
+            .ops
+            .stage(&vid, staging.clone(), writer.clone(), None)
+            .await;
+        assert!(failed.is_err());
+        assert!(
+            cache::writers(&n.root, &sid).unwrap().is_empty(),
+            "a failed stage keeps no lease"
+        );
+
+        n.ops
+            .stage(&vid, staging.clone(), writer, None)
+            .await
+            .unwrap();
+        has(
+            &n.mounted(&staging.join(CONTENT)),
+            &["rw", "nosuid", "nodev"],
+        );
+        assert_eq!(
+            cache::writers(&n.root, &sid).unwrap(),
+            vec!["n1".to_string()]
+        );
+        let e = cache::seal_source(&n.root, &sid, "test").unwrap_err();
+        assert!(
+            e.to_string().contains("n1"),
+            "sealing waits for the writer: {e}"
+        );
+
+        n.ops.unstage(&vid, staging.clone()).await.unwrap();
+        assert!(cache::writers(&n.root, &sid).unwrap().is_empty());
+        cache::seal_source(&n.root, &sid, "test").unwrap();
+    }
+
+    #[tokio::test]
+    async fn stats_see_a_staging_torn_away_under_a_publish() {
+        let n = node();
+        let (vid, _) = n.cache_volume(None);
+        let (staging, target) = (n.path("staging/v1"), n.path("pods/p1/v"));
+        n.ops
+            .stage(&vid, staging.clone(), reader(), None)
+            .await
+            .unwrap();
+        n.ops
+            .publish(&vid, staging.clone(), target.clone(), reader(), false)
+            .await
+            .unwrap();
+        n.fake.unmount(&staging.join(CONTENT)).unwrap();
+        let (_, condition) = n
+            .ops
+            .stats(&vid, target.clone(), Some(staging.clone()))
+            .await
+            .unwrap();
+        assert!(condition.abnormal);
+        assert!(
+            condition.message.contains("staging mount"),
+            "{}",
+            condition.message
+        );
+
+        let e = n
+            .ops
+            .stats(&vid, n.path("pods/none"), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::NotFound(_)), "{e}");
     }
 }

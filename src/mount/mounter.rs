@@ -1,0 +1,71 @@
+//! The node's mounts as one seam: the kernel's, or (in tests) a fake that
+//! keeps a mount table of its own, so node logic runs without root.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use super::{MountEntry, MountFlags};
+
+/// What the node plugin does to mounts, and how it reads them back.
+pub trait Mounter: Send + Sync {
+    /// The mount table as this process sees it.
+    fn table(&self) -> io::Result<Vec<MountEntry>>;
+    /// Binds `src` onto `dst` with `flags`; read-only when asked, and
+    /// always when `src` already is.
+    fn bind(&self, src: &Path, dst: &Path, readonly: bool, flags: MountFlags) -> io::Result<()>;
+    /// Mounts a block device (nosuid, nodev).
+    fn mount_device(
+        &self,
+        dev: &Path,
+        dst: &Path,
+        fstype: &str,
+        readonly: bool,
+        data: &str,
+    ) -> io::Result<()>;
+    /// A small tmpfs of its own on `dst`.
+    fn mount_tmpfs(&self, dst: &Path, size_bytes: u64) -> io::Result<()>;
+    /// Unmounts the topmost mount at `dst`; `Ok(false)` when there is none.
+    fn unmount(&self, dst: &Path) -> io::Result<bool>;
+    /// The path through which the files `path` shows are read. For the
+    /// kernel that is `path`; a fake, which mounts nothing, answers with
+    /// the directory it would have shown there.
+    fn view(&self, path: &Path) -> PathBuf {
+        path.to_path_buf()
+    }
+}
+
+/// The running kernel's mounts.
+pub struct Kernel;
+
+impl Mounter for Kernel {
+    fn table(&self) -> io::Result<Vec<MountEntry>> {
+        super::read_table()
+    }
+
+    fn bind(&self, src: &Path, dst: &Path, readonly: bool, flags: MountFlags) -> io::Result<()> {
+        if readonly {
+            super::bind_readonly(src, dst, flags)
+        } else {
+            super::bind_writable(src, dst, flags)
+        }
+    }
+
+    fn mount_device(
+        &self,
+        dev: &Path,
+        dst: &Path,
+        fstype: &str,
+        readonly: bool,
+        data: &str,
+    ) -> io::Result<()> {
+        super::mount_device(dev, dst, fstype, readonly, data)
+    }
+
+    fn mount_tmpfs(&self, dst: &Path, size_bytes: u64) -> io::Result<()> {
+        super::mount_tmpfs(dst, size_bytes)
+    }
+
+    fn unmount(&self, dst: &Path) -> io::Result<bool> {
+        super::unmount(dst)
+    }
+}
