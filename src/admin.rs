@@ -143,7 +143,7 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
             if report.mismatches.is_empty() {
                 Ok(())
             } else {
-                Err(Error::FailedPrecondition(format!(
+                Err(Error::Precondition(format!(
                     "{} does not match its seal ({} files)",
                     report.id,
                     report.mismatches.len()
@@ -403,7 +403,7 @@ pub struct VerifyReport {
 /// of the check).
 fn verify(root: &Root, sid: &str, output: Output) -> Result<VerifyReport> {
     let seal = cache::read_seal(root, sid)?.ok_or_else(|| {
-        Error::FailedPrecondition(format!(
+        Error::Precondition(format!(
             "{sid} is not sealed: there is nothing to verify it against"
         ))
     })?;
@@ -458,7 +458,7 @@ struct Changed {
 async fn set_pinned(roots: &Roots, id: &str, pinned: bool, output: Output) -> Result<()> {
     let root = find(roots, id)?;
     if !evict::is_model(id) {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "{id} is a source volume, never evicted: only pulled models are pinned"
         )));
     }
@@ -488,25 +488,25 @@ struct Evicted {
 
 fn do_evict(root: &Root, sid: &str) -> Result<Evicted> {
     if !evict::is_model(sid) {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "{sid} is a source volume: it goes with its volume (delete the PVC), never by eviction"
         )));
     }
     let e = entry(root, sid)?;
     if !e.volumes.is_empty() {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "{sid} is in use by {} volume(s): {}; delete their PVCs first",
             e.volumes.len(),
             e.volumes.join(", ")
         )));
     }
     if e.pinned {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "{sid} is pinned: `modelcache-csi cache unpin {sid}` first"
         )));
     }
     if !evict::evict(root, sid)? {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "{sid} gained a volume while it was being evicted; it stays"
         )));
     }

@@ -9,46 +9,59 @@ use std::path::Path;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What went wrong, in the driver's terms. Each variant says what happened;
+/// which gRPC code a caller sees is decided once, in `From<Error> for
+/// tonic::Status` below.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A request field is missing or malformed.
     #[error("{field}: {message}")]
-    InvalidArgument { field: String, message: String },
+    Invalid { field: String, message: String },
+    /// The named volume, source, file or object does not exist.
     #[error("{0}")]
     NotFound(String),
     /// Same name, incompatible arguments; or a path already used differently.
     #[error("{0}")]
-    AlreadyExists(String),
+    Conflict(String),
     /// Another operation on the same volume is in progress.
     #[error("{0}")]
-    Aborted(String),
-    /// The caller skipped a step, or the object is not in a state that allows the call.
+    Busy(String),
+    /// Something the call needs does not hold: a step skipped (not staged,
+    /// not sealed), a setting or tool missing, credentials refused, a record
+    /// or seal that fails its check.
     #[error("{0}")]
-    FailedPrecondition(String),
+    Precondition(String),
     /// The caller may not have this: a source outside what the StorageClass
     /// allows, a network the pull may not reach.
     #[error("{0}")]
-    PermissionDenied(String),
+    NotAllowed(String),
+    /// Over a limit: the space a root has, a model's bytes or files, what a
+    /// layer may unpack to.
     #[error("{0}")]
-    ResourceExhausted(String),
+    OverLimit(String),
     /// The remote end served something no valid model can be: a listing
     /// that names one file twice or a file inside a file, sizes that
     /// overflow, a body longer than asked, an answer too large to read.
     /// Not retryable: the same server will serve the same thing again.
     #[error("the source served an invalid model: {0}")]
     SourceFault(String),
+    /// The request's ranges cannot be met together: a capacity range below
+    /// what the content needs, a topology no root can serve.
     #[error("{0}")]
-    OutOfRange(String),
+    Unsatisfiable(String),
+    /// Worth trying again: a server or a peer did not answer, a pull or a
+    /// rehash is still running.
     #[error("{0}")]
-    Unavailable(String),
-    /// Unavailable, and the server said when to come back (Retry-After).
+    Transient(String),
+    /// Transient, and the server said when to come back (Retry-After).
     #[error("{message} (retry after {after:?})")]
     RetryAfter {
         message: String,
         after: std::time::Duration,
     },
+    /// A feature this driver does not offer (or not in this mode).
     #[error("{0}")]
-    Unimplemented(String),
+    Unsupported(String),
     /// An unexpected OS error, with what we were doing and on which path.
     #[error("{context}: {source}")]
     Io {
@@ -56,13 +69,14 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A broken invariant of ours, or a task that died.
     #[error("{0}")]
     Internal(String),
 }
 
 impl Error {
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Error::InvalidArgument {
+        Error::Invalid {
             field: field.into(),
             message: message.into(),
         }
@@ -72,24 +86,24 @@ impl Error {
     /// operation (an `io::Error` is not `Clone`; its kind and text are kept).
     pub fn replay(&self) -> Error {
         match self {
-            Error::InvalidArgument { field, message } => Error::InvalidArgument {
+            Error::Invalid { field, message } => Error::Invalid {
                 field: field.clone(),
                 message: message.clone(),
             },
             Error::NotFound(m) => Error::NotFound(m.clone()),
-            Error::AlreadyExists(m) => Error::AlreadyExists(m.clone()),
-            Error::Aborted(m) => Error::Aborted(m.clone()),
-            Error::FailedPrecondition(m) => Error::FailedPrecondition(m.clone()),
-            Error::PermissionDenied(m) => Error::PermissionDenied(m.clone()),
-            Error::ResourceExhausted(m) => Error::ResourceExhausted(m.clone()),
+            Error::Conflict(m) => Error::Conflict(m.clone()),
+            Error::Busy(m) => Error::Busy(m.clone()),
+            Error::Precondition(m) => Error::Precondition(m.clone()),
+            Error::NotAllowed(m) => Error::NotAllowed(m.clone()),
+            Error::OverLimit(m) => Error::OverLimit(m.clone()),
             Error::SourceFault(m) => Error::SourceFault(m.clone()),
-            Error::OutOfRange(m) => Error::OutOfRange(m.clone()),
-            Error::Unavailable(m) => Error::Unavailable(m.clone()),
+            Error::Unsatisfiable(m) => Error::Unsatisfiable(m.clone()),
+            Error::Transient(m) => Error::Transient(m.clone()),
             Error::RetryAfter { message, after } => Error::RetryAfter {
                 message: message.clone(),
                 after: *after,
             },
-            Error::Unimplemented(m) => Error::Unimplemented(m.clone()),
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
             Error::Io { context, source } => Error::Io {
                 context: context.clone(),
                 source: match source.raw_os_error() {
@@ -131,18 +145,18 @@ impl From<Error> for tonic::Status {
     fn from(err: Error) -> Self {
         use tonic::Code;
         let code = match &err {
-            Error::InvalidArgument { .. } => Code::InvalidArgument,
+            Error::Invalid { .. } => Code::InvalidArgument,
             Error::NotFound(_) => Code::NotFound,
-            Error::AlreadyExists(_) => Code::AlreadyExists,
-            Error::Aborted(_) => Code::Aborted,
+            Error::Conflict(_) => Code::AlreadyExists,
+            Error::Busy(_) => Code::Aborted,
             // The model as served cannot be pulled until its server is
             // fixed: a precondition of the request, not a bug of ours.
-            Error::FailedPrecondition(_) | Error::SourceFault(_) => Code::FailedPrecondition,
-            Error::PermissionDenied(_) => Code::PermissionDenied,
-            Error::ResourceExhausted(_) => Code::ResourceExhausted,
-            Error::OutOfRange(_) => Code::OutOfRange,
-            Error::Unavailable(_) | Error::RetryAfter { .. } => Code::Unavailable,
-            Error::Unimplemented(_) => Code::Unimplemented,
+            Error::Precondition(_) | Error::SourceFault(_) => Code::FailedPrecondition,
+            Error::NotAllowed(_) => Code::PermissionDenied,
+            Error::OverLimit(_) => Code::ResourceExhausted,
+            Error::Unsatisfiable(_) => Code::OutOfRange,
+            Error::Transient(_) | Error::RetryAfter { .. } => Code::Unavailable,
+            Error::Unsupported(_) => Code::Unimplemented,
             // A full disk is a capacity problem the CO can act on, not a bug.
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
                 Code::ResourceExhausted

@@ -56,13 +56,11 @@ pub struct KubeApi {
 fn api_error(what: &str, e: kube::Error) -> Error {
     match e {
         kube::Error::Api(s) if s.code == 404 => Error::NotFound(format!("{what} does not exist")),
-        kube::Error::Api(s) if s.code == 403 || s.code == 401 => {
-            Error::FailedPrecondition(format!(
-                "the driver may not read {what}: {}; check its RBAC",
-                s.message
-            ))
-        }
-        other => Error::Unavailable(format!("reading {what} from the Kubernetes API: {other}")),
+        kube::Error::Api(s) if s.code == 403 || s.code == 401 => Error::Precondition(format!(
+            "the driver may not read {what}: {}; check its RBAC",
+            s.message
+        )),
+        other => Error::Transient(format!("reading {what} from the Kubernetes API: {other}")),
     }
 }
 
@@ -74,7 +72,7 @@ pub const SECRET_GRANT: &str = "deploy/csi-driver/components/tenant-source-secre
 /// admin granted this namespace; say exactly what to grant.
 fn secret_error(namespace: &str, name: &str, e: kube::Error) -> Error {
     match e {
-        kube::Error::Api(s) if s.code == 403 => Error::FailedPrecondition(format!(
+        kube::Error::Api(s) if s.code == 403 => Error::Precondition(format!(
             "the driver may not read Secret {namespace}/{name}, named by PVC annotation \
              {SECRET_ANNOTATION} ({}). An admin must grant the driver's service accounts \
              `get` on Secrets in namespace {namespace}: a Role and RoleBinding there, for \
@@ -463,7 +461,7 @@ mod tests {
             .boxed(),
         );
         let e = secret_error("team", "creds", forbidden);
-        assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+        assert!(matches!(e, Error::Precondition(_)), "{e:?}");
         let m = e.to_string();
         for want in [
             "Secret team/creds",

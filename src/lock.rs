@@ -26,7 +26,7 @@ impl OpLocks {
     pub fn try_lock(&self, key: &str) -> Result<OpGuard> {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         if !held.insert(key.to_string()) {
-            return Err(Error::Aborted(format!(
+            return Err(Error::Busy(format!(
                 "an operation on {key} is already in progress; retry later"
             )));
         }
@@ -91,7 +91,7 @@ mod tests {
     fn second_lock_is_aborted_until_release() {
         let locks = OpLocks::default();
         let g = locks.try_lock("v1").unwrap();
-        assert!(matches!(locks.try_lock("v1"), Err(Error::Aborted(_))));
+        assert!(matches!(locks.try_lock("v1"), Err(Error::Busy(_))));
         assert!(locks.try_lock("v2").is_ok());
         drop(g);
         assert!(locks.try_lock("v1").is_ok());

@@ -18,7 +18,7 @@ pub fn respond<T>(result: Result<T>) -> std::result::Result<Response<T>, Status>
         Err(e) => {
             match &e {
                 Error::Io { .. } | Error::Internal(_) => tracing::error!(error = %e, "failed"),
-                Error::Aborted(_) => tracing::debug!(error = %e, "busy"),
+                Error::Busy(_) => tracing::debug!(error = %e, "busy"),
                 _ => tracing::warn!(error = %e, "refused"),
             }
             Err(e.into())

@@ -45,7 +45,7 @@ fn entries(lines: &str) -> HashMap<String, String> {
 
 fn invalid_field(e: &Error) -> &str {
     match e {
-        Error::InvalidArgument { field, .. } => field,
+        Error::Invalid { field, .. } => field,
         other => panic!("a parameter error must be InvalidArgument, got {other:?}"),
     }
 }

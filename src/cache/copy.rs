@@ -25,7 +25,7 @@ pub fn copy_tree(from: &Path, to: &Path, shown_as: &Path) -> Result<()> {
     // `from` is the caller's own (confined) descriptor path: followed.
     let meta = fs::metadata(from).ctx("stat", shown_as)?;
     if !meta.is_dir() {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "{} is not a directory",
             shown_as.display()
         )));
@@ -60,7 +60,7 @@ pub fn copy_tree(from: &Path, to: &Path, shown_as: &Path) -> Result<()> {
                 } else {
                     "a socket"
                 };
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::Precondition(format!(
                     "cannot copy {}: it is {kind}, and a copy holds only files, directories \
                      and symlinks; remove it from the source first",
                     shown_as.join(&rel).display()

@@ -204,7 +204,7 @@ pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -
         .map(|c| format!(" (capacity {c} bytes)"))
         .unwrap_or_default();
     if need > best {
-        return Err(Error::ResourceExhausted(format!(
+        return Err(Error::OverLimit(format!(
             "the model needs {need} bytes but {} could offer at most {best} bytes available{cap_note} \
              ({space}), even after evicting all {} unused models; nothing was evicted",
             root.describe(),
@@ -219,7 +219,7 @@ pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -
             }
         }
     }
-    Err(Error::ResourceExhausted(format!(
+    Err(Error::OverLimit(format!(
         "the model needs {need} bytes but {} has only {avail} available{cap_note} even after evicting every unused model ({})",
         root.describe(),
         super::space(root)?

@@ -222,7 +222,7 @@ impl Root {
     /// path by anyone who writes that filesystem.
     pub fn open_source(&self, sid: &str) -> Result<ConfinedSource> {
         if !is_source_id(sid) {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "source id {sid:?} is malformed; refusing to use it in {}",
                 self.describe()
             )));
@@ -237,7 +237,7 @@ impl Root {
         })?;
         let forged = |e: std::io::Error| {
             if e.kind() == std::io::ErrorKind::InvalidInput {
-                Error::FailedPrecondition(e.to_string())
+                Error::Precondition(e.to_string())
             } else if e.kind() == std::io::ErrorKind::NotFound {
                 Error::NotFound(format!(
                     "source {sid} does not exist in {}",
@@ -339,7 +339,7 @@ impl ConfinedSource {
     fn open(&self, name: &str, flags: OFlag) -> Result<OwnedFd> {
         crate::mount::subpath::open_confined(&self.fd, &self.real.dir, name, flags).map_err(|e| {
             match e.kind() {
-                std::io::ErrorKind::InvalidInput => Error::FailedPrecondition(e.to_string()),
+                std::io::ErrorKind::InvalidInput => Error::Precondition(e.to_string()),
                 std::io::ErrorKind::NotFound => Error::NotFound(format!(
                     "{} does not exist",
                     self.real.dir.join(name).display()
@@ -367,7 +367,7 @@ impl ConfinedSource {
         let path = self.real.image();
         let meta = file.metadata().map_err(|e| Error::io("stat", &path, e))?;
         if !meta.is_file() {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "{} is not a regular file; refusing to attach it",
                 path.display()
             )));
@@ -429,7 +429,7 @@ impl Roots {
     /// process cannot reach it.
     pub fn for_id(&self, id: &VolumeId) -> Result<&Root> {
         self.by_key(id.backend, &id.root_key).ok_or_else(|| {
-            Error::FailedPrecondition(format!(
+            Error::Precondition(format!(
                 "volume {}.{}.{} lives in a {} storage root this process does not serve \
                  (another node's state dir, or a shared path missing from --shared-path)",
                 id.backend, id.root_key, id.uuid, id.backend

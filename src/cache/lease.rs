@@ -93,7 +93,7 @@ pub fn holders(src: &ConfinedSource) -> Result<Vec<Holder>> {
 
 fn refuse(sid: &str, others: &[Holder]) -> Error {
     let who: Vec<String> = others.iter().map(Holder::describe).collect();
-    Error::FailedPrecondition(format!(
+    Error::Precondition(format!(
         "source {sid} is already staged writable on {}; an unsealed source has one writer: \
          unstage it there first (stop the pods that write it), or seal it and read it \
          through cache volumes",
@@ -129,7 +129,7 @@ pub fn acquire(
         if created {
             release(root, src, node, staging)?;
         }
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "source {sid} is sealed (or being sealed) and can only be mounted read-only"
         )));
     }
@@ -173,7 +173,7 @@ fn acquire_exclusive(src: &ConfinedSource, sid: &str, lease: &Lease) -> Result<b
             }
         }
     }
-    Err(Error::Aborted(format!(
+    Err(Error::Busy(format!(
         "the writer lease of source {sid} changed hands while it was being taken; retry"
     )))
 }
@@ -183,7 +183,7 @@ fn acquire_shared(src: &ConfinedSource, sid: &str, lease: &Lease) -> Result<bool
     let real = src.real.writers().join(&lease.node);
     match fs::symlink_metadata(src.via.writers()) {
         Ok(m) if !m.is_dir() => {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "{} is not a directory; refusing to take a lease through it",
                 src.real.writers().display()
             )));
@@ -278,7 +278,7 @@ mod tests {
         );
         for (node, staging) in [("b", "/s/1"), ("a", "/s/2")] {
             let err = take(&root, node, staging, Share::Exclusive).unwrap_err();
-            assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+            assert!(matches!(err, Error::Precondition(_)), "{err}");
             assert!(err.to_string().contains("node a (staged at /s/1)"), "{err}");
         }
         // A shared taker sees the exclusive holder too, and leaves nothing.

@@ -99,7 +99,7 @@ pub fn scan(root: &Path) -> Result<Tree> {
         for entry in entries {
             let name = entry.file_name();
             let Some(name_str) = name.to_str() else {
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::Precondition(format!(
                     "source contains a file name that is not UTF-8 in {}",
                     dir.display()
                 )));
@@ -120,7 +120,7 @@ pub fn scan(root: &Path) -> Result<Tree> {
                 });
             } else if ft.is_file() {
                 if meta.permissions().mode() & 0o6000 != 0 {
-                    return Err(Error::FailedPrecondition(format!(
+                    return Err(Error::Precondition(format!(
                         "source file {rel_str} has a setuid or setgid bit; models must not carry them"
                     )));
                 }
@@ -138,7 +138,7 @@ pub fn scan(root: &Path) -> Result<Tree> {
                 } else {
                     "a socket"
                 };
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::Precondition(format!(
                     "source entry {rel_str} is {kind}; models may hold only files, directories and symlinks"
                 )));
             }
@@ -172,7 +172,7 @@ pub fn hash_file(path: &Path) -> Result<(u64, String)> {
 /// every hash. Errors name the first file that differs.
 pub fn verify(root: &Path, seal: &Seal, full: bool) -> Result<()> {
     let damaged = |what: String| {
-        Error::FailedPrecondition(format!(
+        Error::Precondition(format!(
             "source {} is damaged: {what}; it must be re-created",
             seal.source
         ))

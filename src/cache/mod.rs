@@ -61,7 +61,7 @@ pub async fn lookup_off_runtime(roots: &Roots, volume_id: &str) -> Result<(Root,
 /// with an error naming the file.
 pub fn read_volume(root: &Root, uuid: &str) -> Result<Option<VolumeRecord>> {
     if !layout::is_volume_uuid(uuid) {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "volume uuid {uuid:?} is malformed; refusing it in {}",
             root.describe()
         )));
@@ -70,7 +70,7 @@ pub fn read_volume(root: &Root, uuid: &str) -> Result<Option<VolumeRecord>> {
     let rec: Option<VolumeRecord> = state::read_json(&path).map_err(|e| invalid(&path, e))?;
     if let Some(rec) = &rec {
         rec.check(root, uuid).map_err(|why| {
-            Error::FailedPrecondition(format!(
+            Error::Precondition(format!(
                 "volume record {} is not valid and is refused: {why}",
                 path.display()
             ))
@@ -82,7 +82,7 @@ pub fn read_volume(root: &Root, uuid: &str) -> Result<Option<VolumeRecord>> {
 /// A record that exists but cannot be used: named, never followed.
 fn invalid(path: &Path, e: io::Error) -> Error {
     if e.kind() == io::ErrorKind::InvalidData {
-        Error::FailedPrecondition(format!(
+        Error::Precondition(format!(
             "{} is not valid and is refused: {e}",
             path.display()
         ))
@@ -115,7 +115,7 @@ pub fn list_volumes(root: &Root) -> Result<Vec<VolumeRecord>> {
             Ok(Some(rec)) => out.push(rec),
             Ok(None) => {}
             // One forged file in a shared root must not hide every volume.
-            Err(e @ Error::FailedPrecondition(_)) => {
+            Err(e @ Error::Precondition(_)) => {
                 tracing::warn!(error = %e, "skipping a volume record")
             }
             Err(e) => return Err(e),
@@ -128,7 +128,7 @@ pub fn list_volumes(root: &Root) -> Result<Vec<VolumeRecord>> {
 /// paths leave the source, or that names another source.
 pub fn read_seal(root: &Root, sid: &str) -> Result<Option<Seal>> {
     if !layout::is_source_id(sid) {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "source id {sid:?} is malformed; refusing it in {}",
             root.describe()
         )));
@@ -137,7 +137,7 @@ pub fn read_seal(root: &Root, sid: &str) -> Result<Option<Seal>> {
     let seal: Option<Seal> = state::read_json(&path).map_err(|e| invalid(&path, e))?;
     if let Some(seal) = &seal {
         seal.check(sid).map_err(|why| {
-            Error::FailedPrecondition(format!(
+            Error::Precondition(format!(
                 "seal {} is not valid and is refused: {why}",
                 path.display()
             ))
@@ -305,7 +305,7 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
     let result = (|| {
         let writers = writers(root, sid)?;
         if !writers.is_empty() {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "source {sid} is still staged writable on node(s) {}; stop the pods that \
                  write it (the volume must be unstaged everywhere) before sealing",
                 writers.join(", ")

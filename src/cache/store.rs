@@ -293,7 +293,7 @@ impl SourceStore for ImageStore {
     fn check_detached(&self, sid: &str, sp: &SourcePaths) -> Result<()> {
         let attached = mount::loopdev::devices_backed_by(&sp.image()).unwrap_or_default();
         match attached.first() {
-            Some((dev, _)) => Err(Error::FailedPrecondition(format!(
+            Some((dev, _)) => Err(Error::Precondition(format!(
                 "source {sid} is still attached on this node as {}; unstage its volumes first",
                 dev.display()
             ))),

@@ -39,9 +39,7 @@ fn tool_path(name: &str) -> Option<PathBuf> {
 /// temporary name and renamed into place.
 pub fn create_image(image: &Path, size: u64) -> Result<()> {
     let mkfs = mkfs_path().ok_or_else(|| {
-        Error::FailedPrecondition(
-            "backend xfs needs mkfs.xfs on the controller; install xfsprogs".into(),
-        )
+        Error::Precondition("backend xfs needs mkfs.xfs on the controller; install xfsprogs".into())
     })?;
     let dir = image.parent().unwrap_or(Path::new("/"));
     fs::create_dir_all(dir).ctx("create", dir)?;
@@ -87,7 +85,7 @@ pub fn new_uuid(image: &Path) -> Result<()> {
 /// stderr.
 fn run_tool(name: &str, args: &[&str], target: &Path) -> Result<()> {
     let tool = tool_path(name).ok_or_else(|| {
-        Error::FailedPrecondition(format!(
+        Error::Precondition(format!(
             "backend xfs needs {name} on the controller; install xfsprogs"
         ))
     })?;

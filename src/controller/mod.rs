@@ -188,7 +188,7 @@ impl ControllerService {
             return Err(Error::invalid("max_entries", "must not be negative"));
         }
         if !req.starting_token.is_empty() && VolumeId::parse(&req.starting_token).is_none() {
-            return Err(Error::Aborted(format!(
+            return Err(Error::Busy(format!(
                 "starting_token {:?} was not issued by this driver; list again from the start",
                 req.starting_token
             )));
@@ -238,7 +238,7 @@ impl ControllerService {
 }
 
 fn unimplemented<T>(what: &str) -> std::result::Result<Response<T>, Status> {
-    Err(Error::Unimplemented(format!("{what} is not offered by modelcache-csi")).into())
+    Err(Error::Unsupported(format!("{what} is not offered by modelcache-csi")).into())
 }
 
 #[tonic::async_trait]

@@ -52,10 +52,10 @@ impl Report {
     pub fn of(node: &str, parameters: BTreeMap<String, String>, result: &Result<()>) -> Report {
         let (outcome, message) = match result {
             Ok(()) => (Outcome::Applied, String::new()),
-            Err(e @ Error::FailedPrecondition(_)) | Err(e @ Error::Aborted(_)) => {
+            Err(e @ Error::Precondition(_)) | Err(e @ Error::Busy(_)) => {
                 (Outcome::Refused, e.to_string())
             }
-            Err(e @ Error::InvalidArgument { .. }) => (Outcome::Invalid, e.to_string()),
+            Err(e @ Error::Invalid { .. }) => (Outcome::Invalid, e.to_string()),
             Err(e) => (Outcome::Failed, e.to_string()),
         };
         Report {
@@ -109,7 +109,7 @@ pub fn answer(
         let last = report
             .map(|r| format!("; its last report is for {}", show(&r.parameters)))
             .unwrap_or_default();
-        return Err(Error::Unavailable(format!(
+        return Err(Error::Transient(format!(
             "volume {volume} lives on node {node}, whose driver applies VolumeAttributesClass \
              changes to it (--modify-node-local-volumes, set in deploy/csi-driver's node \
              DaemonSet); it has not reported applying {}{last}. If this lasts, check that \
@@ -120,13 +120,13 @@ pub fn answer(
     let on = |m: &str| format!("on node {}: {m}", r.node);
     match r.outcome {
         Outcome::Applied => Ok(()),
-        Outcome::Running => Err(Error::Unavailable(on(&format!(
+        Outcome::Running => Err(Error::Transient(on(&format!(
             "applying {} to volume {volume}",
             show(wanted)
         )))),
-        Outcome::Refused => Err(Error::FailedPrecondition(on(&r.message))),
+        Outcome::Refused => Err(Error::Precondition(on(&r.message))),
         Outcome::Invalid => Err(Error::invalid("mutable_parameters", on(&r.message))),
-        Outcome::Failed => Err(Error::Unavailable(on(&format!(
+        Outcome::Failed => Err(Error::Transient(on(&format!(
             "{}; it tries again",
             r.message
         )))),
@@ -208,8 +208,8 @@ mod tests {
         let p = sealed();
         let cases = [
             (Ok(()), Outcome::Applied),
-            (Err(Error::FailedPrecondition("w".into())), Outcome::Refused),
-            (Err(Error::Aborted("busy".into())), Outcome::Refused),
+            (Err(Error::Precondition("w".into())), Outcome::Refused),
+            (Err(Error::Busy("busy".into())), Outcome::Refused),
             (Err(Error::invalid("f", "m")), Outcome::Invalid),
             (Err(Error::Internal("i".into())), Outcome::Failed),
         ];

@@ -146,7 +146,7 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         }
         None if external.is_some() => {
             roots.node_local(Backend::Local).cloned().ok_or_else(|| {
-                Error::FailedPrecondition(
+                Error::Precondition(
                     "a pvc:// claim of another driver is read on the node that holds it: run the \
                  controller on the node (--node-id) with backend local"
                         .into(),
@@ -237,7 +237,7 @@ fn capacity_range(req: &CreateRequest) -> Result<(i64, i64)> {
 fn new_source_capacity(backend: Backend, required: i64, limit: i64) -> Result<i64> {
     let min = backend.store().min_source_bytes() as i64;
     if limit > 0 && limit < min {
-        return Err(Error::OutOfRange(format!(
+        return Err(Error::Unsatisfiable(format!(
             "capacity_range.limit_bytes {limit} is below the {min} bytes a source of backend \
              {backend} needs"
         )));
@@ -283,7 +283,7 @@ pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
             ));
         }
         return roots.node_local(backend).cloned().ok_or_else(|| {
-            Error::FailedPrecondition(format!(
+            Error::Precondition(format!(
                 "backend {backend} keeps volumes on the node, so the controller must run on \
                  the node with --node-id (distributed provisioning)"
             ))
@@ -344,7 +344,7 @@ fn check_topology(cfg: &Config, root: &Root, req: Option<&TopologyRequirement>) 
     {
         return Ok(());
     }
-    Err(Error::ResourceExhausted(format!(
+    Err(Error::OverLimit(format!(
         "this controller provisions {} volumes only on node {node}, which the requisite \
          topology does not include",
         root.backend
@@ -708,9 +708,9 @@ mod tests {
             let what = c.what;
             let e = run(&cfg, c).expect_err(what);
             let got = match &e {
-                Error::InvalidArgument { field, .. } => field.as_str(),
-                Error::OutOfRange(_) => "OutOfRange",
-                Error::ResourceExhausted(_) => "ResourceExhausted",
+                Error::Invalid { field, .. } => field.as_str(),
+                Error::Unsatisfiable(_) => "OutOfRange",
+                Error::OverLimit(_) => "ResourceExhausted",
                 other => panic!("{what}: unexpected {other:?}"),
             };
             assert_eq!(got, want, "{what}: {e}");
@@ -727,7 +727,7 @@ mod tests {
         };
         let e = run(&central, case("a node-local volume", request(&[]))).unwrap_err();
         assert!(
-            matches!(e, Error::FailedPrecondition(ref m) if m.contains("--node-id")),
+            matches!(e, Error::Precondition(ref m) if m.contains("--node-id")),
             "{e}"
         );
         let e = run(
@@ -736,7 +736,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            matches!(e, Error::InvalidArgument { ref field, .. } if field == "parameters.backend"),
+            matches!(e, Error::Invalid { ref field, .. } if field == "parameters.backend"),
             "{e}"
         );
         let shared_only = Config {
@@ -749,7 +749,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            matches!(e, Error::InvalidArgument { ref field, ref message } if field == "parameters.sharedPath" && message.contains("--shared-path")),
+            matches!(e, Error::Invalid { ref field, ref message } if field == "parameters.sharedPath" && message.contains("--shared-path")),
             "{e}"
         );
     }

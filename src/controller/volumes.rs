@@ -262,7 +262,7 @@ impl Provisioner {
             {
                 Ok(Some((existing, plan::topology_of(&self.cfg, &r))))
             }
-            Some((_, existing)) => Err(Error::AlreadyExists(format!(
+            Some((_, existing)) => Err(Error::Conflict(format!(
                 "volume name {} is already used by volume {} with different arguments",
                 plan.record.name, existing.id
             ))),
@@ -302,7 +302,7 @@ impl Provisioner {
                 return blocking(move || {
                     let writers = cache::writers(&r, &from.source)?;
                     if !writers.is_empty() && cache::read_seal(&r, &from.source)?.is_none() {
-                        return Err(Error::FailedPrecondition(format!(
+                        return Err(Error::Precondition(format!(
                             "source volume {} is being written on node(s) {}; a copy now would be torn",
                             from.id,
                             writers.join(", ")
@@ -355,7 +355,7 @@ impl Provisioner {
             }
             let total = seal.total_bytes as i64;
             if limit > 0 && limit < total {
-                return Err(Error::OutOfRange(format!(
+                return Err(Error::Unsatisfiable(format!(
                     "capacity_range.limit_bytes {limit} is smaller than the {total} bytes the source holds"
                 )));
             }
@@ -366,7 +366,7 @@ impl Provisioner {
             // references; if that won, ours must not dangle.
             if cache::read_seal(&root, &sid)?.is_none() {
                 cache::remove_ref(&root, &sid, &uuid)?;
-                return Err(Error::Unavailable(format!(
+                return Err(Error::Transient(format!(
                     "source {sid} was evicted while this volume was being created; retry"
                 )));
             }
@@ -529,7 +529,7 @@ impl Provisioner {
         not_here: Error,
     ) -> Result<()> {
         let (Some(kube), Some(pv_name)) = (&self.kube, pv_name) else {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "{not_here}. A node-local volume is modified by its node's driver, which reports on \
                  the PV: run external-resizer with --extra-modify-metadata and give this \
                  controller Kubernetes API access, so it can read that report"
@@ -538,7 +538,7 @@ impl Provisioner {
         let pv = kube.pv(pv_name).await?;
         let handle = pv.spec.as_ref().and_then(|s| s.csi.as_ref());
         if handle.map(|c| c.volume_handle.as_str()) != Some(volume_id) {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "PV {pv_name} is not volume {volume_id}"
             )));
         }
@@ -575,7 +575,7 @@ impl Provisioner {
         let p = Params::parse(params)?;
         let root = match plan::select_root(&self.cfg, &self.roots, &p) {
             Ok(r) => r,
-            Err(Error::FailedPrecondition(_)) => return Ok(0),
+            Err(Error::Precondition(_)) => return Ok(0),
             Err(e) => return Err(e),
         };
         if let (Some(node), Some(t)) = (&root.node, topology)
@@ -684,7 +684,7 @@ fn delete_volume(root: &Root, uuid: &str, rec: &VolumeRecord) -> Result<()> {
                 }
             }
             if !users.is_empty() {
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::Precondition(format!(
                     "source volume {} is read by cache volumes {}; delete them first",
                     rec.id,
                     users.join(", ")
@@ -692,7 +692,7 @@ fn delete_volume(root: &Root, uuid: &str, rec: &VolumeRecord) -> Result<()> {
             }
             let writers = cache::writers(root, &rec.source)?;
             if !writers.is_empty() {
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::Precondition(format!(
                     "source volume {} is still staged on node(s) {}",
                     rec.id,
                     writers.join(", ")
@@ -708,7 +708,7 @@ fn delete_volume(root: &Root, uuid: &str, rec: &VolumeRecord) -> Result<()> {
 /// The seal of a source a cache volume is about to read.
 fn sealed(root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
     cache::read_seal(root, sid)?.ok_or_else(|| {
-        Error::FailedPrecondition(format!(
+        Error::Precondition(format!(
             "source volume {} is not sealed: finish writing it, stop the pods that write it, \
              then seal it (mutable parameter sealed=true through a VolumeAttributesClass, \
              or `modelcache-csi seal`)",
@@ -724,7 +724,7 @@ fn sealed(root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
 fn check_free(root: &Root, bytes: u64) -> Result<()> {
     let space = cache::space(root)?;
     if bytes > space.usable() {
-        return Err(Error::ResourceExhausted(format!(
+        return Err(Error::OverLimit(format!(
             "{bytes} bytes were requested, but {} has {space}",
             root.describe()
         )));
@@ -755,12 +755,12 @@ impl Provisioner {
         let field = "parameters.source";
         let u = crate::uri::parse_pvc_uri(uri).map_err(|m| Error::invalid(field, m))?;
         let kube = self.kube.as_ref().ok_or_else(|| {
-            Error::FailedPrecondition(format!(
+            Error::Precondition(format!(
                 "{uri} needs Kubernetes API access and the PVC's namespace: run the provisioner with --extra-create-metadata and the driver in the cluster (or with --kubeconfig)"
             ))
         })?;
         let requester_ns = requester_ns.ok_or_else(|| {
-            Error::FailedPrecondition(format!("{uri}: the requesting PVC is unknown; run external-provisioner with --extra-create-metadata"))
+            Error::Precondition(format!("{uri}: the requesting PVC is unknown; run external-provisioner with --extra-create-metadata"))
         })?;
         let ns = match &u.namespace {
             Some(ns) if ns != requester_ns && !cross_ns => {
@@ -782,7 +782,7 @@ impl Provisioner {
             .and_then(|s| s.volume_name.clone())
             .filter(|_| claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
             .ok_or_else(|| {
-                Error::FailedPrecondition(format!("claim {ns}/{} is not bound yet", u.claim))
+                Error::Precondition(format!("claim {ns}/{} is not bound yet", u.claim))
             })?;
         let pv = kube.pv(&pv_name).await?;
         let spec = pv.spec.unwrap_or_default();
@@ -804,7 +804,7 @@ impl Provisioner {
             .and_then(|a| a.get(kubeapi::TRUSTED_FILESYSTEM_ANNOTATION))
             .is_some_and(|v| v == "true");
         match (local_path.or(host_path), block) {
-            (Some(_), true) if !trusted => Err(Error::PermissionDenied(format!(
+            (Some(_), true) if !trusted => Err(Error::NotAllowed(format!(
                 "{uri}: PV {pv_name} is a block device whose filesystem its users can write;                  the node's kernel mounts only filesystems the driver sealed itself or an admin                  vouched for. An admin may annotate the PV {}: \"true\" once its content is \
                  trusted and no longer written",
                 kubeapi::TRUSTED_FILESYSTEM_ANNOTATION

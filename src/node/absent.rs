@@ -17,7 +17,7 @@ use crate::csi::*;
 pub struct AbsentNode;
 
 fn refused(rpc: &str) -> Status {
-    crate::error::Error::Unimplemented(format!(
+    crate::error::Error::Unsupported(format!(
         "{rpc}: this modelcache-csi process runs --mode=controller; node RPCs go to the node plugin (--mode=node or all)"
     ))
     .into()

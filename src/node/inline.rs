@@ -180,7 +180,7 @@ impl Inline {
         check_id(volume_id)?;
         let wanted = parse(context)?;
         let class = self.class.as_deref().ok_or_else(|| {
-            Error::FailedPrecondition(
+            Error::Precondition(
                 "inline volumes of this driver are off: an admin enables them by naming a \
                  StorageClass of this driver with --inline-storage-class (its parameters, \
                  allowedSources above all, decide what pods may name)"
@@ -188,14 +188,14 @@ impl Inline {
             )
         })?;
         let kube = self.provisioner.kube.as_ref().ok_or_else(|| {
-            Error::FailedPrecondition(
+            Error::Precondition(
                 "inline volumes need the driver's Kubernetes API access (--kube-api), to read \
                  the inline StorageClass"
                     .into(),
             )
         })?;
         let sc = kube.storage_class(class).await.map_err(|e| match e {
-            Error::NotFound(_) => Error::FailedPrecondition(format!(
+            Error::NotFound(_) => Error::Precondition(format!(
                 "inline volumes follow StorageClass {class} (--inline-storage-class), which does \
                  not exist: an admin creates it to enable them, with allowedSources naming what \
                  pods may pull (deploy/csi-driver/examples/inline.yaml)"
@@ -203,7 +203,7 @@ impl Inline {
             e => e,
         })?;
         if sc.provisioner != self.provisioner.cfg.driver_name {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "--inline-storage-class {class} is a StorageClass of {}, not of {}",
                 sc.provisioner, self.provisioner.cfg.driver_name
             )));
@@ -344,7 +344,7 @@ mod tests {
         for (c, field) in cases {
             let e = parse(&c).unwrap_err();
             assert!(
-                matches!(&e, Error::InvalidArgument { field: f, .. } if f == field),
+                matches!(&e, Error::Invalid { field: f, .. } if f == field),
                 "{c:?}: {e}"
             );
         }

@@ -93,7 +93,7 @@ impl NodeService {
         let cap = capability_of(req.volume_capability.as_ref())?;
         if inline::is_inline(&req.volume_context) {
             let inline = self.inline.as_ref().ok_or_else(|| {
-                Error::FailedPrecondition(
+                Error::Precondition(
                     "inline volumes need the controller service in the node's driver \
                      (--mode all, as deploy/csi-driver runs it)"
                         .into(),
@@ -241,7 +241,7 @@ impl Node for NodeService {
         &self,
         _: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        Err(crate::error::Error::Unimplemented(
+        Err(crate::error::Error::Unsupported(
             "NodeExpandVolume is not offered by modelcache-csi".into(),
         )
         .into())

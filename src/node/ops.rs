@@ -49,7 +49,7 @@ pub use crate::offload::blocking;
 
 fn node_id(cfg: &Config) -> Result<String> {
     cfg.node_id.clone().ok_or_else(|| {
-        Error::FailedPrecondition("this process serves no node: start it with --node-id".into())
+        Error::Precondition("this process serves no node: start it with --node-id".into())
     })
 }
 
@@ -162,7 +162,7 @@ impl NodeOps {
         // Sealed means read-only, for a source volume as for its caches.
         let writable = rec.role == Role::Source && seal.is_none();
         if !writable && seal.is_none() {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "source {} of volume {volume_id} is not sealed",
                 rec.source
             )));
@@ -171,7 +171,7 @@ impl NodeOps {
             // Mounting it read-only would show bytes a writer can still
             // change: on another node, through an XFS log this mount would
             // not replay, or later, after this check.
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "source volume {volume_id} is not sealed yet, and a read-only stage ({}) would \
                  show bytes its writer can still change; seal it first (mutable parameter \
                  sealed=true), then read it through cache volumes",
@@ -216,7 +216,7 @@ impl NodeOps {
                 .await
             {
                 // Still hashing: the mount stays for the retry to join.
-                Err(e @ Error::Unavailable(_)) => Err(e),
+                Err(e @ Error::Transient(_)) => Err(e),
                 Err(e) => {
                     let st = staging.clone();
                     let _ = blocking(move || unmount_staging(&*m, &st)).await;
@@ -339,7 +339,7 @@ fn stage_external(m: &dyn Mounter, ext: &External, staging: &Path) -> Result<()>
         if same && existing.is_readonly() {
             return Ok(());
         }
-        return Err(Error::AlreadyExists(format!(
+        return Err(Error::Conflict(format!(
             "staging path {} already holds a different mount ({} from {}); unstage it first",
             staging.display(),
             existing.fs_type,
@@ -380,7 +380,7 @@ fn stage_blocking(
         if same && existing.is_readonly() != writable {
             return Ok(());
         }
-        return Err(Error::AlreadyExists(format!(
+        return Err(Error::Conflict(format!(
             "staging path {} already holds a different mount ({} from {}); unstage it first",
             staging.display(),
             existing.fs_type,
@@ -421,7 +421,7 @@ fn publish_blocking(
     ro: bool,
 ) -> Result<()> {
     let Some((content, _)) = staged(m, staging)? else {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::Precondition(format!(
             "volume {} is not staged at {}: call NodeStageVolume first",
             rec.id,
             staging.display()
@@ -452,7 +452,7 @@ fn publish_blocking(
         if identity(&m.view(target))? == identity(&m.view(&src))? && existing.is_readonly() == ro {
             return Ok(());
         }
-        return Err(Error::AlreadyExists(format!(
+        return Err(Error::Conflict(format!(
             "target {} already holds a different mount of {} (read-only: {}); unpublish it first",
             target.display(),
             existing.source,
@@ -717,7 +717,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, Error::FailedPrecondition(m) if m.contains("NodeStageVolume")),
+            matches!(&e, Error::Precondition(m) if m.contains("NodeStageVolume")),
             "{e}"
         );
 
@@ -732,7 +732,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, Error::InvalidArgument { field, .. } if field == "volume_capability.mount.mount_flags"),
+            matches!(&e, Error::Invalid { field, .. } if field == "volume_capability.mount.mount_flags"),
             "{e}"
         );
 
@@ -749,7 +749,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, Error::AlreadyExists(m) if m.contains("unpublish it first")),
+            matches!(&e, Error::Conflict(m) if m.contains("unpublish it first")),
             "{e}"
         );
         assert_eq!(n.fake.view(&target), other.canonicalize().unwrap());
@@ -765,7 +765,7 @@ mod tests {
             .stage(&vid, foreign.clone(), reader(), None)
             .await
             .unwrap_err();
-        assert!(matches!(&e, Error::AlreadyExists(_)), "{e}");
+        assert!(matches!(&e, Error::Conflict(_)), "{e}");
     }
 
     #[tokio::test]
@@ -850,7 +850,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, Error::InvalidArgument { field, .. } if field == "subPath"),
+            matches!(&e, Error::Invalid { field, .. } if field == "subPath"),
             "{e}"
         );
         assert!(n.fake.at(&target).is_none());
@@ -869,7 +869,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, Error::FailedPrecondition(m) if m.contains("seal it first")),
+            matches!(&e, Error::Precondition(m) if m.contains("seal it first")),
             "{e}"
         );
 

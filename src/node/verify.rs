@@ -60,7 +60,7 @@ impl Verifier {
         let job = self.join_or_start(&k, seal, staging);
         let Some(outcome) = crate::outcome::wait(&job.done, "a verification", wait).await else {
             let mib = |b: u64| b as f64 / 1048576.0;
-            return Err(Error::Unavailable(format!(
+            return Err(Error::Transient(format!(
                 "verifying source {} (verify: full) for {}s: {:.1} of {:.1} MiB rehashed; \
                  the rehash goes on, and a retry of NodeStage joins it",
                 seal.source,
@@ -117,7 +117,7 @@ fn rehash(seal: &Seal, staging: &std::path::Path, hashed: &AtomicU64) -> Result<
         let path = staging.join(&f.path);
         let (_, sha) = manifest::hash_file(&path)?;
         if sha != f.sha256 {
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "source {} is damaged: file {} has sha256 {sha}, the seal recorded {}; it must be \
                  re-created",
                 seal.source, f.path, f.sha256
@@ -161,7 +161,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, Error::Unavailable(m) if m.contains("rehash goes on")),
+            matches!(&e, Error::Transient(m) if m.contains("rehash goes on")),
             "{e:?}"
         );
         v.verify(&seal, d.path().into(), None).await.unwrap();
@@ -183,7 +183,7 @@ mod tests {
         for _ in 0..2 {
             let e = v.verify(&seal, d.path().into(), None).await.unwrap_err();
             assert!(
-                matches!(&e, Error::FailedPrecondition(m) if m.contains("damaged")),
+                matches!(&e, Error::Precondition(m) if m.contains("damaged")),
                 "{e:?}"
             );
         }

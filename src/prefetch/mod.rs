@@ -105,7 +105,7 @@ async fn report(client: &Client, node: &str, name: &str, status: Option<NodeStat
         )
         .await
         .map(|_| ())
-        .map_err(|e| Error::Unavailable(format!("writing the status of ModelPrefetch {name}: {e}")))
+        .map_err(|e| Error::Transient(format!("writing the status of ModelPrefetch {name}: {e}")))
 }
 
 fn mine<'a>(mp: &'a ModelPrefetch, node: &str) -> Option<&'a NodeStatus> {
@@ -116,7 +116,7 @@ async fn node_labels(ctx: &Ctx) -> Result<std::collections::BTreeMap<String, Str
     let node = Api::<k8s_openapi::api::core::v1::Node>::all(ctx.kube.client())
         .get(&ctx.node)
         .await
-        .map_err(|e| Error::Unavailable(format!("reading Node {}: {e}", ctx.node)))?;
+        .map_err(|e| Error::Transient(format!("reading Node {}: {e}", ctx.node)))?;
     Ok(node.labels().clone())
 }
 
@@ -352,7 +352,7 @@ async fn release_unwanted(ctx: &Arc<Ctx>) -> Result<()> {
     let all = Api::<ModelPrefetch>::all(ctx.kube.client())
         .list(&ListParams::default())
         .await
-        .map_err(|e| Error::Unavailable(format!("listing ModelPrefetches: {e}")))?;
+        .map_err(|e| Error::Transient(format!("listing ModelPrefetches: {e}")))?;
     let wanted: BTreeSet<String> = all.items.iter().map(resource::volume_name).collect();
     let running = ctx
         .running

@@ -70,7 +70,7 @@ fn list(root: &Path) -> Result<Vec<(String, PathBuf, fs::Metadata)>> {
             let entry = entry.ctx("read directory", &dir)?;
             let name = entry.file_name();
             let Some(name) = name.to_str() else {
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::Precondition(format!(
                     "{} holds a file name that is not UTF-8",
                     dir.display()
                 )));

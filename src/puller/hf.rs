@@ -16,6 +16,7 @@ use serde::Deserialize;
 use url::Url;
 
 use super::SourceOptions;
+use super::failure::Failure;
 use super::http::{self, RangeGet};
 use super::source::{MAX_LISTED_FILES, RemoteFile, Resolved, Source, Unpack};
 use crate::error::{Error, Result};
@@ -246,14 +247,14 @@ impl HfSource {
         }
     }
 
-    fn error(&self, what: &str, status: StatusCode, headers: &HeaderMap) -> Error {
+    fn error(&self, what: &str, status: StatusCode, headers: &HeaderMap) -> Failure {
         let code = headers.get("x-error-code").and_then(|v| v.to_str().ok());
         match (status.as_u16(), code) {
-            (404, Some("RevisionNotFound")) => Error::NotFound(format!(
+            (404, Some("RevisionNotFound")) => Failure::NotFound(format!(
                 "{what}: revision {:?} not found",
                 self.uri.revision
             )),
-            (401 | 403, Some("GatedRepo")) => Error::FailedPrecondition(format!(
+            (401 | 403, Some("GatedRepo")) => Failure::Denied(format!(
                 "{what}: gated repo (HTTP {}); {}",
                 status.as_u16(),
                 self.denied_hint()
@@ -275,12 +276,12 @@ impl HfSource {
         }
         let resp = req.send().await.map_err(|e| http::request_error(what, e))?;
         if !resp.status().is_success() {
-            return Err(self.error(what, resp.status(), resp.headers()));
+            return Err(self.error(what, resp.status(), resp.headers()).into());
         }
         let headers = resp.headers().clone();
         let body = http::read_document(resp, what).await?;
         let doc = serde_json::from_slice(&body)
-            .map_err(|e| Error::Unavailable(format!("{what}: unexpected answer: {e}")))?;
+            .map_err(|e| Error::Transient(format!("{what}: unexpected answer: {e}")))?;
         Ok((doc, headers))
     }
 
@@ -329,7 +330,7 @@ impl Source for HfSource {
         let sha = info
             .sha
             .filter(|s| is_commit(s))
-            .ok_or_else(|| Error::Unavailable(format!("{what}: the Hub sent no commit sha")))?
+            .ok_or_else(|| Error::Transient(format!("{what}: the Hub sent no commit sha")))?
             .to_ascii_lowercase();
 
         let mut segs = vec!["api", "models"];
@@ -340,7 +341,7 @@ impl Source for HfSource {
         let mut tree = std::collections::HashMap::new();
         for n in 0.. {
             if n == MAX_TREE_PAGES {
-                return Err(Error::Unavailable(format!(
+                return Err(Error::Transient(format!(
                     "{what}: the file listing has more than {MAX_TREE_PAGES} pages"
                 )));
             }
@@ -349,14 +350,14 @@ impl Source for HfSource {
                 tree.insert(e.path.clone(), e);
             }
             if tree.len() > MAX_LISTED_FILES {
-                return Err(Error::ResourceExhausted(format!(
+                return Err(Error::OverLimit(format!(
                     "{what}: the repo lists more than {MAX_LISTED_FILES} files"
                 )));
             }
             match next_link(&headers) {
                 Some(next) => {
                     page = page.join(&next).map_err(|e| {
-                        Error::Unavailable(format!("{what}: bad pagination link: {e}"))
+                        Error::Transient(format!("{what}: bad pagination link: {e}"))
                     })?;
                 }
                 None => break,
@@ -385,7 +386,7 @@ impl Source for HfSource {
         let mut files = Vec::with_capacity(names.len());
         for name in names {
             let entry = tree.get(&name).ok_or_else(|| {
-                Error::Unavailable(format!(
+                Error::Transient(format!(
                     "{what}: {name:?} is in the commit but not in its tree listing"
                 ))
             })?;

@@ -37,6 +37,7 @@ use sha2::{Digest, Sha256};
 use url::Url;
 
 use super::SourceOptions;
+use super::failure::Failure;
 use super::source::{MAX_LISTED_FILES, RemoteFile, Resolved, Source, Unpack};
 use crate::error::{Error, Result};
 use crate::trust::egress;
@@ -224,10 +225,10 @@ pub(crate) fn client(proxy: Option<&str>) -> Result<Client> {
 }
 
 /// A failed send or body read: retryable, with the cause chain but never the URL.
-pub(crate) fn request_error(what: &str, err: reqwest::Error) -> Error {
+pub(crate) fn request_error(what: &str, err: reqwest::Error) -> Failure {
     let err = err.without_url();
     if let Some(why) = egress::refusal_in(&err) {
-        return Error::PermissionDenied(format!("{what}: {why}"));
+        return Failure::Forbidden(format!("{what}: {why}"));
     }
     let mut msg = format!("{what}: {err}");
     let mut cause = std::error::Error::source(&err);
@@ -235,35 +236,35 @@ pub(crate) fn request_error(what: &str, err: reqwest::Error) -> Error {
         let _ = write!(msg, ": {c}");
         cause = c.source();
     }
-    Error::Unavailable(msg)
+    Failure::transient(msg)
 }
 
-/// The one mapping from an HTTP error status to the domain error.
+/// The one reading of an HTTP error status, for every HTTP-based scheme.
 /// `denied_hint` tells the user which secret to set or fix.
 pub(crate) fn status_error(
     what: &str,
     status: StatusCode,
     headers: &HeaderMap,
     denied_hint: &str,
-) -> Error {
+) -> Failure {
     let code = status.as_u16();
     match code {
-        404 | 410 => Error::NotFound(format!("{what}: not found (HTTP {code})")),
-        401 | 403 => Error::FailedPrecondition(format!(
+        404 | 410 => Failure::NotFound(format!("{what}: not found (HTTP {code})")),
+        401 | 403 => Failure::Denied(format!(
             "{what}: access denied (HTTP {code}); {denied_hint}"
         )),
         429 | 503 => match retry_after(headers, SystemTime::now()) {
-            Some(after) => Error::RetryAfter {
+            Some(after) => Failure::Transient {
                 message: format!("{what}: HTTP {code}"),
-                after,
+                after: Some(after),
             },
-            None => Error::Unavailable(format!("{what}: HTTP {code}, try again later")),
+            None => Failure::transient(format!("{what}: HTTP {code}, try again later")),
         },
-        408 | 500..=599 => Error::Unavailable(format!("{what}: HTTP {code}")),
-        412 | 416 => Error::FailedPrecondition(format!(
+        408 | 500..=599 => Failure::transient(format!("{what}: HTTP {code}")),
+        412 | 416 => Failure::Refused(format!(
             "{what}: HTTP {code}; the file changed since the model was resolved"
         )),
-        _ => Error::FailedPrecondition(format!("{what}: unexpected HTTP {status}")),
+        _ => Failure::Refused(format!("{what}: unexpected HTTP {status}")),
     }
 }
 
@@ -292,12 +293,7 @@ pub(crate) async fn get_document(
     }
     let resp = req.send().await.map_err(|e| request_error(what, e))?;
     if !resp.status().is_success() {
-        return Err(status_error(
-            what,
-            resp.status(),
-            resp.headers(),
-            denied_hint,
-        ));
+        return Err(status_error(what, resp.status(), resp.headers(), denied_hint).into());
     }
     let headers = resp.headers().clone();
     let body = read_document(resp, what).await?;
@@ -327,7 +323,7 @@ pub(crate) async fn read_document(resp: Response, what: &str) -> Result<Bytes> {
     tokio::time::timeout(DOCUMENT_TIMEOUT, read)
         .await
         .map_err(|_| {
-            Error::Unavailable(format!(
+            Error::Transient(format!(
                 "{what}: the answer did not arrive within {DOCUMENT_TIMEOUT:?}"
             ))
         })?
@@ -418,7 +414,7 @@ pub(crate) async fn probe(
         });
     }
     if !matches!(status.as_u16(), 403 | 405 | 501) {
-        return Err(status_error(what, status, resp.headers(), denied_hint));
+        return Err(status_error(what, status, resp.headers(), denied_hint).into());
     }
     let mut req = client.get(url.clone()).header(header::RANGE, "bytes=0-0");
     if let Some(t) = token {
@@ -444,7 +440,7 @@ pub(crate) async fn probe(
             etag,
             last_modified,
         }),
-        s => Err(status_error(what, s, h, denied_hint)),
+        s => Err(status_error(what, s, h, denied_hint).into()),
     }
 }
 
@@ -507,7 +503,7 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
     // What we expect to receive, clamped to the known size.
     let asked_end = r.len.map(|l| r.offset.checked_add(l)).map(|e| {
         e.ok_or_else(|| {
-            Error::OutOfRange(format!(
+            Error::Unsatisfiable(format!(
                 "{what}: range {}+{:?} is past 2^64",
                 r.offset, r.len
             ))
@@ -525,7 +521,7 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
         if r.offset == size {
             return Ok(empty());
         }
-        return Err(Error::OutOfRange(format!(
+        return Err(Error::Unsatisfiable(format!(
             "{what}: offset {} is past the end ({size} bytes)",
             r.offset
         )));
@@ -545,7 +541,7 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
     }
     let resp = req.send().await.map_err(|e| request_error(what, e))?;
     let changed = |now: u64, was: u64| {
-        Error::FailedPrecondition(format!(
+        Error::Precondition(format!(
             "{what}: the file is now {now} bytes, was {was} when resolved; pull again"
         ))
     };
@@ -553,7 +549,7 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
         StatusCode::PARTIAL_CONTENT if ranged_request => {
             let cr = header_str(resp.headers(), header::CONTENT_RANGE).unwrap_or("");
             let Some((first, last, total)) = parse_content_range(cr) else {
-                return Err(Error::Unavailable(format!(
+                return Err(Error::Transient(format!(
                     "{what}: 206 without a usable Content-Range ({cr:?})"
                 )));
             };
@@ -569,7 +565,7 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
                 (None, None) => None,
             };
             if first != r.offset || want_last.is_some_and(|w| w != last) {
-                return Err(Error::Unavailable(format!(
+                return Err(Error::Transient(format!(
                     "{what}: asked for bytes {}-{}, the server sent {first}-{last}",
                     r.offset,
                     want_last.map_or(String::new(), |w| w.to_string())
@@ -602,10 +598,10 @@ pub(crate) async fn get_range(client: &Client, r: RangeGet<'_>) -> Result<Body> 
                 ranged: !ranged_request,
             })
         }
-        s if s.is_success() => Err(Error::Unavailable(format!(
+        s if s.is_success() => Err(Error::Transient(format!(
             "{what}: unexpected HTTP {s} to a GET"
         ))),
-        s => Err(status_error(what, s, resp.headers(), r.denied_hint)),
+        s => Err(status_error(what, s, resp.headers(), r.denied_hint).into()),
     }
 }
 
@@ -660,12 +656,12 @@ fn body_stream(
                 Some(Err(e)) => {
                     st.done = true;
                     let err = request_error(&format!("{} after {} bytes", st.what, st.got), e);
-                    return Some((Err(err), st));
+                    return Some((Err(err.into()), st));
                 }
                 None => {
                     st.done = true;
                     let e = st.expect?;
-                    let err = Error::Unavailable(format!(
+                    let err = Error::Transient(format!(
                         "{}: the connection ended after {} of {e} bytes",
                         st.what, st.got
                     ));
@@ -803,7 +799,7 @@ impl HttpSource {
             return Err(bad("lists no files".into()));
         }
         if manifest.files.len() > MAX_LISTED_FILES {
-            return Err(Error::ResourceExhausted(format!(
+            return Err(Error::OverLimit(format!(
                 "{what}: lists more than {MAX_LISTED_FILES} files"
             )));
         }
@@ -871,7 +867,7 @@ impl HttpSource {
             if let (Some(listed), Some(served)) = (size, p.size)
                 && listed != served
             {
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::Precondition(format!(
                     "{what}: {path:?} is listed as {listed} bytes, the server has {served}"
                 )));
             }
@@ -1080,16 +1076,18 @@ mod tests {
     fn statuses() {
         let h = HeaderMap::new();
         let e = |c: u16| status_error("x", StatusCode::from_u16(c).unwrap(), &h, "hint");
-        assert!(matches!(e(404), Error::NotFound(_)));
-        assert!(matches!(e(410), Error::NotFound(_)));
-        assert!(matches!(e(401), Error::FailedPrecondition(_)));
-        assert!(matches!(e(403), Error::FailedPrecondition(_)));
-        assert!(matches!(e(503), Error::Unavailable(_)));
-        assert!(matches!(e(429), Error::Unavailable(_)));
-        assert!(matches!(e(502), Error::Unavailable(_)));
+        assert!(matches!(e(404), Failure::NotFound(_)));
+        assert!(matches!(e(410), Failure::NotFound(_)));
+        assert!(matches!(e(401), Failure::Denied(_)));
+        assert!(matches!(e(403), Failure::Denied(_)));
+        assert!(matches!(e(503), Failure::Transient { after: None, .. }));
+        assert!(matches!(e(429), Failure::Transient { after: None, .. }));
+        assert!(matches!(e(502), Failure::Transient { after: None, .. }));
         let mut h = HeaderMap::new();
         h.insert(header::RETRY_AFTER, "3".parse().unwrap());
         let e = status_error("x", StatusCode::TOO_MANY_REQUESTS, &h, "");
-        assert!(matches!(e, Error::RetryAfter { after, .. } if after == Duration::from_secs(3)));
+        assert!(
+            matches!(e, Failure::Transient { after: Some(after), .. } if after == Duration::from_secs(3))
+        );
     }
 }

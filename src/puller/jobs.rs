@@ -103,7 +103,7 @@ impl Jobs {
         let job = self.join_or_start(engine, req);
         let outcome = crate::outcome::wait(&job.done, "a pull job", wait).await;
         let Some(outcome) = outcome else {
-            return Err(Error::Unavailable(still_pulling(&job)));
+            return Err(Error::Transient(still_pulling(&job)));
         };
         self.forget(&job);
         outcome
@@ -325,7 +325,7 @@ mod tests {
             .err()
             .expect("the first call gives up at its deadline");
         assert!(
-            matches!(&e, Error::Unavailable(m) if m.contains("still pulling")),
+            matches!(&e, Error::Transient(m) if m.contains("still pulling")),
             "{e:?}"
         );
         assert_eq!(jobs.len(), 1, "the pull runs on without its caller");

@@ -9,6 +9,7 @@
 
 mod direct;
 pub mod engine;
+pub mod failure;
 pub mod file;
 pub mod hf;
 pub mod http;

@@ -33,6 +33,7 @@ use oci_client::manifest::{ImageIndexEntry, OciDescriptor, OciImageManifest};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 
+use super::failure::Failure;
 use crate::error::{Error, Result};
 use crate::puller::SourceOptions;
 use crate::puller::source::{Compression, RemoteFile, Resolved, Source, Unpack};
@@ -256,9 +257,8 @@ impl Source for OciSource {
             .pull_image_manifest(&self.reference, &self.auth)
             .await
             .map_err(|e| map_error(&self.uri.to_string(), e))?;
-        let files = files_of(&manifest).map_err(|m| {
-            Error::FailedPrecondition(format!("{} (manifest {digest}): {m}", self.uri))
-        })?;
+        let files = files_of(&manifest)
+            .map_err(|m| Error::Precondition(format!("{} (manifest {digest}): {m}", self.uri)))?;
         Ok(Resolved {
             uri: self.uri.normalized(),
             revision: digest,
@@ -446,7 +446,7 @@ fn window(
                 Some(Ok(c)) => c,
                 Some(Err(e)) => {
                     st.done = true;
-                    let err = Error::Unavailable(format!("reading {}: {e}", st.what));
+                    let err = Error::Transient(format!("reading {}: {e}", st.what));
                     return Some((Err(err), st));
                 }
                 None => {
@@ -455,7 +455,7 @@ fn window(
                     if left == 0 && st.skip == 0 {
                         return None;
                     }
-                    let err = Error::Unavailable(format!(
+                    let err = Error::Transient(format!(
                         "reading {}: the registry ended the blob {} bytes early",
                         st.what,
                         left + st.skip
@@ -485,21 +485,21 @@ fn window(
 
 /// The one mapping from oci-client errors to domain errors. `what` names the
 /// object (a URI without credentials, or a blob of one).
-fn map_error(what: &str, err: OciDistributionError) -> Error {
+fn map_error(what: &str, err: OciDistributionError) -> Failure {
     use OciDistributionError as E;
     let by_status = |code: u16, detail: &str| match code {
-        404 => Error::NotFound(format!("{what} was not found in the registry")),
+        404 => Failure::NotFound(format!("{what} was not found in the registry")),
         401 | 403 => refused(what, code),
-        408 | 429 | 500..=599 => Error::Unavailable(format!(
+        408 | 429 | 500..=599 => Failure::transient(format!(
             "the registry answered HTTP {code} for {what}; {detail}"
         )),
-        _ => Error::FailedPrecondition(format!(
+        _ => Failure::Refused(format!(
             "the registry answered HTTP {code} for {what}; {detail}"
         )),
     };
     match err {
         E::UnauthorizedError { .. } => refused(what, 401),
-        E::AuthenticationFailure(_) => Error::FailedPrecondition(format!(
+        E::AuthenticationFailure(_) => Failure::Denied(format!(
             "the registry's token service refused the credentials for {what}; check the {SECRET_USERNAME}/{SECRET_PASSWORD} secrets"
         )),
         E::RegistryError { envelope, .. } => {
@@ -519,32 +519,32 @@ fn map_error(what: &str, err: OciDistributionError) -> Error {
                         | OciErrorCode::NotFound
                 )
             }) {
-                Error::NotFound(format!("{what} was not found in the registry ({detail})"))
+                Failure::NotFound(format!("{what} was not found in the registry ({detail})"))
             } else if codes()
                 .any(|c| matches!(c, OciErrorCode::Unauthorized | OciErrorCode::Denied))
             {
                 refused(what, 403)
             } else if codes().any(|c| matches!(c, OciErrorCode::Toomanyrequests)) {
-                Error::Unavailable(format!(
+                Failure::transient(format!(
                     "the registry is rate-limiting requests for {what}: {detail}"
                 ))
             } else {
-                Error::FailedPrecondition(format!("the registry refused {what}: {detail}"))
+                Failure::Refused(format!("the registry refused {what}: {detail}"))
             }
         }
         E::ServerError { code, message, .. } => by_status(code, message.trim()),
         E::RequestError(e) => match e.status() {
             Some(s) => by_status(s.as_u16(), "request failed"),
-            None => Error::Unavailable(format!(
+            None => Failure::transient(format!(
                 "cannot reach the registry for {what}: {}",
                 chain(&e)
             )),
         },
-        E::IoError(e) => Error::Unavailable(format!("cannot reach the registry for {what}: {e}")),
-        E::ImageManifestNotFoundError(_) => Error::NotFound(format!(
+        E::IoError(e) => Failure::transient(format!("cannot reach the registry for {what}: {e}")),
+        E::ImageManifestNotFoundError(_) => Failure::NotFound(format!(
             "{what} is an image index with several entries and none for linux/amd64"
         )),
-        E::DigestError(e) => Error::FailedPrecondition(format!(
+        E::DigestError(e) => Failure::Corrupt(format!(
             "the registry served {what} with content that does not match its digest: {e}"
         )),
         e @ (E::ManifestParsingError(_)
@@ -552,15 +552,15 @@ fn map_error(what: &str, err: OciDistributionError) -> Error {
         | E::UnsupportedMediaTypeError(_)
         | E::UnsupportedSchemaVersionError(_)
         | E::ManifestEncodingError(_)
-        | E::JsonError(_)) => Error::FailedPrecondition(format!(
+        | E::JsonError(_)) => Failure::Refused(format!(
             "{what} is not an OCI image or artifact manifest: {e}"
         )),
-        e => Error::FailedPrecondition(format!("the registry request for {what} failed: {e}")),
+        e => Failure::Refused(format!("the registry request for {what} failed: {e}")),
     }
 }
 
-fn refused(what: &str, code: u16) -> Error {
-    Error::FailedPrecondition(format!(
+fn refused(what: &str, code: u16) -> Failure {
+    Failure::Denied(format!(
         "the registry refused access to {what} (HTTP {code}); check the {SECRET_USERNAME}/{SECRET_PASSWORD} secrets"
     ))
 }
@@ -792,17 +792,17 @@ mod tests {
             url: "http://r/v2/m/manifests/v1".into(),
             message: "body".into(),
         };
-        assert!(matches!(map_error("x", server(404)), Error::NotFound(_)));
+        assert!(matches!(map_error("x", server(404)), Failure::NotFound(_)));
+        assert!(matches!(map_error("x", server(401)), Failure::Denied(_)));
+        assert!(matches!(map_error("x", server(403)), Failure::Denied(_)));
         assert!(matches!(
-            map_error("x", server(401)),
-            Error::FailedPrecondition(_)
+            map_error("x", server(503)),
+            Failure::Transient { after: None, .. }
         ));
         assert!(matches!(
-            map_error("x", server(403)),
-            Error::FailedPrecondition(_)
+            map_error("x", server(429)),
+            Failure::Transient { after: None, .. }
         ));
-        assert!(matches!(map_error("x", server(503)), Error::Unavailable(_)));
-        assert!(matches!(map_error("x", server(429)), Error::Unavailable(_)));
         let unauthorized = E::UnauthorizedError { url: "u".into() };
         let msg = map_error("oci://r/m", unauthorized).to_string();
         assert!(
@@ -817,16 +817,19 @@ mod tests {
             envelope,
             url: "u".into(),
         };
-        assert!(matches!(map_error("x", e), Error::NotFound(_)));
+        assert!(matches!(map_error("x", e), Failure::NotFound(_)));
         let envelope: oci_client::errors::OciEnvelope =
             serde_json::from_str(r#"{"errors":[{"code":"DENIED","message":"no"}]}"#).unwrap();
         let e = E::RegistryError {
             envelope,
             url: "u".into(),
         };
-        assert!(matches!(map_error("x", e), Error::FailedPrecondition(_)));
+        assert!(matches!(map_error("x", e), Failure::Denied(_)));
         let e = E::IoError(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        assert!(matches!(map_error("x", e), Error::Unavailable(_)));
+        assert!(matches!(
+            map_error("x", e),
+            Failure::Transient { after: None, .. }
+        ));
     }
 
     #[tokio::test]
@@ -865,7 +868,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(err, Error::Unavailable(_)) && err.to_string().contains("3 bytes early"),
+            matches!(err, Error::Transient(_)) && err.to_string().contains("3 bytes early"),
             "{err}"
         );
     }

@@ -138,7 +138,7 @@ impl Registry {
         )
         .await?;
         serde_json::from_slice(&body)
-            .map_err(|e| Error::Unavailable(format!("{what}: unexpected answer: {e}")))
+            .map_err(|e| Error::Transient(format!("{what}: unexpected answer: {e}")))
     }
 
     /// Every item of a paged list.
@@ -159,7 +159,7 @@ impl Registry {
                 _ => return Ok(items),
             }
         }
-        Err(Error::Unavailable(format!(
+        Err(Error::Transient(format!(
             "{what}: more than {MAX_PAGES} pages"
         )))
     }
@@ -296,7 +296,7 @@ pub async fn resolve_artifact_uri(uri: &str, opts: &SourceOptions) -> Result<Str
             tracing::info!(model = %model, version = %version_name, "resolved through the model registry");
             Ok(artifact_uri)
         }
-        _ => Err(Error::FailedPrecondition(format!(
+        _ => Err(Error::Precondition(format!(
             "{what}: the model artifact's uri has no scheme://"
         ))),
     }

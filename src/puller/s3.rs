@@ -26,6 +26,7 @@ use object_store::{
 use sha2::{Digest, Sha256};
 
 use super::SourceOptions;
+use super::failure::Failure;
 use super::source::{MAX_LISTED_FILES, RemoteFile, Resolved, Source, Unpack};
 use crate::error::{Error, Result};
 
@@ -345,7 +346,7 @@ impl S3Source {
             .map_err(|e| map_err(&uri, "list", e))?
         {
             if metas.len() >= MAX_LISTED_FILES {
-                return Err(Error::ResourceExhausted(format!(
+                return Err(Error::OverLimit(format!(
                     "{uri}: more than {MAX_LISTED_FILES} objects under this prefix"
                 )));
             }
@@ -523,7 +524,7 @@ impl Source for S3Source {
         let size = meta.size;
         if file.size.is_some_and(|s| s != size) {
             // A file from an older resolve than the pins: never mix the two.
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::Precondition(format!(
                 "{target}: object changed during the pull; retry to pull the new revision"
             )));
         }
@@ -532,7 +533,7 @@ impl Source for S3Source {
             None => (offset <= size).then_some(size),
         }
         .ok_or_else(|| {
-            Error::OutOfRange(format!(
+            Error::Unsatisfiable(format!(
                 "{target}: range {offset}+{len:?} is outside its {size} bytes"
             ))
         })?;
@@ -573,15 +574,15 @@ impl Source for S3Source {
 
 /// What a failed request tells us, from object_store's error chain.
 #[derive(Debug, Default)]
-struct Failure {
+struct Inspected {
     status: Option<u16>,
     /// The S3 error code (`NoSuchBucket`, `SignatureDoesNotMatch`...).
     code: Option<String>,
     transport: Option<HttpErrorKind>,
 }
 
-fn inspect(err: &(dyn StdError + 'static)) -> Failure {
-    let mut f = Failure::default();
+fn inspect(err: &(dyn StdError + 'static)) -> Inspected {
+    let mut f = Inspected::default();
     let mut cur = Some(err);
     while let Some(e) = cur {
         if let Some(h) = e.downcast_ref::<HttpError>() {
@@ -626,61 +627,73 @@ fn s3_code(body: &str) -> Option<String> {
 /// quoted: an S3 auth error body echoes the access key id and the string
 /// that was signed.
 fn map_err(target: &str, op: &str, err: object_store::Error) -> Error {
+    match failure_of(target, op, err) {
+        Ok(f) => f.into(),
+        Err(other) => Error::Internal(format!("{target}: {op} failed: {other}")),
+    }
+}
+
+/// What the object store did; an error it did not cause comes back as is.
+fn failure_of(
+    target: &str,
+    op: &str,
+    err: object_store::Error,
+) -> Result<Failure, object_store::Error> {
     use object_store::Error as OsError;
-    let failure = inspect(&err);
+    let seen = inspect(&err);
     let status = match &err {
         OsError::NotFound { .. } => Some(404),
         OsError::Precondition { .. } => Some(412),
         OsError::PermissionDenied { .. } => Some(403),
         OsError::Unauthenticated { .. } => Some(401),
-        _ => failure.status,
+        _ => seen.status,
     };
-    let code = failure.code.as_deref().unwrap_or("");
+    let code = seen.code.as_deref().unwrap_or("");
     let sep = if code.is_empty() { "" } else { " " };
-    match status {
-        Some(404) if op == "get" || op == "read" => Error::NotFound(format!(
+    Ok(match status {
+        Some(404) if op == "get" || op == "read" => Failure::NotFound(format!(
             "{target} no longer exists: the model changed during the pull; \
              retry to pull the new revision"
         )),
-        Some(404) if code.is_empty() => Error::NotFound(format!("{target}: not found")),
-        Some(404) => Error::NotFound(format!("{target}: not found ({code})")),
-        Some(412) => Error::FailedPrecondition(format!(
+        Some(404) if code.is_empty() => Failure::NotFound(format!("{target}: not found")),
+        Some(404) => Failure::NotFound(format!("{target}: not found ({code})")),
+        Some(412) => Failure::Refused(format!(
             "{target}: object changed during the pull; retry to pull the new revision"
         )),
-        Some(s @ (401 | 403)) => Error::FailedPrecondition(format!(
+        Some(s @ (401 | 403)) => Failure::Denied(format!(
             "{target}: the S3 credentials were rejected or lack permission (HTTP {s}{sep}{code}); \
              check the {SECRET_ACCESS_KEY_ID}/{SECRET_SECRET_ACCESS_KEY} secrets \
              or the driver's AWS credentials"
         )),
-        Some(301) => Error::FailedPrecondition(format!(
+        Some(301) => Failure::Refused(format!(
             "{target}: the bucket is in another region (HTTP 301{sep}{code}); set {PARAM_REGION}"
         )),
-        Some(s) if s == 429 || s >= 500 => Error::Unavailable(format!(
+        Some(s) if s == 429 || s >= 500 => Failure::transient(format!(
             "{target}: the object store answered {op} with HTTP {s}{sep}{code}"
         )),
-        Some(s) => Error::FailedPrecondition(format!(
+        Some(s) => Failure::Refused(format!(
             "{target}: the object store refused {op} with HTTP {s}{sep}{code}; \
              check {PARAM_ENDPOINT}, {PARAM_REGION} and {PARAM_PATH_STYLE}"
         )),
         // No response: connection refused or reset, timeout, DNS, TLS.
         // These errors carry no response body, so their text is safe.
-        None if failure.transport.is_some() => Error::Unavailable(format!(
+        None if seen.transport.is_some() => Failure::transient(format!(
             "{target}: cannot reach the object store to {op}: {err}: {}",
             root_cause(&err)
         )),
         None => match err {
-            OsError::InvalidPath { source } => Error::SourceFault(format!(
+            OsError::InvalidPath { source } => Failure::Corrupt(format!(
                 "{target}: an object key is not a usable relative path: {source}"
             )),
             // An answer object_store could not accept (a 200 to a ranged
             // GET, a bad Content-Range, an unparsable listing): the server's
             // doing, not a bug here.
-            OsError::Generic { .. } => Error::SourceFault(format!(
+            OsError::Generic { .. } => Failure::Corrupt(format!(
                 "{target}: the object store's answer to {op} was invalid: {err}"
             )),
-            other => Error::Internal(format!("{target}: {op} failed: {other}")),
+            other => return Err(other),
         },
-    }
+    })
 }
 
 #[cfg(test)]

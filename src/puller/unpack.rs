@@ -161,7 +161,7 @@ pub fn extract(
         budget,
     };
     let bad_archive = |e: io::Error| {
-        Error::FailedPrecondition(format!(
+        Error::Precondition(format!(
             "layer {} is not a valid tar archive ({compression:?} compression): {e}",
             blob.display()
         ))
@@ -187,7 +187,7 @@ pub fn extract(
         };
         count += 1;
         if count > budget.entries {
-            return Err(Error::ResourceExhausted(format!(
+            return Err(Error::OverLimit(format!(
                 "layer {} holds more than {} entries ({})",
                 blob.display(),
                 budget.entries,
@@ -242,7 +242,7 @@ struct Layer<'a> {
 }
 
 fn refuse(name: &str, why: impl std::fmt::Display) -> Error {
-    Error::FailedPrecondition(format!("layer entry {name:?} {why}; refused"))
+    Error::Precondition(format!("layer entry {name:?} {why}; refused"))
 }
 
 /// Splits an entry name into its components, refusing absolute names,
@@ -461,7 +461,7 @@ impl Layer<'_> {
         let mut size = 0u64;
         loop {
             let n = data.read(&mut self.buf).map_err(|e| {
-                Error::FailedPrecondition(format!(
+                Error::Precondition(format!(
                     "layer {} could not be read at entry {name:?}: {e}",
                     self.blob.display()
                 ))
@@ -471,7 +471,7 @@ impl Layer<'_> {
             }
             self.written = self.written.saturating_add(n as u64);
             if self.written > self.budget.bytes {
-                return Err(Error::ResourceExhausted(format!(
+                return Err(Error::OverLimit(format!(
                     "layer {} unpacks to more than {} bytes ({}); stopped at entry {name:?}",
                     self.blob.display(),
                     self.budget.bytes,
@@ -749,7 +749,7 @@ mod tests {
             let blob = t.write(self.tmp.path(), "layer.tar");
             let err =
                 extract(&blob, Compression::None, &self.dest(), &Budget::unlimited()).unwrap_err();
-            assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+            assert!(matches!(err, Error::Precondition(_)), "{err:?}");
             let outside: Vec<_> = fs::read_dir(self.tmp.path().join("root"))
                 .unwrap()
                 .map(|e| e.unwrap().file_name())
@@ -883,7 +883,7 @@ mod tests {
             let dest = f.tmp.path().join(format!("out-{c:?}"));
             let err = extract(&blob, c, &dest, &budget(8 << 20, 10)).unwrap_err();
             assert!(
-                matches!(&err, Error::ResourceExhausted(m)
+                matches!(&err, Error::OverLimit(m)
                     if m.contains("more than 8388608 bytes (the test's limit)") && m.contains("zeros.bin")),
                 "{err:?}"
             );
@@ -938,7 +938,7 @@ mod tests {
         let blob = t.write(f.tmp.path(), "many.tar");
         let err = extract(&blob, Compression::None, &f.dest(), &budget(u64::MAX, 100)).unwrap_err();
         assert!(
-            matches!(&err, Error::ResourceExhausted(m)
+            matches!(&err, Error::OverLimit(m)
                 if m.contains("more than 100 entries (the test's entry limit)")),
             "{err:?}"
         );

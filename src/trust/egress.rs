@@ -103,7 +103,7 @@ pub fn check_url(url: &url::Url) -> Result<()> {
         _ => return Ok(()),
     };
     match metadata_refusal(ip) {
-        Some(why) => Err(Error::PermissionDenied(why)),
+        Some(why) => Err(Error::NotAllowed(why)),
         None => Ok(()),
     }
 }
@@ -259,7 +259,7 @@ impl Guard {
     /// retry what will never be allowed.
     pub fn explain(&self, err: Error) -> Error {
         match self.policy.refusal() {
-            Some(why) => Error::PermissionDenied(why),
+            Some(why) => Error::NotAllowed(why),
             None => err,
         }
     }
@@ -550,8 +550,8 @@ mod tests {
         }
         let why = closed.policy.refusal().unwrap();
         assert!(why.contains("loopback"), "{why}");
-        let e = closed.explain(Error::Unavailable("proxy said 403".into()));
-        assert!(matches!(e, Error::PermissionDenied(_)), "{e:?}");
+        let e = closed.explain(Error::Transient("proxy said 403".into()));
+        assert!(matches!(e, Error::NotAllowed(_)), "{e:?}");
         // A dropped guard serves no one.
         let gone = url::Url::parse(open.proxy_url()).unwrap();
         drop(open);

@@ -64,7 +64,7 @@ impl Tenant {
         })?;
         allowed
             .permits(uri)
-            .map_err(|m| Error::PermissionDenied(format!("{field}: {m}")))?;
+            .map_err(|m| Error::NotAllowed(format!("{field}: {m}")))?;
         let mut admitted = allowed.named_hosts();
         let env: Vec<String> = ENDPOINT_ENV
             .iter()
@@ -96,6 +96,6 @@ impl Tenant {
     pub fn recheck(&self, what: &str, uri: &str) -> Result<()> {
         self.allowed
             .permits(uri)
-            .map_err(|m| Error::PermissionDenied(format!("{what}: {m}")))
+            .map_err(|m| Error::NotAllowed(format!("{what}: {m}")))
     }
 }

@@ -149,7 +149,7 @@ impl Source for Scripted {
                         tokio::time::sleep(d).await;
                     }
                     if dead {
-                        return Err(Error::Unavailable("injected: connection reset".into()));
+                        return Err(Error::Transient("injected: connection reset".into()));
                     }
                     Ok(p)
                 }
@@ -484,7 +484,7 @@ async fn a_shorter_size_under_the_same_revision_refetches_the_file() {
     );
     // Five chunks are made durable and recorded, then the server dies.
     let e = pull(&root, first.arc(), cfg.clone()).await.err().unwrap();
-    assert!(matches!(e, Error::Unavailable(_)), "{e:?}");
+    assert!(matches!(e, Error::Transient(_)), "{e:?}");
     assert_eq!(pull_dirs(&root).len(), 1, "resumable work is kept");
     let short = long[..(2 << 20) + 5].to_vec();
     let again = Scripted::new("test://etag")

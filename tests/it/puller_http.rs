@@ -189,7 +189,7 @@ async fn manifest_resolves_every_file_and_reads_them() {
         .resolve()
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert!(matches!(err, Error::Invalid { .. }), "{err}");
 }
 
 #[tokio::test]
@@ -251,7 +251,7 @@ async fn unavailable_with_retry_after_says_when() {
     // Without Retry-After, plain Unavailable.
     server.unavailable("vocab.txt", 1, None);
     let err = src.resolve().await.unwrap_err();
-    assert!(matches!(err, Error::Unavailable(_)), "{err}");
+    assert!(matches!(err, Error::Transient(_)), "{err}");
 }
 
 #[tokio::test]
@@ -275,7 +275,7 @@ async fn cut_and_ignored_ranges_are_never_taken_for_data() {
         }
     };
     assert_eq!(got, 1000);
-    assert!(matches!(err, Error::Unavailable(_)), "{err}");
+    assert!(matches!(err, Error::Transient(_)), "{err}");
     server.heal("tokenizer.json");
 
     // A server that ignores Range: the bytes are still exactly the range,
@@ -376,7 +376,7 @@ async fn hf_resolves_the_commit_and_lfs_digests() {
         .resolve()
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    assert!(matches!(err, Error::Precondition(_)), "{err}");
 
     // A gated repo needs the token, and the token never shows.
     hub.require_token("hf_s3cr3t");
@@ -386,7 +386,7 @@ async fn hf_resolves_the_commit_and_lfs_digests() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::FailedPrecondition(ref m) if m.contains("hfToken")),
+        matches!(err, Error::Precondition(ref m) if m.contains("hfToken")),
         "{err}"
     );
     let secrets = [("hfToken", "hf_wrong")];
@@ -443,7 +443,7 @@ async fn model_registry_resolves_to_the_artifact_uri() {
     let err = registry::resolve_artifact_uri("model-registry://minilm", &o)
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert!(matches!(err, Error::Invalid { .. }), "{err}");
     reg.archive("loop");
     assert_eq!(
         registry::resolve_artifact_uri("model-registry://minilm", &o)
@@ -468,7 +468,7 @@ async fn model_registry_resolves_to_the_artifact_uri() {
     let err = registry::resolve_artifact_uri("model-registry://minilm/v1", &o)
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    assert!(matches!(err, Error::Precondition(_)), "{err}");
     let o = opts(
         &[("modelRegistryURL", url.as_str())],
         &[("modelRegistryToken", "mr-token")],
@@ -547,7 +547,7 @@ async fn hf_patterns_pick_a_subset_that_is_its_own_model() {
     .err()
     .expect("a bad glob is refused");
     assert!(
-        matches!(&err, Error::InvalidArgument { field, message } if field == "parameters.hfAllowPatterns" && message.contains("not a glob")),
+        matches!(&err, Error::Invalid { field, message } if field == "parameters.hfAllowPatterns" && message.contains("not a glob")),
         "{err}"
     );
     let err = HfSource::new(
@@ -565,7 +565,7 @@ async fn hf_patterns_pick_a_subset_that_is_its_own_model() {
     .await
     .unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument { field, message } if field == "parameters.hfAllowPatterns" && message.contains("leave none")),
+        matches!(&err, Error::Invalid { field, message } if field == "parameters.hfAllowPatterns" && message.contains("leave none")),
         "{err}"
     );
 }
@@ -605,7 +605,7 @@ async fn no_source_reaches_link_local_metadata() {
                 .expect("a link-local read was started"),
         };
         assert!(
-            matches!(&e, Error::PermissionDenied(m) if m.contains("link-local")),
+            matches!(&e, Error::NotAllowed(m) if m.contains("link-local")),
             "{uri}: {e:?}"
         );
     }

@@ -255,10 +255,7 @@ async fn malicious_layers_are_refused_and_write_nothing_outside() {
             &unpack::Budget::unlimited(),
         )
         .unwrap_err();
-        assert!(
-            matches!(err, Error::FailedPrecondition(_)),
-            "{tag}: {err:?}"
-        );
+        assert!(matches!(err, Error::Precondition(_)), "{tag}: {err:?}");
         assert!(err.to_string().contains(want), "{tag}: {err}");
         let beside: Vec<_> = fs::read_dir(&root)
             .unwrap()
@@ -305,7 +302,7 @@ async fn stopped_registry_is_unavailable() {
     assert_eq!(file.locator, pushed.layers[0].digest);
     reg.stop();
     let err = src.resolve().await.unwrap_err();
-    assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    assert!(matches!(err, Error::Transient(_)), "{err:?}");
     assert!(
         err.to_string().contains("cannot reach the registry"),
         "{err}"
@@ -314,7 +311,7 @@ async fn stopped_registry_is_unavailable() {
         Ok(_) => panic!("read from a stopped registry succeeded"),
         Err(e) => e,
     };
-    assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    assert!(matches!(err, Error::Transient(_)), "{err:?}");
 }
 
 #[tokio::test]
@@ -338,7 +335,7 @@ async fn credentials_come_from_secrets_and_rejections_name_them() {
     for opts in [anonymous, wrong] {
         let src = OciSource::new(&reg.uri("private:v1"), &opts).unwrap();
         let err = src.resolve().await.unwrap_err();
-        assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+        assert!(matches!(err, Error::Precondition(_)), "{err:?}");
         let msg = err.to_string();
         assert!(msg.contains("ociUsername/ociPassword"), "{msg}");
         assert!(
@@ -349,7 +346,7 @@ async fn credentials_come_from_secrets_and_rejections_name_them() {
             Ok(_) => panic!("read without valid credentials succeeded"),
             Err(e) => e,
         };
-        assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+        assert!(matches!(err, Error::Precondition(_)), "{err:?}");
     }
 }
 
@@ -398,7 +395,7 @@ async fn a_tenant_reaches_a_registry_only_when_the_class_names_it() {
     let src = modelcache_csi::puller::open(&uri, &opts).await.unwrap();
     let e = src.resolve().await.unwrap_err();
     assert!(
-        matches!(&e, Error::PermissionDenied(m) if m.contains("loopback")),
+        matches!(&e, Error::NotAllowed(m) if m.contains("loopback")),
         "{e:?}"
     );
     // Every earlier request's access-log line is written by then.

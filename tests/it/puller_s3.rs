@@ -116,7 +116,7 @@ async fn real_model_lists_reads_and_pins_versions() {
     // An empty range needs no request; one past the end is a caller bug.
     assert!(read_all(&src, weights, size, None).await.is_empty());
     let err = src.read(weights, size - 1, Some(2)).await.err().unwrap();
-    assert!(matches!(err, Error::OutOfRange(_)), "{err}");
+    assert!(matches!(err, Error::Unsatisfiable(_)), "{err}");
 
     // The revision names exactly these object versions.
     let again = source(&minio, "s3://models/models/minilm")
@@ -150,7 +150,7 @@ async fn real_model_lists_reads_and_pins_versions() {
         .await
         .err()
         .expect("read of a changed object");
-    assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+    assert!(matches!(err, Error::Precondition(_)), "{err:?}");
     assert!(err.to_string().contains("changed during the pull"), "{err}");
     let changed_rev = src.resolve().await.unwrap();
     assert_ne!(changed_rev.revision, resolved.revision);
@@ -239,7 +239,7 @@ async fn rejected_credentials_are_a_failed_precondition_without_the_secret() {
             .insert("awsSecretAccessKey".into(), secret.to_string());
         let src = s3::new("s3://locked/m", &opts).unwrap();
         let err = src.resolve().await.unwrap_err();
-        assert!(matches!(err, Error::FailedPrecondition(_)), "{err:?}");
+        assert!(matches!(err, Error::Precondition(_)), "{err:?}");
         let msg = err.to_string();
         assert!(msg.contains("credentials were rejected"), "{msg}");
         assert!(!msg.contains(secret) && !format!("{err:?}").contains(secret));
@@ -257,9 +257,9 @@ async fn a_stopped_object_store_is_unavailable() {
     minio.stop();
 
     let err = src.resolve().await.unwrap_err();
-    assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    assert!(matches!(err, Error::Transient(_)), "{err:?}");
     let err = src.read(&resolved.files[0], 0, None).await.err().unwrap();
-    assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    assert!(matches!(err, Error::Transient(_)), "{err:?}");
     assert!(!err.to_string().contains(minio::ROOT_PASSWORD));
 }
 
@@ -310,5 +310,5 @@ async fn a_tenant_pulls_through_the_guard_with_its_own_keys_only() {
     let opts = tenant(BTreeMap::new()).await;
     let src = modelcache_csi::puller::open(uri, &opts).await.unwrap();
     let e = src.resolve().await.unwrap_err();
-    assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+    assert!(matches!(e, Error::Precondition(_)), "{e:?}");
 }

@@ -82,7 +82,7 @@ pub(super) async fn fetch_file(
                     state::remove_file(&state_path(&w, &k)).ctx("remove pull state", &w.state)
                 })
                 .await;
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::Precondition(format!(
                     "{} failed verification: the source promised sha256 {expected}, the bytes hash to {sha}; nothing was sealed",
                     file.path_or_locator()
                 )));
@@ -360,7 +360,7 @@ pub(super) async fn fetch_range(
         match r {
             Ok(()) if pos == end => return Ok(()),
             Ok(()) => {
-                let e = Error::Unavailable(format!(
+                let e = Error::Transient(format!(
                     "{} ended at byte {pos}, expected {end}",
                     file.path_or_locator()
                 ));
@@ -412,7 +412,7 @@ pub(super) async fn whole_download(
                 return Ok((pos, sha));
             }
             Ok(()) => {
-                let e = Error::Unavailable(format!(
+                let e = Error::Transient(format!(
                     "{} was cut short at byte {pos}",
                     file.path_or_locator()
                 ));
@@ -454,7 +454,7 @@ pub(super) async fn stream_into(
         match tokio::time::timeout(ctx.cfg.stall, ctx.source.read(file, *pos, len)).await {
             Ok(s) => s?,
             Err(_) => {
-                return Err(Error::Unavailable(format!(
+                return Err(Error::Transient(format!(
                     "no answer for {} within {:?}",
                     file.path_or_locator(),
                     ctx.cfg.stall
@@ -481,7 +481,7 @@ pub(super) async fn stream_into(
             }
             Err(_) => {
                 flush(out, part, pos, &mut win, frontier, ctx).await?;
-                return Err(Error::Unavailable(format!(
+                return Err(Error::Transient(format!(
                     "{} stalled: {in_window} bytes in {:?}, less than the {min_bytes} \
                      (--pull-stall-min-bytes-per-second x --pull-stall-seconds) a live stream sends",
                     file.path_or_locator(),
@@ -509,7 +509,7 @@ pub(super) async fn stream_into(
             )));
         }
         if end.is_none() && ctx.bytes.load(Ordering::Relaxed) > ctx.max_bytes {
-            return Err(Error::ResourceExhausted(format!(
+            return Err(Error::OverLimit(format!(
                 "{} is larger than the model may be ({} bytes: --max-model-bytes or the \
                  class's maxModelBytes); its size was not listed",
                 file.path_or_locator(),

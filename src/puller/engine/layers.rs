@@ -87,7 +87,7 @@ pub(super) fn extract_growing(
         match work.store.grow_pull(&work.dir, work.mounted.as_deref())? {
             Growth::Fixed => return Err(err),
             Growth::NoRoom { size, free } => {
-                return Err(Error::ResourceExhausted(format!(
+                return Err(Error::OverLimit(format!(
                     "layer {} unpacks to more than its {size}-byte image holds, and {} has no room to grow it ({free} bytes free beyond a {GROWTH_RESERVE}-byte reserve): {err}",
                     blob.display(),
                     work.dir.display()

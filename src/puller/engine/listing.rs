@@ -45,7 +45,7 @@ pub(super) fn check_listing(r: &Resolved, limits: &PullLimits) -> Result<Option<
     }
     let count = r.files.len() as u64;
     if count > limits.max_files {
-        return Err(Error::ResourceExhausted(format!(
+        return Err(Error::OverLimit(format!(
             "{} lists {count} files, more than this driver or StorageClass allows ({} files: \
              --max-model-files or the class's maxModelFiles); nothing was fetched",
             r.uri, limits.max_files
@@ -78,7 +78,7 @@ pub(super) fn check_listing(r: &Resolved, limits: &PullLimits) -> Result<Option<
     let total = r.total_bytes()?;
     let known = r.known_bytes();
     if known > limits.max_bytes {
-        return Err(Error::ResourceExhausted(format!(
+        return Err(Error::OverLimit(format!(
             "{} lists {known} bytes, more than this driver or StorageClass allows ({} bytes: \
              --max-model-bytes or the class's maxModelBytes); nothing was fetched",
             r.uri, limits.max_bytes
@@ -169,7 +169,7 @@ mod tests {
         };
         let e = check_listing(&listing(&[("a", Some(1)), ("b", None)]), &tight).unwrap_err();
         assert!(
-            matches!(&e, Error::ResourceExhausted(m) if m.contains("maxModelFiles")),
+            matches!(&e, Error::OverLimit(m) if m.contains("maxModelFiles")),
             "{e:?}"
         );
         let e = check_listing(
@@ -181,7 +181,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            matches!(&e, Error::ResourceExhausted(m) if m.contains("maxModelBytes")),
+            matches!(&e, Error::OverLimit(m) if m.contains("maxModelBytes")),
             "{e:?}"
         );
     }

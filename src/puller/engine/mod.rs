@@ -146,7 +146,7 @@ impl Ctx {
 }
 
 fn is_retryable(e: &Error) -> bool {
-    matches!(e, Error::Unavailable(_) | Error::RetryAfter { .. })
+    matches!(e, Error::Transient(_) | Error::RetryAfter { .. })
 }
 
 impl Engine {
@@ -308,7 +308,7 @@ impl Engine {
         // garbage would only hold space no later pull can use, so it goes
         // now, while the lock is still ours.
         if let Err(e) = &result
-            && (e.is_no_space() || matches!(e, Error::ResourceExhausted(_) | Error::SourceFault(_)))
+            && (e.is_no_space() || matches!(e, Error::OverLimit(_) | Error::SourceFault(_)))
         {
             let w = work.clone();
             if let Err(d) = blocking(move || discard_work(&w)).await {
@@ -529,7 +529,7 @@ mod tests {
             after: Duration::from_secs(3),
         };
         assert_eq!(backoff(&cfg, 0, &e), Duration::from_secs(3));
-        let u = Error::Unavailable("x".into());
+        let u = Error::Transient("x".into());
         assert!(backoff(&cfg, 0, &u) <= cfg.backoff);
         assert!(backoff(&cfg, 20, &u) <= cfg.backoff_max);
     }

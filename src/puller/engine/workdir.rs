@@ -79,7 +79,7 @@ pub(super) fn open_work(root: &Root, sid: &str, need: Option<u64>) -> Result<Wor
     // pulling the same model; it will seal it, and the CO retries us.
     let lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(
         |_| {
-            Error::Aborted(format!(
+            Error::Busy(format!(
                 "model {sid} is being pulled by another process; retry later"
             ))
         },
