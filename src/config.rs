@@ -57,27 +57,25 @@ impl Config {
     pub fn roots(&self) -> Roots {
         let mut roots = Vec::new();
         for b in &self.backends {
-            match b {
-                Backend::Local | Backend::Xfs => {
-                    if let Some(node) = &self.node_id {
-                        let dir = self.state_dir.join(b.as_str());
-                        roots.push(Root::with_anchor(
-                            *b,
-                            dir,
-                            Some(node.clone()),
-                            self.state_dir.clone(),
-                            self.min_free,
-                        ));
-                    }
-                }
-                Backend::Shared => {}
+            let place = b.store().placement();
+            if place.on_node
+                && let Some(node) = &self.node_id
+            {
+                let dir = self.state_dir.join(b.as_str());
+                roots.push(Root::with_anchor(
+                    *b,
+                    dir,
+                    Some(node.clone()),
+                    self.state_dir.clone(),
+                    self.min_free,
+                ));
             }
-            if matches!(b, Backend::Shared | Backend::Xfs) {
+            if let Some(sub) = place.under_shared {
                 for p in &self.shared_paths {
-                    let dir = if *b == Backend::Xfs {
-                        p.join("xfs")
-                    } else {
+                    let dir = if sub.is_empty() {
                         p.clone()
+                    } else {
+                        p.join(sub)
                     };
                     roots.push(Root::with_anchor(*b, dir, None, p.clone(), self.min_free));
                 }

@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use crate::cache::Backend;
 use crate::config::Config;
 use crate::csi::identity_server::Identity;
 use crate::csi::plugin_capability::{Service, service::Type as ServiceType};
@@ -34,12 +33,11 @@ pub fn problems(cfg: &Config) -> Vec<String> {
             out.push(format!("{} is not writable: {e}", root.describe()));
         }
     }
-    if cfg.backend_enabled(Backend::Xfs) && crate::cache::xfs::mkfs_path().is_none() {
-        out.push("backend xfs needs mkfs.xfs: install xfsprogs".into());
-    }
-    if cfg.backend_enabled(Backend::Shared) && cfg.shared_paths.is_empty() {
-        out.push("backend shared needs --shared-path".into());
-    }
+    out.extend(
+        cfg.backends
+            .iter()
+            .filter_map(|b| b.store().unusable(&cfg.shared_paths)),
+    );
     out
 }
 

@@ -443,15 +443,11 @@ impl Roots {
             .find(|r| r.backend == backend && r.node.is_some())
     }
 
+    /// The root of `backend` under the shared path an admin named.
     pub fn shared(&self, backend: Backend, shared_path: &Path) -> Option<&Root> {
-        let dir = if backend == Backend::Xfs {
-            shared_path.join("xfs")
-        } else {
-            shared_path.to_path_buf()
-        };
         self.roots
             .iter()
-            .find(|r| r.backend == backend && r.node.is_none() && r.dir == dir)
+            .find(|r| r.backend == backend && r.node.is_none() && r.anchor == shared_path)
     }
 }
 

@@ -118,7 +118,7 @@ impl VolumeRecord {
             crate::mount::subpath::validate_syntax(sub)?;
         }
         if let Some(ext) = &self.external {
-            if root.node.is_none() || root.backend != Backend::Local {
+            if root.node.is_none() || !root.backend.store().holds_external() {
                 return Err(format!(
                     "it names a host path ({}) but lives in a shared root; only a node's own \
                      local root may hold such records",

@@ -35,7 +35,26 @@ pub enum Growth {
 /// cannot grow fails writes with EIO.
 pub const GROWTH_RESERVE: u64 = 64 << 20;
 
+/// Where a backend's roots live.
+pub struct Placement {
+    /// A root in each node's state directory; new volumes go there unless
+    /// the class asks for a shared one.
+    pub on_node: bool,
+    /// A root under every shared path, in this subdirectory ("" for the
+    /// path itself).
+    pub under_shared: Option<&'static str>,
+}
+
 pub trait SourceStore: Sync {
+    /// Where this backend's roots live.
+    fn placement(&self) -> Placement;
+    /// Why this backend cannot work here, if so: a missing tool, a missing
+    /// setting.
+    fn unusable(&self, shared_paths: &[PathBuf]) -> Option<String>;
+    /// Whether a node's own root of this backend may hold volumes over
+    /// another driver's bytes (a host path exposed in place). Only a plain
+    /// directory root that no other node writes can.
+    fn holds_external(&self) -> bool;
     /// Bytes a new writable source needs at the least.
     fn min_source_bytes(&self) -> u64;
     /// The filesystem type a capability may name for it (besides none).
@@ -120,6 +139,22 @@ pub fn identity(path: &Path) -> Result<(u64, u64)> {
 }
 
 impl SourceStore for DirStore {
+    fn placement(&self) -> Placement {
+        Placement {
+            on_node: !self.shared,
+            under_shared: self.shared.then_some(""),
+        }
+    }
+
+    fn unusable(&self, shared_paths: &[PathBuf]) -> Option<String> {
+        (self.shared && shared_paths.is_empty())
+            .then(|| "backend shared needs --shared-path".into())
+    }
+
+    fn holds_external(&self) -> bool {
+        !self.shared
+    }
+
     fn min_source_bytes(&self) -> u64 {
         1
     }
@@ -231,6 +266,25 @@ impl SourceStore for DirStore {
 }
 
 impl SourceStore for ImageStore {
+    /// On the node by default; `imageLocation: shared` puts the image
+    /// under a shared path, still mounted by one node at a time.
+    fn placement(&self) -> Placement {
+        Placement {
+            on_node: true,
+            under_shared: Some("xfs"),
+        }
+    }
+
+    fn unusable(&self, _shared_paths: &[PathBuf]) -> Option<String> {
+        xfs::mkfs_path()
+            .is_none()
+            .then(|| "backend xfs needs mkfs.xfs: install xfsprogs".into())
+    }
+
+    fn holds_external(&self) -> bool {
+        false
+    }
+
     fn min_source_bytes(&self) -> u64 {
         xfs::MIN_IMAGE_BYTES
     }

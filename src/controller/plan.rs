@@ -271,8 +271,9 @@ pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
             ),
         ));
     }
-    let node_local = backend == Backend::Local
-        || (backend == Backend::Xfs && p.image_location != Some(ImageLocation::Shared));
+    // `imageLocation` is accepted for xfs only (`params`).
+    let node_local =
+        backend.store().placement().on_node && p.image_location != Some(ImageLocation::Shared);
     if node_local {
         if p.shared_path.is_some() {
             return Err(Error::invalid(
