@@ -640,6 +640,20 @@ mod tests {
             (self.volume("cache-1", &sid, Role::Cache, sub_path), data)
         }
 
+        /// Stages `vid` for a reader.
+        async fn stage(&self, vid: &str, staging: &Path) -> Result<()> {
+            let staging = staging.to_path_buf();
+            self.ops.stage(vid, staging, reader(), None).await
+        }
+
+        /// Publishes `vid` for a reader.
+        async fn publish(&self, vid: &str, staging: &Path, target: &Path) -> Result<()> {
+            let (staging, target) = (staging.to_path_buf(), target.to_path_buf());
+            self.ops
+                .publish(vid, staging, target, reader(), false)
+                .await
+        }
+
         fn mounted(&self, p: &Path) -> mountinfo::MountEntry {
             self.fake
                 .at(p)
@@ -659,27 +673,18 @@ mod tests {
         let (vid, data) = n.cache_volume(None);
         let (staging, target) = (n.path("staging/v1"), n.path("pods/p1/v"));
 
-        n.ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap();
+        n.stage(&vid, &staging).await.unwrap();
         assert_eq!(n.mounted(&staging).fs_type, "tmpfs");
         let content = staging.join(CONTENT);
         has(&n.mounted(&content), &["ro", "nosuid", "nodev"]);
         assert_eq!(n.fake.view(&content), data);
         let after_stage = n.fake.made();
         assert_eq!(after_stage, 2, "a wrapper tmpfs and the content bind");
-        n.ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap();
+        n.stage(&vid, &staging).await.unwrap();
         assert_eq!(n.fake.made(), after_stage, "a second stage mounts nothing");
 
         for _ in 0..2 {
-            n.ops
-                .publish(&vid, staging.clone(), target.clone(), reader(), false)
-                .await
-                .unwrap();
+            n.publish(&vid, &staging, &target).await.unwrap();
         }
         assert_eq!(
             n.fake.made(),
@@ -711,20 +716,13 @@ mod tests {
         let (vid, _) = n.cache_volume(None);
         let (staging, target) = (n.path("staging/v1"), n.path("pods/p1/v"));
 
-        let e = n
-            .ops
-            .publish(&vid, staging.clone(), target.clone(), reader(), false)
-            .await
-            .unwrap_err();
+        let e = n.publish(&vid, &staging, &target).await.unwrap_err();
         assert!(
             matches!(&e, Error::Precondition(m) if m.contains("NodeStageVolume")),
             "{e}"
         );
 
-        n.ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap();
+        n.stage(&vid, &staging).await.unwrap();
         let rw = request(Mode::SingleNodeReaderOnly, Some(false));
         let e = n
             .ops
@@ -743,11 +741,7 @@ mod tests {
         n.fake
             .bind(&other, &target, true, MountFlags::default())
             .unwrap();
-        let e = n
-            .ops
-            .publish(&vid, staging.clone(), target.clone(), reader(), false)
-            .await
-            .unwrap_err();
+        let e = n.publish(&vid, &staging, &target).await.unwrap_err();
         assert!(
             matches!(&e, Error::Conflict(m) if m.contains("unpublish it first")),
             "{e}"
@@ -760,11 +754,7 @@ mod tests {
         n.fake
             .bind(&other, &foreign.join(CONTENT), true, MountFlags::default())
             .unwrap();
-        let e = n
-            .ops
-            .stage(&vid, foreign.clone(), reader(), None)
-            .await
-            .unwrap_err();
+        let e = n.stage(&vid, &foreign).await.unwrap_err();
         assert!(matches!(&e, Error::Conflict(_)), "{e}");
     }
 
@@ -775,21 +765,13 @@ mod tests {
         let staging = n.path("staging/v1");
 
         n.fake.fail_next("bind", libc::EPERM);
-        let e = n
-            .ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap_err();
+        let e = n.stage(&vid, &staging).await.unwrap_err();
         assert!(e.to_string().contains("bind-mount"), "{e}");
         assert!(n.fake.under(&staging).is_empty(), "the wrapper went too");
 
         // Bytes that no longer match the seal are never shown to a pod.
         std::fs::write(data.join("onnx/model.onnx"), "tampered, longer").unwrap();
-        let e = n
-            .ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap_err();
+        let e = n.stage(&vid, &staging).await.unwrap_err();
         assert!(e.to_string().contains("model.onnx"), "{e}");
         assert!(n.fake.under(&staging).is_empty());
     }
@@ -799,14 +781,8 @@ mod tests {
         let n = node();
         let (vid, data) = n.cache_volume(Some("onnx"));
         let (staging, target) = (n.path("staging/v1"), n.path("pods/p1/v"));
-        n.ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap();
-        n.ops
-            .publish(&vid, staging.clone(), target.clone(), reader(), false)
-            .await
-            .unwrap();
+        n.stage(&vid, &staging).await.unwrap();
+        n.publish(&vid, &staging, &target).await.unwrap();
         assert_eq!(n.fake.view(&target), data.join("onnx"));
 
         let missing = n.volume(
@@ -816,13 +792,9 @@ mod tests {
             Some("gone"),
         );
         let staging2 = n.path("staging/v2");
-        n.ops
-            .stage(&missing, staging2.clone(), reader(), None)
-            .await
-            .unwrap();
+        n.stage(&missing, &staging2).await.unwrap();
         let e = n
-            .ops
-            .publish(&missing, staging2, n.path("pods/p2/v"), reader(), false)
+            .publish(&missing, &staging2, &n.path("pods/p2/v"))
             .await
             .unwrap_err();
         assert!(
@@ -839,16 +811,9 @@ mod tests {
         cache::seal_source(&n.root, &sid, "test").unwrap();
         let vid = n.volume("cache-3", &sid, Role::Cache, Some("escape"));
         let staging = n.path("staging/v3");
-        n.ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap();
+        n.stage(&vid, &staging).await.unwrap();
         let target = n.path("pods/p3/v");
-        let e = n
-            .ops
-            .publish(&vid, staging, target.clone(), reader(), false)
-            .await
-            .unwrap_err();
+        let e = n.publish(&vid, &staging, &target).await.unwrap_err();
         assert!(
             matches!(&e, Error::Invalid { field, .. } if field == "subPath"),
             "{e}"
@@ -863,11 +828,7 @@ mod tests {
         let vid = n.volume("the-source", &sid, Role::Source, None);
         let staging = n.path("staging/src");
 
-        let e = n
-            .ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap_err();
+        let e = n.stage(&vid, &staging).await.unwrap_err();
         assert!(
             matches!(&e, Error::Precondition(m) if m.contains("seal it first")),
             "{e}"
@@ -913,14 +874,8 @@ mod tests {
         let n = node();
         let (vid, _) = n.cache_volume(None);
         let (staging, target) = (n.path("staging/v1"), n.path("pods/p1/v"));
-        n.ops
-            .stage(&vid, staging.clone(), reader(), None)
-            .await
-            .unwrap();
-        n.ops
-            .publish(&vid, staging.clone(), target.clone(), reader(), false)
-            .await
-            .unwrap();
+        n.stage(&vid, &staging).await.unwrap();
+        n.publish(&vid, &staging, &target).await.unwrap();
         n.fake.unmount(&staging.join(CONTENT)).unwrap();
         let (_, condition) = n
             .ops
