@@ -261,18 +261,28 @@ impl NodeOps {
         req: MountRequest,
         readonly: bool,
     ) -> Result<()> {
-        let (root, rec) = cache::lookup_off_runtime(&self.roots, volume_id).await?;
-        let sealed = seal_of(&root, &rec.source).await?.is_some();
-        let immutable = rec.role == Role::Cache || sealed;
-        if immutable && req.ro_flag == Some(false) {
-            return Err(Error::invalid(
-                "volume_capability.mount.mount_flags",
-                "\"rw\" cannot be honoured: this volume is sealed and always read-only",
-            ));
-        }
-        let ro = immutable || readonly || req.ro_flag == Some(true) || !req.is_writer();
-        let m = self.mounter.clone();
-        blocking(move || publish_blocking(&*m, &rec, &staging, &target, req.flags, ro)).await
+        // One trip off the runtime: publish is the call every pod start
+        // waits for, and each hop to the blocking pool costs a wake-up.
+        let (roots, id, m) = (
+            self.roots.clone(),
+            volume_id.to_string(),
+            self.mounter.clone(),
+        );
+        blocking(move || {
+            let (root, rec) = cache::lookup(&roots, &id)?;
+            // A cache volume is read-only whatever its source: no seal to read.
+            let immutable =
+                rec.role == Role::Cache || cache::read_seal(&root, &rec.source)?.is_some();
+            if immutable && req.ro_flag == Some(false) {
+                return Err(Error::invalid(
+                    "volume_capability.mount.mount_flags",
+                    "\"rw\" cannot be honoured: this volume is sealed and always read-only",
+                ));
+            }
+            let ro = immutable || readonly || req.ro_flag == Some(true) || !req.is_writer();
+            publish_blocking(&*m, &rec, &staging, &target, req.flags, ro)
+        })
+        .await
     }
 
     pub async fn unpublish(&self, target: PathBuf) -> Result<()> {

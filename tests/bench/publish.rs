@@ -378,7 +378,10 @@ async fn one_size(
     let staging = work.join("staging").join(format!("cache-{tag}"));
     undo.staged.push((id.clone(), staging.clone()));
     let ((), stage) = timed(d.stage(&id, &staging)).await?;
-    let main_inode = std::fs::metadata(staging.join(&model.main_file))?.ino();
+    // The volume is mounted beneath its staging path, which is a small tmpfs
+    // of its own (node::ops).
+    let content = staging.join(modelcache_csi::mount::STAGING_CONTENT);
+    let main_inode = std::fs::metadata(content.join(&model.main_file))?.ino();
 
     eprintln!("[{label}] {} publishes", s.publish_iters);
     let pods = work.join("pods").join(&tag);
@@ -418,10 +421,10 @@ async fn one_size(
                 .context("BENCH_DROP_CACHES=1: write /proc/sys/vm/drop_caches")?;
         }
         if i == 0 {
-            resident_before_cp = resident_bytes(&model, &staging);
+            resident_before_cp = resident_bytes(&model, &content);
         }
         let start = Instant::now();
-        let (src_arg, dst_arg) = (staging.display().to_string(), dst.display().to_string());
+        let (src_arg, dst_arg) = (content.display().to_string(), dst.display().to_string());
         tokio::task::spawn_blocking(move || sh("cp", &["-r", &src_arg, &dst_arg])).await??;
         let copied = start.elapsed();
         tokio::task::spawn_blocking(|| sh("sync", &[])).await??;
@@ -429,7 +432,7 @@ async fn one_size(
         cp_sync.push(start.elapsed());
         let got = std::fs::metadata(dst.join(&model.main_file))?;
         anyhow::ensure!(
-            got.len() == std::fs::metadata(staging.join(&model.main_file))?.len(),
+            got.len() == std::fs::metadata(content.join(&model.main_file))?.len(),
             "cp -r produced a short copy"
         );
         std::fs::remove_dir_all(&dst)?;
