@@ -5,7 +5,6 @@
 //! driver: every change goes through the same cache functions the driver
 //! uses, which are safe across processes.
 
-use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -540,16 +539,27 @@ async fn prefetch(
     pin: bool,
 ) -> Result<()> {
     puller::validate_uri(uri).map_err(|m| Error::invalid("URI", m))?;
-    let mut opts = SourceOptions {
-        params: BTreeMap::new(),
-        secrets: BTreeMap::new(),
-        tenant: None,
-    };
+    let mut opts = SourceOptions::default();
     for p in params {
         let (k, v) = p
             .split_once('=')
             .ok_or_else(|| Error::invalid("--param", format!("{p:?} must look like KEY=VALUE")))?;
         opts.params.insert(k.to_string(), v.to_string());
+    }
+    // What a registry's answer may reach, as a StorageClass would say it.
+    opts.bounds.ranges = cfg.tenant_ranges.clone();
+    for key in [
+        crate::trust::ALLOWED_SOURCES,
+        crate::trust::ARTIFACT_CREDENTIALS,
+    ] {
+        if let Some(v) = opts.params.remove(key) {
+            let parsed = crate::trust::AllowedSources::parse(&v)
+                .map_err(|m| Error::invalid(format!("--param {key}"), m))?;
+            match key {
+                crate::trust::ALLOWED_SOURCES => opts.bounds.allowed = Some(parsed),
+                _ => opts.bounds.credentialed = Some(parsed),
+            }
+        }
     }
     if let Some(f) = secrets_file {
         let text = std::fs::read_to_string(f).ctx("read", f)?;

@@ -22,16 +22,20 @@ pub struct Config {
     /// Free space left alone on every root's filesystem: pulls and new
     /// sources that would eat into it are refused (`--min-free`).
     pub min_free: Reserve,
+    /// Free inodes left alone likewise (`--min-free-inodes`).
+    pub min_free_inodes: Reserve,
+    /// Distinct pulled models one namespace's volumes may hold in a root
+    /// (`--max-models-per-namespace`); 0: no bound.
+    pub max_models_per_namespace: usize,
     /// Unreferenced pulled models idle this long are evicted.
     pub evict_idle: Option<Duration>,
     /// Kubernetes API access for the controller (per-PVC sources, `pvc://`,
     /// PVC events): a kubeconfig, or in-cluster when None and enabled.
     pub kube_api: bool,
     pub kubeconfig: Option<std::path::PathBuf>,
-    /// Networks a tenant's pull may not reach unless its StorageClass names
-    /// the host (the cluster's service and pod ranges); loopback and
-    /// link-local are always closed to tenants.
-    pub tenant_blocked_networks: Vec<ipnet::IpNet>,
+    /// What a tenant's pull (or a registry's answer) may reach beyond the
+    /// fixed rules (`trust::egress`): networks blocked, private ones opened.
+    pub tenant_ranges: crate::trust::egress::Ranges,
     /// How often a running pull reports progress on its PVC.
     pub progress_every: Duration,
     /// Apply VolumeAttributesClass changes to this node's node-local
@@ -62,13 +66,16 @@ impl Config {
                 && let Some(node) = &self.node_id
             {
                 let dir = self.state_dir.join(b.as_str());
-                roots.push(Root::with_anchor(
-                    *b,
-                    dir,
-                    Some(node.clone()),
-                    self.state_dir.clone(),
-                    self.min_free,
-                ));
+                roots.push(
+                    Root::with_anchor(
+                        *b,
+                        dir,
+                        Some(node.clone()),
+                        self.state_dir.clone(),
+                        self.min_free,
+                    )
+                    .with_inode_reserve(self.min_free_inodes),
+                );
             }
             if let Some(sub) = place.under_shared {
                 for p in &self.shared_paths {
@@ -77,7 +84,10 @@ impl Config {
                     } else {
                         p.join(sub)
                     };
-                    roots.push(Root::with_anchor(*b, dir, None, p.clone(), self.min_free));
+                    roots.push(
+                        Root::with_anchor(*b, dir, None, p.clone(), self.min_free)
+                            .with_inode_reserve(self.min_free_inodes),
+                    );
                 }
             }
         }
@@ -95,10 +105,12 @@ impl Default for Config {
             backends: vec![Backend::Local],
             pull: EngineConfig::default(),
             min_free: Reserve::default(),
+            min_free_inodes: Reserve::INODES,
+            max_models_per_namespace: 20,
             evict_idle: None,
             kube_api: false,
             kubeconfig: None,
-            tenant_blocked_networks: Vec::new(),
+            tenant_ranges: Default::default(),
             progress_every: Duration::from_secs(10),
             modify_node_local: false,
             inline_class: None,

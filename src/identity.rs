@@ -25,8 +25,12 @@ impl IdentityService {
 pub fn problems(cfg: &Config) -> Vec<String> {
     let mut out = Vec::new();
     for root in cfg.roots().roots {
+        // A name of this check's own: two checks at once (a liveness probe
+        // beside Probe) must not remove each other's file and fail.
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Err(e) = std::fs::create_dir_all(&root.dir).and_then(|_| {
-            let probe = root.dir.join(".probe");
+            let probe = root.dir.join(format!(".probe-{}-{n}", std::process::id()));
             std::fs::write(&probe, b"")?;
             std::fs::remove_file(&probe)
         }) {
@@ -84,5 +88,34 @@ impl Identity for IdentityService {
         Ok(Response::new(ProbeResponse {
             ready: Some(problems.is_empty()),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Forty checks at once, as a burst of liveness probes and Probe calls
+    /// makes them: none sees another's probe file vanish.
+    #[test]
+    fn concurrent_checks_do_not_race() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            node_id: Some("n".into()),
+            state_dir: d.path().to_path_buf(),
+            ..Default::default()
+        };
+        let failed: Vec<String> = std::thread::scope(|s| {
+            let all: Vec<_> = (0..40)
+                .map(|_| s.spawn(|| (0..20).flat_map(|_| problems(&cfg)).collect::<Vec<_>>()))
+                .collect();
+            all.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        assert!(
+            failed.is_empty(),
+            "{} failures, first: {:?}",
+            failed.len(),
+            failed.first()
+        );
     }
 }

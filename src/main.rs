@@ -115,6 +115,18 @@ struct ServeArgs {
     /// into it are refused with RESOURCE_EXHAUSTED. `0` turns it off.
     #[arg(long, default_value = "5%,10G")]
     min_free: String,
+    /// Free inodes never used on a root's filesystem: a percentage, a
+    /// count, or both (`5%,1000000`: the smaller). Kubelet and the
+    /// container runtime share the node's filesystem and fail without
+    /// inodes; a pull that would eat into them is refused with
+    /// RESOURCE_EXHAUSTED. `0` turns it off.
+    #[arg(long, default_value = "5%,1000000")]
+    min_free_inodes: String,
+    /// Distinct pulled models the volumes of one namespace (PVCs and
+    /// inline volumes) may hold in a root: inline volumes have no
+    /// ResourceQuota. `0` turns it off.
+    #[arg(long, default_value_t = 20)]
+    max_models_per_namespace: usize,
     /// Evict unreferenced, unpinned pulled models idle this many minutes.
     #[arg(long)]
     evict_idle_minutes: Option<u64>,
@@ -161,11 +173,17 @@ struct ServeArgs {
     /// kubelet at registration [default: /var/lib/kubelet/plugins/<driver-name>/csi.sock]
     #[arg(long)]
     kubelet_registration_path: Option<PathBuf>,
-    /// Networks a PVC-named source may not reach unless its StorageClass's
-    /// allowedSources names the host: the cluster's service and pod CIDRs
-    /// (comma-separated). Loopback and link-local are always closed.
+    /// Networks a tenant-named source (or a model registry's answer) may
+    /// not reach unless its StorageClass names the host, even where
+    /// --tenant-open-networks opens them (comma-separated). Loopback,
+    /// private, shared (CGNAT), unique-local and reserved ranges are closed
+    /// anyway, and metadata services always.
     #[arg(long, value_delimiter = ',')]
     tenant_blocked_networks: Vec<ipnet::IpNet>,
+    /// Private or reserved networks tenant-named sources may reach (a model
+    /// mirror on the VPC), comma-separated; metadata addresses stay closed.
+    #[arg(long, value_delimiter = ',')]
+    tenant_open_networks: Vec<ipnet::IpNet>,
     /// How often a running pull reports its progress as an event on its PVC.
     #[arg(long, default_value_t = 10)]
     progress_interval_seconds: u64,
@@ -227,6 +245,15 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
                     a.min_free
                 )
             })?;
+    let min_free_inodes = modelcache_csi::cache::layout::Reserve::parse(&a.min_free_inodes, |s| {
+        s.parse().ok()
+    })
+    .ok_or_else(|| {
+        anyhow::anyhow!(
+            "--min-free-inodes {:?} must be a percentage, a count, or both, like 5%,1000000",
+            a.min_free_inodes
+        )
+    })?;
     let mut pull = EngineConfig {
         connections: a.pull_connections.max(1),
         models: a.pull_parallel_models.max(1),
@@ -258,6 +285,8 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         backends,
         pull,
         min_free,
+        min_free_inodes,
+        max_models_per_namespace: a.max_models_per_namespace,
         kube_api: match a.kube_api {
             KubeApiMode::On => true,
             KubeApiMode::Off => false,
@@ -268,7 +297,10 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
             }
         },
         kubeconfig: a.kubeconfig.clone(),
-        tenant_blocked_networks: a.tenant_blocked_networks.clone(),
+        tenant_ranges: modelcache_csi::trust::egress::Ranges {
+            blocked: a.tenant_blocked_networks.clone(),
+            open: a.tenant_open_networks.clone(),
+        },
         progress_every: std::time::Duration::from_secs(a.progress_interval_seconds.max(1)),
         modify_node_local: a.modify_node_local_volumes,
         inline_class: a.inline_storage_class.clone().filter(|c| !c.is_empty()),

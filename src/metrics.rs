@@ -77,7 +77,17 @@ pub struct Metrics {
     registry: Mutex<Registry>,
     /// Roots whose gauges are computed at scrape time.
     roots: Mutex<Vec<Roots>>,
+    /// Bumped by every CSI call that may change a gauge; a scrape
+    /// recomputes them only when it moved (or they are old), so scraping
+    /// costs the disk nothing while nothing happens.
+    changes: std::sync::atomic::AtomicU64,
+    /// The `changes` value and time the gauges were last computed at.
+    computed: Mutex<Option<(u64, Instant)>>,
 }
+
+/// Gauges this old are computed again even if no call changed them: other
+/// processes (a shared root's other nodes, an operator) change disks too.
+const GAUGES_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn duration_buckets() -> impl Iterator<Item = f64> {
     exponential_buckets(0.001, 4.0, 10)
@@ -110,6 +120,8 @@ impl Metrics {
             pull_bytes_in_flight: Gauge::default(),
             registry: Mutex::new(Registry::with_prefix("modelcache")),
             roots: Mutex::new(Vec::new()),
+            changes: Default::default(),
+            computed: Mutex::new(None),
         };
         {
             let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
@@ -191,6 +203,10 @@ impl Metrics {
     }
 
     pub fn rpc(&self, method: &str, started: Instant, code: Option<tonic::Code>) {
+        if !method.starts_with("Get") && !matches!(method, "Probe" | "ValidateVolumeCapabilities") {
+            self.changes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let m = Method {
             method: method.to_string(),
         };
@@ -262,9 +278,30 @@ impl Metrics {
             .set(published);
     }
 
+    /// Whether the gauges are stale: a call may have changed them since,
+    /// or they are older than `GAUGES_MAX_AGE`.
+    fn gauges_stale(&self) -> bool {
+        let now = self.changes.load(std::sync::atomic::Ordering::Relaxed);
+        match *self.computed.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some((seen, at)) => seen != now || at.elapsed() > GAUGES_MAX_AGE,
+            None => true,
+        }
+    }
+
+    /// Computes the gauges if stale. Blocking (it reads seals and the mount
+    /// table); callers serialise it, so a burst of scrapes costs one.
+    fn refresh_if_stale(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) {
+        if !self.gauges_stale() {
+            return;
+        }
+        let seen = self.changes.load(std::sync::atomic::Ordering::Relaxed);
+        self.refresh_gauges(capacity);
+        *self.computed.lock().unwrap_or_else(|p| p.into_inner()) = Some((seen, Instant::now()));
+    }
+
     /// The text exposition, with fresh gauges.
     pub fn render(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) -> String {
-        self.refresh_gauges(capacity);
+        self.refresh_if_stale(capacity);
         let mut out = String::new();
         let r = self.registry.lock().unwrap_or_else(|p| p.into_inner());
         // Under the registry's lock, so two scrapes never add the same
@@ -285,15 +322,64 @@ pub fn scheme_of(uri: &str) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// How long `/healthz` answers from its last check: a burst of probes
+/// costs one check.
+const HEALTH_TTL: std::time::Duration = std::time::Duration::from_secs(1);
+/// Connections answered at once; more wait in the kernel's backlog, so a
+/// flood neither spawns without bound nor fills the blocking pool the CSI
+/// calls share.
+const MAX_CONNECTIONS: usize = 32;
+
+type Capacity = Arc<dyn Fn(cache::Backend) -> Option<u64> + Send + Sync>;
+type Health = Arc<dyn Fn() -> Vec<String> + Send + Sync>;
+type Shared<T> = futures::future::Shared<futures::future::BoxFuture<'static, T>>;
+
+/// One computation at a time, its result shared by every caller that
+/// arrives while it runs (and, for `ttl`, after).
+struct SingleFlight<T: Clone> {
+    current: Mutex<Option<(Instant, Shared<T>)>>,
+    ttl: std::time::Duration,
+}
+
+impl<T: Clone + Send + Sync + 'static> SingleFlight<T> {
+    fn new(ttl: std::time::Duration) -> Self {
+        SingleFlight {
+            current: Mutex::new(None),
+            ttl,
+        }
+    }
+
+    async fn get(&self, start: impl FnOnce() -> futures::future::BoxFuture<'static, T>) -> T {
+        use futures::FutureExt;
+        let fut = {
+            let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+            match &*cur {
+                // Still running, or done within its time to live.
+                Some((at, f)) if f.peek().is_none() || at.elapsed() < self.ttl => f.clone(),
+                _ => {
+                    let f = start().shared();
+                    *cur = Some((Instant::now(), f.clone()));
+                    f
+                }
+            }
+        };
+        fut.await
+    }
+}
+
+/// What the endpoint needs to answer.
+struct Endpoint {
+    capacity: Capacity,
+    health: Health,
+    checked: SingleFlight<Vec<String>>,
+    scraped: SingleFlight<String>,
+}
+
 /// Serves `/metrics` and `/healthz` until the process ends. A minimal
 /// HTTP/1.1 responder: one request per connection, nothing else.
 /// `health` lists what is wrong right now; `/healthz` is 200 only when it is
 /// empty, so a liveness probe restarts a driver that cannot work.
-pub async fn serve(
-    addr: SocketAddr,
-    capacity: Arc<dyn Fn(cache::Backend) -> Option<u64> + Send + Sync>,
-    health: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
-) -> std::io::Result<()> {
+pub async fn serve(addr: SocketAddr, capacity: Capacity, health: Health) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(%addr, "serving metrics");
     serve_connections(
@@ -309,16 +395,26 @@ pub async fn serve(
 /// connection reset before it was taken) is logged and retried after a
 /// short pause: it must not end the health endpoint for good, or a
 /// liveness probe would restart a working driver.
-async fn serve_connections<S>(
-    mut accepted: S,
-    capacity: Arc<dyn Fn(cache::Backend) -> Option<u64> + Send + Sync>,
-    health: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
-) where
+async fn serve_connections<S>(mut accepted: S, capacity: Capacity, health: Health)
+where
     S: futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Unpin,
 {
     use futures::StreamExt;
-    while let Some(next) = accepted.next().await {
-        let mut sock = match next {
+    let endpoint = Arc::new(Endpoint {
+        capacity,
+        health,
+        checked: SingleFlight::new(HEALTH_TTL),
+        scraped: SingleFlight::new(std::time::Duration::ZERO),
+    });
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let Some(next) = accepted.next().await else {
+            return;
+        };
+        let sock = match next {
             Ok(sock) => sock,
             Err(e) => {
                 tracing::warn!(error = %e, "metrics: accept failed; retrying");
@@ -326,57 +422,77 @@ async fn serve_connections<S>(
                 continue;
             }
         };
-        let capacity = capacity.clone();
-        let health = health.clone();
+        let endpoint = endpoint.clone();
         tokio::spawn(async move {
-            // Read the request head whole: clients may send it in pieces.
-            let mut buf = Vec::new();
-            let mut chunk = [0u8; 1024];
-            let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-            while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16384 {
-                match tokio::time::timeout_at(deadline, sock.read(&mut chunk)).await {
-                    Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                    _ => return,
-                }
-            }
-            let req = String::from_utf8_lossy(&buf);
-            let path = req.split_whitespace().nth(1).unwrap_or("/");
-            let (status, ctype, body) = match path {
-                "/metrics" => {
-                    let body = tokio::task::spawn_blocking(move || global().render(&*capacity))
-                        .await
-                        .unwrap_or_default();
-                    (
-                        "200 OK",
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        body,
-                    )
-                }
-                "/healthz" => {
-                    let problems = tokio::task::spawn_blocking(move || health())
-                        .await
-                        .unwrap_or_else(|e| vec![format!("health check panicked: {e}")]);
-                    if problems.is_empty() {
-                        ("200 OK", "text/plain", "ok\n".to_string())
-                    } else {
-                        (
-                            "503 Service Unavailable",
-                            "text/plain",
-                            problems.join("\n") + "\n",
-                        )
-                    }
-                }
-                _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
-            };
-            let head = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = sock.write_all(head.as_bytes()).await;
-            let _ = sock.write_all(body.as_bytes()).await;
-            let _ = sock.shutdown().await;
+            let _slot = slot;
+            answer(sock, &endpoint).await;
         });
     }
+}
+
+async fn answer(mut sock: tokio::net::TcpStream, e: &Endpoint) {
+    // Read the request head whole: clients may send it in pieces.
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16384 {
+        match tokio::time::timeout_at(deadline, sock.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return,
+        }
+    }
+    let req = String::from_utf8_lossy(&buf);
+    let path = req.split_whitespace().nth(1).unwrap_or("/");
+    let (status, ctype, body) = match path {
+        "/metrics" => {
+            let capacity = e.capacity.clone();
+            let body = e
+                .scraped
+                .get(move || {
+                    Box::pin(async move {
+                        tokio::task::spawn_blocking(move || global().render(&*capacity))
+                            .await
+                            .unwrap_or_default()
+                    })
+                })
+                .await;
+            (
+                "200 OK",
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                body,
+            )
+        }
+        "/healthz" => {
+            let health = e.health.clone();
+            let problems = e
+                .checked
+                .get(move || {
+                    Box::pin(async move {
+                        tokio::task::spawn_blocking(move || health())
+                            .await
+                            .unwrap_or_else(|e| vec![format!("health check panicked: {e}")])
+                    })
+                })
+                .await;
+            if problems.is_empty() {
+                ("200 OK", "text/plain", "ok\n".to_string())
+            } else {
+                (
+                    "503 Service Unavailable",
+                    "text/plain",
+                    problems.join("\n") + "\n",
+                )
+            }
+        }
+        _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = sock.write_all(head.as_bytes()).await;
+    let _ = sock.write_all(body.as_bytes()).await;
+    let _ = sock.shutdown().await;
 }
 
 #[cfg(test)]
@@ -409,6 +525,78 @@ mod accept_tests {
         .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
         server.abort();
+    }
+}
+
+#[cfg(test)]
+mod burst_tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            c.read_to_string(&mut answer),
+        )
+        .await
+        .expect("answered")
+        .unwrap();
+        answer
+    }
+
+    /// A burst at both paths: every answer is right, and the slow health
+    /// check ran a handful of times, not once per request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_burst_costs_a_few_checks_and_every_answer_is_right() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let checks = Arc::new(AtomicUsize::new(0));
+        let counted = checks.clone();
+        let server = tokio::spawn(serve_connections(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            Arc::new(|_| None),
+            Arc::new(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                Vec::new()
+            }),
+        ));
+        let mut all = Vec::new();
+        for i in 0..80 {
+            let path = if i % 2 == 0 { "/healthz" } else { "/metrics" };
+            all.push(tokio::spawn(async move { (path, get(addr, path).await) }));
+        }
+        for a in all {
+            let (path, answer) = a.await.unwrap();
+            assert!(answer.starts_with("HTTP/1.1 200 OK"), "{path}: {answer}");
+            if path == "/healthz" {
+                assert!(answer.ends_with("ok\n"), "{answer}");
+            } else {
+                assert!(answer.contains("# EOF"), "{answer}");
+            }
+        }
+        let n = checks.load(Ordering::SeqCst);
+        assert!((1..=4).contains(&n), "{n} health checks for 40 requests");
+        server.abort();
+    }
+
+    /// Scrapes recompute the gauges only when a call may have changed them.
+    #[test]
+    fn gauges_are_recomputed_only_after_a_change() {
+        let m = Metrics::new();
+        assert!(m.gauges_stale());
+        m.refresh_if_stale(&|_| None);
+        assert!(!m.gauges_stale());
+        m.rpc("Probe", Instant::now(), None);
+        m.rpc("GetCapacity", Instant::now(), None);
+        assert!(!m.gauges_stale(), "a read-only call made the gauges stale");
+        m.rpc("NodeUnstageVolume", Instant::now(), None);
+        assert!(m.gauges_stale());
     }
 }
 

@@ -76,7 +76,17 @@ pub fn live_refs(root: &Root, sid: &str) -> Result<Vec<String>> {
 pub struct Candidate {
     pub sid: String,
     pub last_used: u64,
+    /// As charged (`Seal::charged_bytes`).
     pub bytes: u64,
+    pub inodes: u64,
+}
+
+/// What a new model takes: its bytes as charged (`manifest::charge`) and
+/// its inodes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Need {
+    pub bytes: u64,
+    pub inodes: u64,
 }
 
 /// Sealed, unreferenced, unpinned models, least recently used first.
@@ -94,7 +104,8 @@ pub fn candidates(root: &Root) -> Result<Vec<Candidate>> {
         }
         out.push(Candidate {
             last_used: last_used(root, &sid),
-            bytes: seal.total_bytes,
+            bytes: seal.charged_bytes(),
+            inodes: seal.inodes(),
             sid,
         });
     }
@@ -102,14 +113,15 @@ pub fn candidates(root: &Root) -> Result<Vec<Candidate>> {
     Ok(out)
 }
 
-/// Bytes held by sealed models in the root.
+/// Bytes held by sealed models in the root, as charged (a block at least
+/// for every file, directory and link).
 pub fn usage(root: &Root) -> Result<u64> {
-    let mut total = 0;
+    let mut total = 0u64;
     for sid in state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())? {
         if is_model(&sid)
             && let Some(seal) = read_seal(root, &sid)?
         {
-            total += seal.total_bytes;
+            total = total.saturating_add(seal.charged_bytes());
         }
     }
     Ok(total)
@@ -165,30 +177,29 @@ pub fn evict(root: &Root, sid: &str) -> Result<bool> {
     Ok(true)
 }
 
-/// Frees room for `need` bytes: first the work of pulls nobody is running
-/// any more (a failed or abandoned pull's partial files), then least
-/// recently used models. ResourceExhausted, before anything is written,
-/// when even that is not enough; and before anything is evicted when
-/// evicting every unused model could not make it fit.
-pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -> Result<()> {
-    let mut avail = available(root, capacity)?;
-    if need <= avail {
+/// Frees room for `need` (bytes as charged, and inodes): first the work of
+/// pulls nobody is running any more (a failed or abandoned pull's partial
+/// files), then least recently used models. ResourceExhausted, naming the
+/// limit, before anything is written when even that is not enough; and
+/// before anything is evicted when evicting every unused model could not
+/// make it fit.
+pub fn make_room(root: &Root, need: Need, capacity: Option<u64>, for_sid: &str) -> Result<()> {
+    let fits = || -> Result<bool> {
+        Ok(need.bytes <= available(root, capacity)?
+            && need.inodes <= super::space(root)?.usable_inodes())
+    };
+    if fits()? {
         return Ok(());
     }
-    if remove_abandoned_pulls(root, for_sid)? > 0 {
-        avail = available(root, capacity)?;
-        if need <= avail {
-            return Ok(());
-        }
+    if remove_abandoned_pulls(root, for_sid)? > 0 && fits()? {
+        return Ok(());
     }
     let candidates: Vec<Candidate> = candidates(root)?
         .into_iter()
         .filter(|c| c.sid != for_sid)
         .collect();
-    let evictable = candidates
-        .iter()
-        .map(|c| c.bytes)
-        .fold(0u64, u64::saturating_add);
+    let sum = |f: fn(&Candidate) -> u64| candidates.iter().map(f).fold(0u64, u64::saturating_add);
+    let (evictable, evictable_inodes) = (sum(|c| c.bytes), sum(|c| c.inodes));
     // The best eviction could do: the free space plus every unused model,
     // within what the capacity leaves to models still in use.
     let space = super::space(root)?;
@@ -200,28 +211,42 @@ pub fn make_room(root: &Root, need: u64, capacity: Option<u64>, for_sid: &str) -
         }
         None => free.saturating_add(evictable),
     };
+    let best_inodes = space.usable_inodes().saturating_add(evictable_inodes);
     let cap_note = capacity
-        .map(|c| format!(" (capacity {c} bytes)"))
+        .map(|c| format!(" (--cache-capacity {c} bytes)"))
         .unwrap_or_default();
-    if need > best {
+    if need.bytes > best {
         return Err(Error::OverLimit(format!(
-            "the model needs {need} bytes but {} could offer at most {best} bytes available{cap_note} \
-             ({space}), even after evicting all {} unused models; nothing was evicted",
+            "the model needs {} bytes (a block at least for each of its entries) but {} could offer \
+             at most {best} bytes available{cap_note} ({space}), even after evicting all {} unused \
+             models; nothing was evicted",
+            need.bytes,
+            root.describe(),
+            candidates.len()
+        )));
+    }
+    if need.inodes > best_inodes {
+        return Err(Error::OverLimit(format!(
+            "the model has {} files and directories but {} could offer at most {best_inodes} inodes \
+             beyond --min-free-inodes ({space}), even after evicting all {} unused models; nothing \
+             was evicted",
+            need.inodes,
             root.describe(),
             candidates.len()
         )));
     }
     for c in candidates {
-        if evict(root, &c.sid)? {
-            avail = available(root, capacity)?;
-            if need <= avail {
-                return Ok(());
-            }
+        if evict(root, &c.sid)? && fits()? {
+            return Ok(());
         }
     }
     Err(Error::OverLimit(format!(
-        "the model needs {need} bytes but {} has only {avail} available{cap_note} even after evicting every unused model ({})",
+        "the model needs {} bytes and {} inodes but {} has only {} bytes available{cap_note} even \
+         after evicting every unused model ({})",
+        need.bytes,
+        need.inodes,
         root.describe(),
+        available(root, capacity)?,
         super::space(root)?
     )))
 }

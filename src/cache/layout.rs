@@ -78,6 +78,9 @@ pub struct Root {
     pub anchor: PathBuf,
     /// Free space the driver never uses up in this root's filesystem.
     pub reserve: Reserve,
+    /// Free inodes likewise (`--min-free-inodes`): kubelet and the
+    /// container runtime share the filesystem and fail without them.
+    pub inode_reserve: Reserve,
 }
 
 /// Free space kept on a root's filesystem, below which pulls and new
@@ -101,6 +104,13 @@ impl Default for Reserve {
 }
 
 impl Reserve {
+    /// The default inode reserve: 5% of the filesystem's inodes, at most
+    /// a million (`bytes` counts inodes here).
+    pub const INODES: Reserve = Reserve {
+        percent: 5,
+        bytes: 1_000_000,
+    };
+
     /// No reserve (tests, embedding).
     pub const NONE: Reserve = Reserve {
         percent: 0,
@@ -213,7 +223,14 @@ impl Root {
             node,
             anchor,
             reserve,
+            inode_reserve: Reserve::INODES,
         }
+    }
+
+    /// The same root keeping `r` inodes free.
+    pub fn with_inode_reserve(mut self, r: Reserve) -> Root {
+        self.inode_reserve = r;
+        self
     }
 
     /// Opens a source's directory beneath the root, refusing a malformed id

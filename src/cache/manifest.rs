@@ -31,6 +31,37 @@ pub struct Seal {
     pub symlinks: Vec<LinkEntry>,
 }
 
+/// The filesystem block every file, directory and link is charged at
+/// least: an empty file costs an inode and, on most filesystems, a block,
+/// so a model of 100,000 empty files is not free.
+pub const CHARGE_BLOCK: u64 = 4096;
+
+/// What a tree costs against `--cache-capacity` and `--min-free`: each
+/// file's size rounded up to whole blocks, at least one, and a block for
+/// each other entry (directories, links).
+pub fn charge(sizes: impl IntoIterator<Item = u64>, other_entries: u64) -> u64 {
+    sizes
+        .into_iter()
+        .map(|s| s.div_ceil(CHARGE_BLOCK).max(1).saturating_mul(CHARGE_BLOCK))
+        .fold(0u64, u64::saturating_add)
+        .saturating_add(other_entries.saturating_mul(CHARGE_BLOCK))
+}
+
+impl Seal {
+    /// What this model costs the cache (see `charge`).
+    pub fn charged_bytes(&self) -> u64 {
+        charge(
+            self.files.iter().map(|f| f.size),
+            (self.dirs.len() + self.symlinks.len()) as u64,
+        )
+    }
+
+    /// Inodes the model takes where its files are plain files.
+    pub fn inodes(&self) -> u64 {
+        (self.files.len() + self.dirs.len() + self.symlinks.len()) as u64 + 1
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
     pub path: String,

@@ -339,8 +339,7 @@ pub fn free_bytes(dir: &Path) -> io::Result<u64> {
 
 /// (free, total) bytes of the filesystem holding `dir`.
 fn space_of(dir: &Path) -> io::Result<(u64, u64)> {
-    fs::create_dir_all(dir)?;
-    let st = nix::sys::statvfs::statvfs(dir).map_err(io::Error::from)?;
+    let st = statvfs_of(dir)?;
     let frag = st.fragment_size() as u64;
     Ok((
         (st.blocks_available() as u64).saturating_mul(frag),
@@ -348,12 +347,20 @@ fn space_of(dir: &Path) -> io::Result<(u64, u64)> {
     ))
 }
 
-/// A root's free space, and how much of it the driver may use.
+fn statvfs_of(dir: &Path) -> io::Result<nix::sys::statvfs::Statvfs> {
+    fs::create_dir_all(dir)?;
+    nix::sys::statvfs::statvfs(dir).map_err(io::Error::from)
+}
+
+/// A root's free space and inodes, and how much of each the driver may use.
 #[derive(Clone, Copy, Debug)]
 pub struct Space {
     pub free: u64,
     /// Bytes kept free (`--min-free`) on this filesystem.
     pub reserve: u64,
+    pub free_inodes: u64,
+    /// Inodes kept free (`--min-free-inodes`).
+    pub inode_reserve: u64,
 }
 
 impl Space {
@@ -361,25 +368,45 @@ impl Space {
     pub fn usable(&self) -> u64 {
         self.free.saturating_sub(self.reserve)
     }
+
+    /// Free inodes beyond the reserve.
+    pub fn usable_inodes(&self) -> u64 {
+        self.free_inodes.saturating_sub(self.inode_reserve)
+    }
 }
 
 impl std::fmt::Display for Space {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} bytes usable ({} free, {} kept free by --min-free)",
+            "{} bytes usable ({} free, {} kept free by --min-free), {} inodes usable ({} free, {} kept free by --min-free-inodes)",
             self.usable(),
             self.free,
-            self.reserve
+            self.reserve,
+            self.usable_inodes(),
+            self.free_inodes,
+            self.inode_reserve
         )
     }
 }
 
 pub fn space(root: &Root) -> Result<Space> {
-    let (free, total) = space_of(&root.dir).ctx("statfs", &root.dir)?;
+    let st = statvfs_of(&root.dir).ctx("statfs", &root.dir)?;
+    let frag = st.fragment_size() as u64;
+    let total = (st.blocks() as u64).saturating_mul(frag);
+    // A filesystem that does not count inodes (some FUSE and network
+    // ones report 0 of 0) has none to run out of.
+    let (files, ffree) = (st.files() as u64, st.files_available() as u64);
+    let (free_inodes, inode_reserve) = if files == 0 {
+        (u64::MAX, 0)
+    } else {
+        (ffree, root.inode_reserve.of(files))
+    };
     Ok(Space {
-        free,
+        free: (st.blocks_available() as u64).saturating_mul(frag),
         reserve: root.reserve.of(total),
+        free_inodes,
+        inode_reserve,
     })
 }
 

@@ -85,6 +85,10 @@ pub struct VolumeRecord {
     /// The volume id this one was created from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<String>,
+    /// The namespace whose PVC or pod asked for a pulled model: what
+    /// `--max-models-per-namespace` counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
     /// Canonical form of the CreateVolume arguments: the same name with other
     /// arguments is AlreadyExists.
     pub request: String,

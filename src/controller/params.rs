@@ -16,7 +16,7 @@ pub const SUB_PATH: &str = "subPath";
 pub const VERIFY: &str = "verify";
 pub const SOURCE: &str = "source";
 pub const ALLOW_CROSS_NAMESPACE: &str = "allowCrossNamespacePVC";
-pub use crate::trust::ALLOWED_SOURCES;
+pub use crate::trust::{ALLOWED_SOURCES, ARTIFACT_CREDENTIALS};
 
 /// Options handed to the model source; see `puller`.
 pub const SOURCE_OPTIONS: [&str; 10] = [
@@ -32,9 +32,10 @@ pub const SOURCE_OPTIONS: [&str; 10] = [
     crate::puller::PARAM_MAX_MODEL_FILES,
 ];
 
-const KNOWN: [&str; 19] = [
+const KNOWN: [&str; 20] = [
     BACKEND,
     ALLOWED_SOURCES,
+    ARTIFACT_CREDENTIALS,
     ALLOW_CROSS_NAMESPACE,
     ROLE,
     SHARED_PATH,
@@ -79,8 +80,11 @@ pub struct Params {
     pub source_options: BTreeMap<String, String>,
     /// `pvc://` may name a claim in another namespace.
     pub allow_cross_namespace: bool,
-    /// What a PVC's own source annotation may name; None: nothing.
+    /// What a PVC's own source annotation (or a registry's answer) may
+    /// name; None: nothing (a registry's own host).
     pub allowed_sources: Option<crate::trust::AllowedSources>,
+    /// Where a registry's answer may take the class's credentials.
+    pub artifact_credentials: Option<crate::trust::AllowedSources>,
 }
 
 fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
@@ -159,6 +163,12 @@ impl Params {
                             .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?,
                     );
                 }
+                ARTIFACT_CREDENTIALS => {
+                    p.artifact_credentials = Some(
+                        crate::trust::AllowedSources::parse(value)
+                            .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?,
+                    );
+                }
                 ALLOW_CROSS_NAMESPACE => {
                     p.allow_cross_namespace =
                         one_of(key, value, &[("true", true), ("false", false)])?;
@@ -225,6 +235,7 @@ impl Params {
                 (p.verify.is_some(), VERIFY),
                 (p.source.is_some(), SOURCE),
                 (p.allowed_sources.is_some(), ALLOWED_SOURCES),
+                (p.artifact_credentials.is_some(), ARTIFACT_CREDENTIALS),
                 (
                     !p.source_options.is_empty(),
                     "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, hfAllowPatterns, hfIgnorePatterns, modelRegistryURL",

@@ -174,6 +174,7 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         capacity_bytes: 0,
         node: root.node.clone(),
         content_source: content.as_ref().map(|(_, c)| c.id.clone()),
+        namespace: None,
         request: fingerprint(req),
         created_unix: cache::now_unix(),
     };
@@ -451,6 +452,7 @@ mod tests {
             capacity_bytes: capacity,
             node: root.node.clone(),
             content_source: None,
+            namespace: None,
             request: String::new(),
             created_unix: 0,
         }

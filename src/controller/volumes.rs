@@ -225,6 +225,12 @@ impl Provisioner {
                 params: params.source_options.clone(),
                 secrets,
                 tenant,
+                bounds: crate::trust::Bounds {
+                    allowed: params.allowed_sources.clone(),
+                    credentialed: params.artifact_credentials.clone(),
+                    ranges: self.cfg.tenant_ranges.clone(),
+                },
+                admin_guard: None,
             },
             sink,
             owner: pvc.as_ref().map(|(ns, c)| (ns.clone(), c.name_any())),
@@ -331,6 +337,21 @@ impl Provisioner {
             }
             Work::Clone { from } => from.source,
             Work::Pull { uri } => {
+                let ns = pull.owner.as_ref().map(|(ns, _)| ns.clone()).or_else(|| {
+                    req.inline
+                        .as_ref()
+                        .and_then(|i| i.pod.as_ref().map(|(ns, _)| ns.clone()))
+                });
+                if let Some(ns) = &ns {
+                    let (r, n, u, max) = (
+                        root.clone(),
+                        ns.clone(),
+                        crate::trust::allowed::shown(&uri).to_string(),
+                        self.cfg.max_models_per_namespace,
+                    );
+                    blocking(move || namespace_has_room(&r, &n, &u, max)).await?;
+                }
+                rec.namespace = ns;
                 let pulled = self.pull(req, &uri, &root, pull, deadline).await?;
                 rec.model = pulled.seal.origin.clone().into();
                 rec.revision = pulled.seal.revision.clone();
@@ -442,7 +463,7 @@ impl Provisioner {
                     uri,
                     params.allowed_sources.as_ref(),
                     &params.source_options,
-                    &self.cfg.tenant_blocked_networks,
+                    &self.cfg.tenant_ranges,
                 )
                 .await
             }
@@ -721,6 +742,37 @@ fn sealed(root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
 /// still give: its free space beyond the reserve (`--min-free`). Neither
 /// a directory nor a sparse image is allocated up front, so this is the
 /// bound a size gets where no quota enforces it.
+/// Whether a namespace may pull `uri` into `root`: its volumes hold fewer
+/// than `max` distinct pulled models, or one of them is of this URI
+/// already. Inline volumes have no ResourceQuota, so without this one
+/// namespace could fill a node's cache with models nobody else uses.
+/// Concurrent first pulls of one namespace may overshoot by how many run
+/// at once.
+fn namespace_has_room(root: &Root, ns: &str, uri: &str, max: usize) -> Result<()> {
+    if max == 0 {
+        return Ok(());
+    }
+    let mut models = std::collections::BTreeSet::new();
+    for v in cache::list_volumes(root)? {
+        if v.namespace.as_deref() != Some(ns) || !cache::evict::is_model(&v.source) {
+            continue;
+        }
+        if v.model.as_deref().map(crate::trust::allowed::shown) == Some(uri) {
+            return Ok(());
+        }
+        models.insert(v.source);
+    }
+    if models.len() >= max {
+        return Err(Error::OverLimit(format!(
+            "namespace {ns} already holds {} pulled models in {} (--max-models-per-namespace {max}); \
+             delete the volumes of models it no longer uses, or ask an admin to raise the limit",
+            models.len(),
+            root.describe()
+        )));
+    }
+    Ok(())
+}
+
 fn check_free(root: &Root, bytes: u64) -> Result<()> {
     let space = cache::space(root)?;
     if bytes > space.usable() {
@@ -884,5 +936,52 @@ mod tests {
         assert_eq!(node_of(&pv("kubernetes.io/hostname", "In"), key), None);
         assert_eq!(node_of(&pv(key, "NotIn"), key), None);
         assert_eq!(node_of(&Default::default(), key), None);
+    }
+
+    /// A namespace at its bound may still use the models it holds, and
+    /// other namespaces are not counted against it.
+    #[test]
+    fn a_namespace_holds_at_most_its_share_of_models() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = crate::config::Config {
+            node_id: Some("n".into()),
+            state_dir: d.path().to_path_buf(),
+            ..Default::default()
+        };
+        let root = cfg.roots().roots.remove(0);
+        let volume = |i: u32, ns: &str, model: &str| {
+            let uuid = format!("{i:032x}");
+            let rec = VolumeRecord {
+                id: root.volume_id(&uuid),
+                name: format!("v{i}"),
+                backend: root.backend,
+                role: Role::Cache,
+                source: format!("m{:031x}", i % 100),
+                sub_path: None,
+                verify: Default::default(),
+                capacity_bytes: 1,
+                node: Some("n".into()),
+                model: Some(model.into()),
+                revision: None,
+                external: None,
+                content_source: None,
+                namespace: Some(ns.into()),
+                request: String::new(),
+                created_unix: 0,
+            };
+            cache::write_volume(&root, &rec).unwrap();
+        };
+        volume(1, "team-a", "s3://m/one");
+        volume(2, "team-a", "s3://m/two");
+        volume(3, "team-b", "s3://m/three");
+        // Two volumes of one model count once.
+        volume(101, "team-a", "s3://m/one");
+        namespace_has_room(&root, "team-a", "s3://m/new", 3).unwrap();
+        let e = namespace_has_room(&root, "team-a", "s3://m/new", 2).unwrap_err();
+        assert!(matches!(e, Error::OverLimit(_)), "{e}");
+        assert!(e.to_string().contains("--max-models-per-namespace"), "{e}");
+        namespace_has_room(&root, "team-a", "s3://m/two", 2).unwrap();
+        namespace_has_room(&root, "team-b", "s3://m/new", 2).unwrap();
+        namespace_has_room(&root, "team-a", "s3://m/new", 0).unwrap();
     }
 }

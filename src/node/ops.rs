@@ -633,6 +633,7 @@ mod tests {
                 revision: None,
                 external: None,
                 content_source: None,
+                namespace: None,
                 request: String::new(),
                 created_unix: 0,
             };

@@ -216,7 +216,7 @@ impl HfSource {
             .map(|t| t.trim().to_string())
             .filter(|t| !t.is_empty());
         Ok(HfSource {
-            client: http::client(opts.proxy())?,
+            client: http::client(opts)?,
             endpoint,
             uri,
             token,

@@ -194,10 +194,12 @@ pub(crate) fn redact(url: &Url) -> String {
 }
 
 /// The client every HTTP-based source uses; a tenant's goes through the
-/// egress guard at `proxy`.
-pub(crate) fn client(proxy: Option<&str>) -> Result<Client> {
+/// egress guard, and its redirects stay within the class's prefixes on any
+/// host a prefix names (the guard admits such a host by name, so only this
+/// check keeps a redirect from another path of it).
+pub(crate) fn client(opts: &super::SourceOptions) -> Result<Client> {
     let mut b = Client::builder();
-    match proxy {
+    match opts.proxy() {
         Some(p) => {
             b = b.proxy(
                 reqwest::Proxy::all(p)
@@ -206,14 +208,24 @@ pub(crate) fn client(proxy: Option<&str>) -> Result<Client> {
         }
         None => b = b.dns_resolver(std::sync::Arc::new(egress::MetadataShield)),
     }
+    let allowed = opts.tenant.as_ref().map(|t| t.allowed.clone());
     b.user_agent(concat!("modelcache-csi/", env!("CARGO_PKG_VERSION")))
         .connect_timeout(CONNECT_TIMEOUT)
         // Follows redirects (CDNs, the Hub's LFS storage), never to a
         // link-local address; reqwest drops the Authorization header when a
         // redirect leaves the origin.
-        .redirect(reqwest::redirect::Policy::custom(|attempt| {
+        .redirect(reqwest::redirect::Policy::custom(move |attempt| {
             if attempt.previous().len() >= 10 {
                 return attempt.error("more than 10 redirects");
+            }
+            if let Some(a) = &allowed
+                && a.strays_on_named_host(attempt.url())
+            {
+                let why = format!(
+                    "a redirect to {} leaves the StorageClass's allowedSources on a host it names",
+                    crate::trust::allowed::shown(attempt.url().as_str())
+                );
+                return attempt.error(egress::Refused(why));
             }
             match egress::check_url(attempt.url()) {
                 Ok(()) => attempt.follow(),
@@ -715,7 +727,7 @@ impl HttpSource {
             );
         }
         Ok(HttpSource {
-            client: client(opts.proxy())?,
+            client: client(opts)?,
             uri,
             token,
             ranges: AtomicBool::new(false),

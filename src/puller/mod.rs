@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use crate::cache::manifest::FileEntry;
 use crate::error::{Error, Result};
-use crate::trust::Tenant;
+use crate::trust::{Bounds, Tenant, egress};
 use source::{Compression, PullLimits, Resolved, Source};
 
 /// StorageClass parameters that lower the driver's pull limits.
@@ -45,22 +45,38 @@ pub const ACCEPTED_FORMS: &str = "s3://bucket/prefix, https://host/path/file (or
 pub struct SourceOptions {
     pub params: BTreeMap<String, String>,
     pub secrets: BTreeMap<String, String>,
-    /// Set when a tenant named the source: no credential of the driver's
-    /// environment or instance is used, and every connection goes through
-    /// the egress guard.
+    /// Set when someone the admin does not vouch for named the source (a
+    /// tenant; a model registry's answer): no credential of the driver's
+    /// environment or instance is used unless the scope says so, and every
+    /// connection goes through its egress guard.
     pub tenant: Option<Arc<Tenant>>,
+    /// What a URI the class did not write may reach (a registry's answer).
+    pub bounds: Bounds,
+    /// An admin's source's guard, for clients that take no resolver of
+    /// ours (s3, oci): it closes only metadata addresses. `open` sets it;
+    /// public only so that callers can build options with `..Default`.
+    pub admin_guard: Option<Arc<egress::Guard>>,
 }
 
 impl SourceOptions {
-    /// The egress guard's proxy URL for a tenant's pull.
+    /// The egress guard's proxy URL for this pull, if its clients use one.
     pub(crate) fn proxy(&self) -> Option<&str> {
-        self.tenant.as_ref().map(|t| t.guard.proxy_url())
+        match (&self.tenant, &self.admin_guard) {
+            (Some(t), _) => Some(t.guard.proxy_url()),
+            (None, Some(g)) => Some(g.proxy_url()),
+            (None, None) => None,
+        }
+    }
+
+    /// Only the requester's own secret may sign or authorise this pull.
+    pub(crate) fn own_credentials_only(&self) -> bool {
+        self.tenant.as_ref().is_some_and(|t| !t.credentials)
     }
 
     /// A credential from the driver's environment, which only sources an
-    /// admin chose may use.
+    /// admin chose (or scoped with `artifactCredentials`) may use.
     pub(crate) fn admin_env(&self, key: &str) -> Option<String> {
-        if self.tenant.is_some() {
+        if self.own_credentials_only() {
             return None;
         }
         std::env::var(key).ok()
@@ -97,16 +113,36 @@ pub fn validate_uri(uri: &str) -> Result<(), String> {
 
 /// The source for a model URI. A `model-registry://` URI is resolved to its
 /// artifact's own URI first, so a registry version and a direct URI to the
-/// same artifact share one cached copy.
+/// same artifact share one cached copy; that answer is pulled within the
+/// class's bounds, as a tenant's URI is (`Tenant::registry_answer`).
 pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
     validate_uri(uri).map_err(|m| Error::invalid("parameters.source", m))?;
     let scheme = uri.split_once("://").map(|(s, _)| s).unwrap_or_default();
+    let mut opts = opts.clone();
     let uri = if scheme == "model-registry" {
-        let artifact = registry::resolve_artifact_uri(uri, opts)
+        let (artifact, registry) = registry::resolve_artifact_uri(uri, &opts)
             .await
-            .map_err(|e| explain(opts, e))?;
-        if let Some(t) = &opts.tenant {
-            t.recheck("the model registry's artifact URI", &artifact)?;
+            .map_err(|e| explain(&opts, e))?;
+        validate_uri(&artifact).map_err(|m| {
+            Error::invalid(
+                "parameters.source",
+                format!(
+                    "the model registry answered with {}: {m}",
+                    display_uri(&artifact)
+                ),
+            )
+        })?;
+        match &opts.tenant {
+            Some(t) => t.recheck("the model registry's artifact URI", &artifact)?,
+            None => {
+                let scope =
+                    Tenant::registry_answer(&artifact, &registry, &opts.params, &opts.bounds)
+                        .await?;
+                if !scope.credentials {
+                    opts.secrets.clear();
+                }
+                opts.tenant = Some(scope);
+            }
         }
         artifact
     } else {
@@ -114,7 +150,12 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
     };
     let uri = uri.as_str();
     let limits = class_limits(&opts.params)?;
-    let source: Arc<dyn Source> = match uri.split_once("://").map(|(s, _)| s) {
+    let scheme = uri.split_once("://").map(|(s, _)| s);
+    if opts.tenant.is_none() && matches!(scheme, Some("s3" | "oci")) {
+        opts.admin_guard = Some(Arc::new(egress::Guard::new(egress::Policy::admin()).await?));
+    }
+    let opts = &opts;
+    let source: Arc<dyn Source> = match scheme {
         Some("file") => Arc::new(file::FileSource::new(uri)?),
         Some("s3") => Arc::new(s3::new(uri, opts)?),
         Some("http" | "https") => Arc::new(http::HttpSource::new(uri, opts)?),
@@ -124,17 +165,19 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
             return Err(Error::invalid(
                 "parameters.source",
                 format!(
-                    "the model registry returned {uri:?}, which is not a pullable URI; accepted forms: {ACCEPTED_FORMS}"
+                    "the model registry returned {}, which is not a pullable URI; accepted forms: {ACCEPTED_FORMS}",
+                    display_uri(uri)
                 ),
             ));
         }
     };
-    if opts.tenant.is_none() && limits.is_none() {
+    if opts.tenant.is_none() && opts.admin_guard.is_none() && limits.is_none() {
         return Ok(source);
     }
     Ok(Arc::new(Scoped {
         inner: source,
         tenant: opts.tenant.clone(),
+        admin_guard: opts.admin_guard.clone(),
         limits,
     }))
 }
@@ -146,19 +189,29 @@ fn explain(opts: &SourceOptions, e: Error) -> Error {
     }
 }
 
-/// A source within what its StorageClass allows: a tenant's request the
-/// egress guard refused fails with the guard's reason (PermissionDenied,
-/// never retried) instead of a proxy error, and the class's limits apply.
+/// A source within what its StorageClass allows: a request the egress
+/// guard refused fails with the guard's reason (PermissionDenied, never
+/// retried) instead of a proxy error, and the class's limits apply. It
+/// owns the pull's guard, whose tasks end when the source is dropped.
 struct Scoped {
     inner: Arc<dyn Source>,
     tenant: Option<Arc<Tenant>>,
+    admin_guard: Option<Arc<egress::Guard>>,
     limits: Option<PullLimits>,
 }
 
 impl Scoped {
+    fn guard(&self) -> Option<&egress::Guard> {
+        match (&self.tenant, &self.admin_guard) {
+            (Some(t), _) => Some(&t.guard),
+            (None, Some(g)) => Some(g),
+            (None, None) => None,
+        }
+    }
+
     fn explain(&self, e: Error) -> Error {
-        match &self.tenant {
-            Some(t) => t.guard.explain(e),
+        match self.guard() {
+            Some(g) => g.explain(e),
             None => e,
         }
     }
@@ -182,11 +235,19 @@ impl Source for Scoped {
             .read(file, offset, len)
             .await
             .map_err(|e| self.explain(e))?;
-        let Some(tenant) = self.tenant.clone() else {
+        if self.guard().is_none() {
             return Ok(stream);
-        };
+        }
+        // The stream holds the guard too: its tasks carry these bytes.
+        let (tenant, admin) = (self.tenant.clone(), self.admin_guard.clone());
         Ok(stream
-            .map(move |r| r.map_err(|e| tenant.guard.explain(e)))
+            .map(move |r| {
+                let guard = tenant.as_ref().map(|t| &t.guard).or(admin.as_deref());
+                match guard {
+                    Some(g) => r.map_err(|e| g.explain(e)),
+                    None => r,
+                }
+            })
             .boxed())
     }
 

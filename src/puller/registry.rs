@@ -165,10 +165,12 @@ impl Registry {
     }
 }
 
-/// Resolves a `model-registry://` URI to its model artifact's URI. The
-/// registry comes from `opts.params["modelRegistryURL"]` (else env
-/// `MODEL_REGISTRY_URL`), its token from `opts.secrets["modelRegistryToken"]`.
-pub async fn resolve_artifact_uri(uri: &str, opts: &SourceOptions) -> Result<String> {
+/// Resolves a `model-registry://` URI to its model artifact's URI, and the
+/// registry's base URL that answered. The registry comes from
+/// `opts.params["modelRegistryURL"]` (else env `MODEL_REGISTRY_URL`), its
+/// token from `opts.secrets["modelRegistryToken"]`. The answer is whoever
+/// registered the version's to choose: the caller bounds it.
+pub async fn resolve_artifact_uri(uri: &str, opts: &SourceOptions) -> Result<(String, Url)> {
     let parsed = parse(uri).map_err(|m| Error::invalid("parameters.source", m))?;
     let base = opts
         .params
@@ -217,8 +219,8 @@ pub async fn resolve_artifact_uri(uri: &str, opts: &SourceOptions) -> Result<Str
         .map(|t| t.trim().to_string())
         .filter(|t| !t.is_empty());
     let reg = Registry {
-        client: http::client(opts.proxy())?,
-        base,
+        client: http::client(opts)?,
+        base: base.clone(),
         token,
     };
 
@@ -294,7 +296,7 @@ pub async fn resolve_artifact_uri(uri: &str, opts: &SourceOptions) -> Result<Str
         )),
         Some((scheme, _)) if !scheme.is_empty() => {
             tracing::info!(model = %model, version = %version_name, "resolved through the model registry");
-            Ok(artifact_uri)
+            Ok((artifact_uri, base))
         }
         _ => Err(Error::Precondition(format!(
             "{what}: the model artifact's uri has no scheme://"

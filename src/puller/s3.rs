@@ -246,7 +246,7 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<(AmazonS3, String)>
         }
         // A tenant's pull never signs with the driver's environment keys,
         // web identity or instance role: unsigned, or the PVC's own secret.
-        (None, None) if opts.tenant.is_some() => builder = builder.with_skip_signature(true),
+        (None, None) if opts.own_credentials_only() => builder = builder.with_skip_signature(true),
         (None, None) => {}
         _ => {
             return Err(Error::invalid(

@@ -14,6 +14,8 @@
 
 use std::fmt;
 
+use super::egress;
+
 /// Schemes a prefix may name; `pvc` and `file` only when named explicitly.
 const SCHEMES: [&str; 8] = [
     "s3",
@@ -116,7 +118,7 @@ impl AllowedSources {
             let authority = match (parts.authority.is_empty(), parts.rest.is_empty()) {
                 // `scheme://`: any authority; `file:///x` has an empty one.
                 (true, true) => None,
-                _ => Some(parts.authority.to_ascii_lowercase()),
+                _ => Some(fold_authority(&scheme, parts.authority)),
             };
             prefixes.push(Prefix {
                 raw: raw.to_string(),
@@ -139,7 +141,7 @@ impl AllowedSources {
         refuse_hostile_form(uri)?;
         let parts = split(uri).ok_or_else(|| format!("{:?} is not a model URI", shown(uri)))?;
         let scheme = parts.scheme.to_ascii_lowercase();
-        let authority = parts.authority.to_ascii_lowercase();
+        let authority = fold_authority(&scheme, parts.authority);
         let ok = self.prefixes.iter().any(|p| {
             p.scheme == scheme
                 && match &p.authority {
@@ -151,22 +153,45 @@ impl AllowedSources {
             Ok(())
         } else {
             Err(format!(
-                "{} is outside the sources this StorageClass allows ({self})",
+                "{} is outside the sources this StorageClass allows (allowedSources: {self})",
                 shown(uri)
             ))
         }
     }
 
-    /// The hosts (`host` or `host:port`) that prefixes name explicitly:
-    /// the only ones a tenant's pull may reach on loopback, link-local or
-    /// cluster addresses.
+    /// The `host:port`s that prefixes name explicitly, a missing port
+    /// being the scheme's (an OCI registry's both 443 and 80, for plain
+    /// HTTP): the only ones a tenant's pull may reach on private,
+    /// loopback or blocked addresses, and only on that port.
     pub fn named_hosts(&self) -> Vec<String> {
-        self.prefixes
-            .iter()
-            .filter(|p| matches!(p.scheme.as_str(), "http" | "https" | "oci"))
-            .filter_map(|p| p.authority.clone())
-            .filter(|a| !a.is_empty())
-            .collect()
+        let mut out = Vec::new();
+        for p in &self.prefixes {
+            let Some(a) = p.authority.as_deref().filter(|a| !a.is_empty()) else {
+                continue;
+            };
+            let defaults: &[u16] = match p.scheme.as_str() {
+                "http" => &[80],
+                "https" => &[443],
+                "oci" => &[443, 80],
+                _ => continue,
+            };
+            match split_port(a) {
+                (host, Some(port)) => out.push(egress::host_port(host, port)),
+                (host, None) => out.extend(defaults.iter().map(|d| egress::host_port(host, *d))),
+            }
+        }
+        out
+    }
+
+    /// Whether `url` is on a host some prefix names (so it is reachable
+    /// only by that name) but outside every prefix: a redirect there would
+    /// reach a path of an admitted host that the class never allowed.
+    pub fn strays_on_named_host(&self, url: &url::Url) -> bool {
+        let (Some(host), Some(port)) = (url.host_str(), url.port_or_known_default()) else {
+            return false;
+        };
+        let hp = egress::host_port(host, port);
+        self.named_hosts().contains(&hp) && self.permits(url.as_str()).is_err()
     }
 }
 
@@ -174,6 +199,32 @@ impl fmt::Display for AllowedSources {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let raw: Vec<_> = self.prefixes.iter().map(|p| p.raw.as_str()).collect();
         f.write_str(&raw.join(","))
+    }
+}
+
+/// An authority as its scheme compares it: host names ignore case; S3
+/// buckets, Hub orgs, claims and registry model names do not.
+fn fold_authority(scheme: &str, authority: &str) -> String {
+    match scheme {
+        "http" | "https" | "oci" => authority.to_ascii_lowercase(),
+        _ => authority.to_string(),
+    }
+}
+
+/// `host[:port]` (IPv6 in brackets) split at its port.
+fn split_port(authority: &str) -> (&str, Option<u16>) {
+    if let Some(rest) = authority.strip_prefix('[') {
+        return match rest.split_once(']') {
+            Some((h, tail)) => (h, tail.strip_prefix(':').and_then(|p| p.parse().ok())),
+            None => (authority, None),
+        };
+    }
+    match authority.rsplit_once(':') {
+        Some((h, p)) => match p.parse() {
+            Ok(port) => (h, Some(port)),
+            Err(_) => (authority, None),
+        },
+        None => (authority, None),
     }
 }
 
@@ -303,8 +354,47 @@ mod tests {
 
     #[test]
     fn named_hosts_are_explicit_network_hosts() {
-        let a = allowed("hf://, s3://models/, http://127.0.0.1:9000/m/, oci://reg.local:5000");
-        assert_eq!(a.named_hosts(), vec!["127.0.0.1:9000", "reg.local:5000"]);
+        let a = allowed(
+            "hf://, s3://models/, http://127.0.0.1:9000/m/, oci://reg.local:5000, https://CDN.example, oci://r.example, http://[::1]:81/",
+        );
+        assert_eq!(
+            a.named_hosts(),
+            vec![
+                "127.0.0.1:9000",
+                "reg.local:5000",
+                "cdn.example:443",
+                "r.example:443",
+                "r.example:80",
+                "[::1]:81"
+            ]
+        );
+        let u = |s: &str| url::Url::parse(s).unwrap();
+        assert!(!a.strays_on_named_host(&u("http://127.0.0.1:9000/m/x")));
+        assert!(a.strays_on_named_host(&u("http://127.0.0.1:9000/admin")));
+        assert!(!a.strays_on_named_host(&u("https://elsewhere.example/admin")));
+    }
+
+    #[test]
+    fn names_compare_as_their_scheme_does() {
+        let a = allowed("s3://Models/, hf://OrgA, pvc://team-a:Claim, https://CDN.Example/m/");
+        assert!(a.permits("s3://Models/x").is_ok());
+        assert!(
+            a.permits("s3://models/x").is_err(),
+            "a bucket is case-sensitive"
+        );
+        assert!(a.permits("hf://OrgA/m").is_ok());
+        assert!(
+            a.permits("hf://orga/m").is_err(),
+            "a Hub org is case-sensitive"
+        );
+        assert!(
+            a.permits("pvc://team-a:claim").is_err(),
+            "a claim is case-sensitive"
+        );
+        assert!(
+            a.permits("https://cdn.example/m/w").is_ok(),
+            "a host is not"
+        );
     }
 
     #[test]

@@ -1,16 +1,17 @@
-//! The egress guard: every connection a tenant-named pull makes goes through
-//! an in-process HTTP proxy on loopback, which resolves the target itself
-//! and connects only to addresses the pull's policy allows.
+//! The egress guard: every connection a pull makes goes through an
+//! in-process HTTP proxy on loopback, which resolves the target itself and
+//! connects only to addresses the pull's policy allows.
 //!
 //! Checking names before a request is not enough: a redirect, a `#manifest`
 //! entry, a registry's blob redirect or a DNS answer that changes between
 //! the check and the connect (rebinding) all reach addresses no check saw.
 //! Here the check and the connect are one step on the resolved address, and
 //! every client library we use (reqwest, object_store, oci-client) honours
-//! a proxy, so no code path can bypass it. It must never be used for
-//! sources an admin chose (they reach what the admin decided).
+//! a proxy, so no code path can bypass it. A tenant's pull (and a registry's
+//! answer) gets `Policy::tenant`; an admin's s3 and oci sources get
+//! `Policy::admin`, which closes only metadata services.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,53 +22,133 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use ipnet::IpNet;
 use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Why an address is closed to tenants, or None when it is open.
-pub fn closed_reason(ip: IpAddr, cluster: &[IpNet]) -> Option<String> {
-    // ::ffff:127.0.0.1 is loopback too.
-    let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-        v4 => v4,
-    };
-    let reason = match ip {
-        IpAddr::V4(v4) if v4.is_loopback() => "loopback",
-        IpAddr::V6(v6) if v6.is_loopback() => "loopback",
-        IpAddr::V4(v4) if v4.is_link_local() => "link-local (where cloud metadata lives)",
-        IpAddr::V6(v6) if v6.is_unicast_link_local() => "link-local",
-        IpAddr::V4(v4) if v4.is_unspecified() || v4.octets()[0] == 0 => "unspecified",
-        IpAddr::V6(v6) if v6.is_unspecified() => "unspecified",
-        IpAddr::V4(v4) if v4.is_multicast() || v4.is_broadcast() => "multicast or broadcast",
-        IpAddr::V6(v6) if v6.is_multicast() => "multicast",
-        _ => {
-            let net = cluster.iter().find(|n| n.contains(&ip))?;
-            return Some(format!(
-                "in the cluster network {net} (--tenant-blocked-networks)"
-            ));
-        }
-    };
-    Some(reason.to_string())
+/// Metadata services that hand out a node's credentials, outside
+/// link-local: AWS's IPv6 endpoint, Alibaba, Azure's wireserver, Oracle.
+const METADATA: [&str; 4] = [
+    "fd00:ec2::254",
+    "100.100.100.200",
+    "168.63.129.16",
+    "192.0.0.192",
+];
+
+/// Ranges a tenant's pull does not reach unless the admin opens them
+/// (`--tenant-open-networks`) or the StorageClass names the host: private,
+/// shared (CGNAT), unique-local and reserved space, where a node's
+/// neighbours, the VPC and cluster services live.
+const PRIVATE: [(&str, &str); 14] = [
+    ("10.0.0.0/8", "private (RFC 1918)"),
+    ("172.16.0.0/12", "private (RFC 1918)"),
+    ("192.168.0.0/16", "private (RFC 1918)"),
+    ("100.64.0.0/10", "shared address space (CGNAT, RFC 6598)"),
+    ("192.0.0.0/24", "reserved for IETF protocols"),
+    ("192.0.2.0/24", "reserved for documentation"),
+    ("198.51.100.0/24", "reserved for documentation"),
+    ("203.0.113.0/24", "reserved for documentation"),
+    ("198.18.0.0/15", "reserved for benchmarking"),
+    ("240.0.0.0/4", "reserved"),
+    ("fc00::/7", "unique-local (IPv6 private)"),
+    ("fec0::/10", "site-local (deprecated IPv6 private)"),
+    ("2001:db8::/32", "reserved for documentation"),
+    ("100::/64", "discard-only"),
+];
+
+/// The IPv4 address an IPv6 one stands for, in every form a stack or a
+/// NAT64 gateway would deliver to IPv4: mapped (`::ffff:a.b.c.d`),
+/// compatible (`::a.b.c.d`), NAT64 (`64:ff9b::/96`, `64:ff9b:1::/48`) and
+/// 6to4 (`2002:aabb:ccdd::/48`).
+fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return Some(v4);
+    }
+    let s = v6.segments();
+    let o = v6.octets();
+    let tail = Ipv4Addr::new(o[12], o[13], o[14], o[15]);
+    match s {
+        // ::a.b.c.d, but not :: or ::1.
+        [0, 0, 0, 0, 0, 0, hi, _] if hi != 0 => Some(tail),
+        [0x64, 0xff9b, 0, 0, 0, 0, _, _] => Some(tail),
+        [0x64, 0xff9b, 1, ..] => Some(tail),
+        [0x2002, ..] => Some(Ipv4Addr::new(o[2], o[3], o[4], o[5])),
+        _ => None,
+    }
 }
 
-/// Link-local addresses hold cloud metadata services, which hand out the
-/// node's own credentials: no pull reaches them, whoever chose its source,
-/// because a compromised origin can redirect there or list them in a
-/// manifest. (Tenants' pulls are narrowed further by `Policy`.)
-pub fn metadata_refusal(ip: IpAddr) -> Option<String> {
-    let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+/// The address as the network will treat it: an IPv6 form of an IPv4
+/// address is that IPv4 address.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => embedded_v4(v6).map(IpAddr::V4).unwrap_or(ip),
         v4 => v4,
-    };
+    }
+}
+
+/// Cloud metadata, which no pull reaches whoever chose its source or names
+/// its host: a compromised origin or a tenant's DNS can point anywhere, and
+/// these addresses hand out the node's own credentials.
+pub fn metadata_refusal(ip: IpAddr) -> Option<String> {
+    let ip = canonical(ip);
     let link_local = match ip {
         IpAddr::V4(v4) => v4.is_link_local(),
         IpAddr::V6(v6) => v6.is_unicast_link_local(),
     };
-    link_local.then(|| {
-        format!("{ip} is link-local, where cloud metadata lives; no model source may reach it")
-    })
+    let known = METADATA
+        .iter()
+        .any(|m| m.parse::<IpAddr>().is_ok_and(|m| m == ip));
+    (link_local || known)
+        .then(|| "a cloud metadata address (link-local or a known metadata service)".to_string())
+}
+
+/// The networks tenant pulls are kept from, and those the admin opened.
+#[derive(Clone, Debug, Default)]
+pub struct Ranges {
+    /// `--tenant-blocked-networks`: closed even where a private range
+    /// would be opened.
+    pub blocked: Vec<IpNet>,
+    /// `--tenant-open-networks`: private or reserved networks tenants may
+    /// reach (a model mirror on the VPC).
+    pub open: Vec<IpNet>,
+}
+
+impl Ranges {
+    /// Why a tenant's pull may not reach `ip` (the rule, not the address),
+    /// or None when it may. Metadata is `metadata_refusal`'s, checked first.
+    pub fn closed(&self, ip: IpAddr) -> Option<String> {
+        let ip = canonical(ip);
+        let fixed = match ip {
+            IpAddr::V4(v4) if v4.is_loopback() => Some("loopback"),
+            IpAddr::V6(v6) if v6.is_loopback() => Some("loopback"),
+            IpAddr::V4(v4) if v4.is_unspecified() || v4.octets()[0] == 0 => Some("unspecified"),
+            IpAddr::V6(v6) if v6.is_unspecified() => Some("unspecified"),
+            IpAddr::V4(v4) if v4.is_multicast() || v4.is_broadcast() => {
+                Some("multicast or broadcast")
+            }
+            IpAddr::V6(v6) if v6.is_multicast() => Some("multicast"),
+            _ => None,
+        };
+        if let Some(why) = fixed {
+            return Some(why.to_string());
+        }
+        if let Some(net) = self.blocked.iter().find(|n| n.contains(&ip)) {
+            return Some(format!(
+                "in a blocked network {net} (--tenant-blocked-networks)"
+            ));
+        }
+        if self.open.iter().any(|n| n.contains(&ip)) {
+            return None;
+        }
+        PRIVATE.iter().find_map(|(net, what)| {
+            let net: IpNet = net.parse().ok()?;
+            net.contains(&ip).then(|| {
+                format!("{what}, which tenant pulls reach only where an admin opens it (--tenant-open-networks)")
+            })
+        })
+    }
 }
 
 /// A refusal raised inside an HTTP client (resolver, redirect policy), found
@@ -127,43 +208,69 @@ impl reqwest::dns::Resolve for MetadataShield {
     }
 }
 
-/// What one tenant pull may reach.
+/// `host:port` as policies compare it: lowercase, IPv6 in brackets.
+pub fn host_port(host: &str, port: u16) -> String {
+    let h = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    if h.contains(':') {
+        format!("[{h}]:{port}")
+    } else {
+        format!("{h}:{port}")
+    }
+}
+
+/// What one pull may reach.
 #[derive(Debug)]
 pub struct Policy {
-    /// `host` or `host:port`, lowercase: named by the StorageClass (an
+    /// `host:port` (see `host_port`) named by the StorageClass (an
     /// allowedSources prefix or an endpoint parameter), so reachable even
-    /// on closed addresses.
+    /// on closed addresses; never on metadata ones.
     admitted: Vec<String>,
-    cluster: Vec<IpNet>,
+    /// None for an admin's source: only metadata is closed.
+    ranges: Option<Ranges>,
     /// The first refusal, so the pull fails with it instead of a proxy error.
     refusal: Mutex<Option<String>>,
     /// Upstream connections made for this policy: proof that a client
     /// really went through the guard.
     connections: std::sync::atomic::AtomicUsize,
+    /// Upstream connections open now (a tunnel or a forwarded request).
+    open: std::sync::atomic::AtomicUsize,
 }
 
 impl Policy {
-    pub fn new(admitted: Vec<String>, cluster: Vec<IpNet>) -> Policy {
+    /// A tenant's pull: `admitted` are `host:port` strings.
+    pub fn tenant(admitted: Vec<String>, ranges: Ranges) -> Policy {
         Policy {
             admitted: admitted
-                .into_iter()
-                .map(|h| h.to_ascii_lowercase())
+                .iter()
+                .filter_map(|a| {
+                    let (h, p) = a.rsplit_once(':')?;
+                    Some(host_port(h, p.parse().ok()?))
+                })
                 .collect(),
-            cluster,
+            ranges: Some(ranges),
             refusal: Mutex::new(None),
             connections: Default::default(),
+            open: Default::default(),
+        }
+    }
+
+    /// An admin's source reaches what the admin chose, except metadata.
+    pub fn admin() -> Policy {
+        Policy {
+            admitted: Vec::new(),
+            ranges: None,
+            refusal: Mutex::new(None),
+            connections: Default::default(),
+            open: Default::default(),
         }
     }
 
     fn admits(&self, host: &str, port: u16) -> bool {
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        self.admitted.iter().any(|a| {
-            let a = a.as_str();
-            a == host
-                || a == format!("{host}:{port}")
-                || a == format!("[{host}]:{port}")
-                || a.trim_start_matches('[').trim_end_matches(']') == host
-        })
+        let hp = host_port(host, port);
+        self.admitted.contains(&hp)
     }
 
     /// Resolves `host` and returns the addresses to connect to, or why not.
@@ -173,28 +280,43 @@ impl Policy {
         port: u16,
     ) -> std::result::Result<Vec<SocketAddr>, String> {
         let bare = host.trim_start_matches('[').trim_end_matches(']');
-        let addrs: Vec<SocketAddr> = match bare.parse::<IpAddr>() {
-            Ok(ip) => vec![SocketAddr::new(ip, port)],
-            Err(_) => tokio::net::lookup_host((bare, port))
+        let literal = bare.parse::<IpAddr>().ok();
+        let addrs: Vec<SocketAddr> = match literal {
+            Some(ip) => vec![SocketAddr::new(ip, port)],
+            None => tokio::net::lookup_host((bare, port))
                 .await
                 .map_err(|e| format!("cannot resolve {bare}: {e}"))?
                 .collect(),
         };
-        if self.admits(host, port) {
-            return Ok(addrs);
-        }
-        // Every address must be open: a mixed answer is how rebinding hides.
-        for a in &addrs {
-            if let Some(why) = closed_reason(a.ip(), &self.cluster) {
-                return Err(format!(
-                    "{bare}:{port} resolves to {}, which is {why}; a PVC's source may not reach it \
-                     unless the StorageClass's allowedSources names that host explicitly",
-                    a.ip()
-                ));
-            }
-        }
         if addrs.is_empty() {
             return Err(format!("{bare} resolves to no address"));
+        }
+        // What a name resolves to stays unsaid: internal DNS answers are
+        // not the requester's to learn. Every address must pass; a mixed
+        // answer is how rebinding hides.
+        let is = if literal.is_some() {
+            "is"
+        } else {
+            "resolves to"
+        };
+        if let Some(why) = addrs.iter().find_map(|a| metadata_refusal(a.ip())) {
+            return Err(format!(
+                "{}: {is} {why}; no model source may reach it, whoever names it",
+                host_port(bare, port)
+            ));
+        }
+        let Some(ranges) = &self.ranges else {
+            return Ok(addrs);
+        };
+        if self.admits(bare, port) {
+            return Ok(addrs);
+        }
+        if let Some(why) = addrs.iter().find_map(|a| ranges.closed(a.ip())) {
+            let hp = host_port(bare, port);
+            return Err(format!(
+                "{hp} {is} {why}; a tenant's source may reach it only if the StorageClass names \
+                 {hp} (an allowedSources prefix or an endpoint parameter)"
+            ));
         }
         Ok(addrs)
     }
@@ -209,6 +331,11 @@ impl Policy {
         self.connections.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Upstream connections open now; none once a pull's clients are gone.
+    pub fn open_now(&self) -> usize {
+        self.open.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The refusal that made a request fail, if any.
     pub fn refusal(&self) -> Option<String> {
         self.refusal
@@ -218,17 +345,18 @@ impl Policy {
     }
 }
 
-/// A policy registered with the proxy; unregistered on drop.
-/// One tenant pull's guard: a proxy listener of its own on loopback, so the
-/// port names the policy. (A header would not do: clients drop proxy
+/// One pull's guard: a proxy listener of its own on loopback, so the port
+/// names the policy. (A header would not do: clients drop proxy
 /// credentials when a plain-http redirect changes host.) No credential is
 /// needed, because the guard only narrows what the node's own network
 /// position reaches; a local process that finds the port gains nothing.
+/// Every task it starts (connections, tunnels, upstream halves) ends when
+/// it is dropped, so nothing outlives the pull.
 #[derive(Debug)]
 pub struct Guard {
     pub policy: Arc<Policy>,
     url: String,
-    task: tokio::task::AbortHandle,
+    stop: CancellationToken,
 }
 
 impl Guard {
@@ -241,11 +369,16 @@ impl Guard {
             .local_addr()
             .map_err(|e| Error::Internal(format!("egress guard address: {e}")))?;
         let policy = Arc::new(policy);
-        let task = tokio::spawn(serve(listener, policy.clone())).abort_handle();
+        let stop = CancellationToken::new();
+        tokio::spawn(stop.clone().run_until_cancelled_owned(serve(
+            listener,
+            policy.clone(),
+            stop.clone(),
+        )));
         Ok(Guard {
             policy,
             url: format!("http://{addr}"),
-            task,
+            stop,
         })
     }
 
@@ -267,11 +400,29 @@ impl Guard {
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop.cancel();
     }
 }
 
-async fn serve(listener: TcpListener, policy: Arc<Policy>) {
+/// Counts an upstream connection as open while it lives.
+struct Open(Arc<Policy>);
+
+impl Open {
+    fn new(p: Arc<Policy>) -> Open {
+        p.open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Open(p)
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0
+            .open
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+async fn serve(listener: TcpListener, policy: Arc<Policy>, stop: CancellationToken) {
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -281,16 +432,29 @@ async fn serve(listener: TcpListener, policy: Arc<Policy>) {
                 continue;
             }
         };
-        let policy = policy.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| handle(policy.clone(), req));
+        let (policy, inner) = (policy.clone(), stop.clone());
+        tokio::spawn(stop.clone().run_until_cancelled_owned(async move {
+            let service =
+                hyper::service::service_fn(move |req| handle(policy.clone(), inner.clone(), req));
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
                 .with_upgrades();
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "egress guard connection ended");
             }
-        });
+        }));
+    }
+}
+
+/// Copies both ways until either side ends: an HTTP client that gives up
+/// closes its side, and a silent upstream must not keep the tunnel (a task
+/// and two sockets) alive after it.
+async fn tunnel(client: hyper::upgrade::Upgraded, upstream: TcpStream) {
+    let (mut cr, mut cw) = tokio::io::split(TokioIo::new(client));
+    let (mut ur, mut uw) = upstream.into_split();
+    tokio::select! {
+        _ = tokio::io::copy(&mut cr, &mut uw) => {}
+        _ = tokio::io::copy(&mut ur, &mut cw) => {}
     }
 }
 
@@ -308,6 +472,7 @@ fn reply(status: StatusCode, text: String) -> Response<Body> {
 
 async fn handle(
     policy: Arc<Policy>,
+    stop: CancellationToken,
     req: Request<Incoming>,
 ) -> std::result::Result<Response<Body>, hyper::Error> {
     let (host, port) = match target(&req) {
@@ -341,24 +506,22 @@ async fn handle(
             ));
         }
     };
+    let open = Open::new(policy.clone());
     if req.method() == Method::CONNECT {
-        tokio::spawn(async move {
+        tokio::spawn(stop.run_until_cancelled_owned(async move {
+            let _open = open;
             match hyper::upgrade::on(req).await {
-                Ok(up) => {
-                    let mut client = TokioIo::new(up);
-                    let mut upstream = upstream;
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
-                }
+                Ok(up) => tunnel(up, upstream).await,
                 Err(e) => tracing::debug!(error = %e, "egress guard: upgrade failed"),
             }
-        });
+        }));
         return Ok(Response::new(
             Full::new(Bytes::new())
                 .map_err(|never| match never {})
                 .boxed(),
         ));
     }
-    forward(req, upstream, &host, port).await
+    forward(req, upstream, &host, port, stop, open).await
 }
 
 /// `CONNECT host:port`, or the host and port of an absolute `http://` URI.
@@ -392,6 +555,8 @@ async fn forward(
     upstream: TcpStream,
     host: &str,
     port: u16,
+    stop: CancellationToken,
+    open: Open,
 ) -> std::result::Result<Response<Body>, hyper::Error> {
     let (mut parts, body) = req.into_parts();
     let path = parts
@@ -425,9 +590,10 @@ async fn forward(
                 ));
             }
         };
-    tokio::spawn(async move {
+    tokio::spawn(stop.run_until_cancelled_owned(async move {
+        let _open = open;
         let _ = conn.await;
-    });
+    }));
     match sender.send_request(Request::from_parts(parts, body)).await {
         Ok(resp) => Ok(resp.map(|b| b.boxed())),
         Err(e) => Ok(reply(
@@ -443,27 +609,91 @@ mod tests {
 
     #[test]
     fn closed_addresses() {
-        let cluster: Vec<IpNet> = vec!["10.96.0.0/12".parse().unwrap()];
+        let ranges = Ranges {
+            blocked: vec!["10.96.0.0/12".parse().unwrap()],
+            open: vec!["10.1.0.0/16".parse().unwrap()],
+        };
         for (ip, word) in [
             ("127.0.0.1", "loopback"),
             ("127.8.9.10", "loopback"),
             ("::1", "loopback"),
             ("::ffff:127.0.0.1", "loopback"),
-            ("169.254.169.254", "link-local"),
-            ("fe80::1", "link-local"),
+            ("::127.0.0.1", "loopback"),
+            ("64:ff9b::7f00:1", "loopback"),
+            ("2002:7f00:1::", "loopback"),
             ("0.0.0.0", "unspecified"),
             ("::", "unspecified"),
-            ("10.96.0.1", "cluster network"),
+            ("10.96.0.1", "--tenant-blocked-networks"),
+            ("10.0.0.1", "RFC 1918"),
+            ("172.20.1.1", "RFC 1918"),
+            ("192.168.1.1", "RFC 1918"),
+            ("::ffff:192.168.1.1", "RFC 1918"),
+            ("64:ff9b::a00:1", "RFC 1918"),
+            ("100.64.0.1", "CGNAT"),
+            ("fd12::1", "unique-local"),
+            ("240.0.0.1", "reserved"),
+            ("198.18.0.1", "benchmarking"),
         ] {
-            let why = closed_reason(ip.parse().unwrap(), &cluster);
+            let why = ranges.closed(ip.parse().unwrap());
             assert!(
                 why.as_deref().is_some_and(|w| w.contains(word)),
                 "{ip}: {why:?}"
             );
         }
-        for ip in ["93.184.216.34", "10.0.0.1", "2606:4700::1"] {
-            assert_eq!(closed_reason(ip.parse().unwrap(), &cluster), None, "{ip}");
+        for ip in [
+            "93.184.216.34",
+            "10.1.2.3",
+            "2606:4700::1",
+            "::ffff:93.184.216.34",
+        ] {
+            assert_eq!(ranges.closed(ip.parse().unwrap()), None, "{ip}");
         }
+        // Metadata, wherever a provider put it, in any IPv6 dress.
+        for ip in [
+            "169.254.169.254",
+            "fe80::1",
+            "fd00:ec2::254",
+            "100.100.100.200",
+            "168.63.129.16",
+            "192.0.0.192",
+            "::ffff:169.254.169.254",
+            "::169.254.169.254",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b::6464:64c8",
+        ] {
+            assert!(metadata_refusal(ip.parse().unwrap()).is_some(), "{ip}");
+        }
+        for ip in ["93.184.216.34", "10.0.0.1", "100.100.100.201"] {
+            assert!(metadata_refusal(ip.parse().unwrap()).is_none(), "{ip}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_named_host_is_admitted_on_its_port_never_on_metadata() {
+        let p = Policy::tenant(
+            vec!["127.0.0.1:9000".into(), "169.254.169.254:80".into()],
+            Ranges::default(),
+        );
+        assert!(p.resolve("127.0.0.1", 9000).await.is_ok());
+        let e = p.resolve("127.0.0.1", 22).await.unwrap_err();
+        assert!(e.contains("loopback"), "{e}");
+        let e = p.resolve("169.254.169.254", 80).await.unwrap_err();
+        assert!(e.contains("metadata"), "{e}");
+        // An admin's source reaches private ranges, never metadata.
+        let admin = Policy::admin();
+        assert!(admin.resolve("10.0.0.1", 80).await.is_ok());
+        assert!(admin.resolve("127.0.0.1", 80).await.is_ok());
+        let e = admin.resolve("[fd00:ec2::254]", 80).await.unwrap_err();
+        assert!(e.contains("metadata"), "{e}");
+        // A name's answer is not repeated back to the requester.
+        let e = Policy::tenant(vec![], Ranges::default())
+            .resolve("localhost", 80)
+            .await
+            .unwrap_err();
+        assert!(
+            e.contains("resolves to loopback") && !e.contains("127.0.0.1"),
+            "{e}"
+        );
     }
 
     /// Sends `head` to the guard of `g` and returns its status line and the
@@ -515,9 +745,12 @@ mod tests {
     async fn tunnels_and_forwards_only_what_the_policy_admits() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (port, served) = upstream().await;
-        let open = Guard::new(Policy::new(vec![format!("127.0.0.1:{port}")], vec![]))
-            .await
-            .unwrap();
+        let open = Guard::new(Policy::tenant(
+            vec![format!("127.0.0.1:{port}")],
+            Ranges::default(),
+        ))
+        .await
+        .unwrap();
         // CONNECT, then HTTP through the tunnel.
         let (status, mut s) = ask(
             &open,
@@ -540,7 +773,9 @@ mod tests {
         assert!(status.contains("200"), "{status}");
 
         // A policy that does not name the host reaches nothing, and says why.
-        let closed = Guard::new(Policy::new(vec![], vec![])).await.unwrap();
+        let closed = Guard::new(Policy::tenant(vec![], Ranges::default()))
+            .await
+            .unwrap();
         for head in [
             format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"),
             format!("GET http://localhost:{port}/x HTTP/1.1\r\nHost: localhost\r\n\r\n"),
@@ -570,9 +805,60 @@ mod tests {
         );
     }
 
+    /// An upstream that accepts and never answers, as a hung origin does.
+    #[tokio::test]
+    async fn a_silent_upstream_keeps_nothing_open_once_the_client_leaves() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((s, _)) = l.accept().await {
+                kept.push(s);
+            }
+        });
+        let g = Guard::new(Policy::tenant(
+            vec![format!("127.0.0.1:{port}")],
+            Ranges::default(),
+        ))
+        .await
+        .unwrap();
+        let policy = g.policy.clone();
+        let connect = format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n");
+        let settled = |want: usize| {
+            let policy = policy.clone();
+            async move {
+                for _ in 0..200 {
+                    if policy.open_now() == want {
+                        return true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                false
+            }
+        };
+        // A client that times out and retries, 100 times.
+        for _ in 0..100 {
+            let (status, s) = ask(&g, connect.clone()).await;
+            assert!(status.contains("200"), "{status}");
+            drop(s);
+        }
+        assert!(
+            settled(0).await,
+            "{} tunnels outlived their clients",
+            policy.open_now()
+        );
+        assert_eq!(policy.connections(), 100);
+        // A tunnel still in use ends with its pull's guard.
+        let (_, _client) = ask(&g, connect.clone()).await;
+        assert!(settled(1).await);
+        drop(g);
+        assert!(settled(0).await, "a tunnel outlived its guard");
+        held.abort();
+    }
+
     #[tokio::test]
     async fn admitted_hosts_pass_closed_ones_do_not() {
-        let p = Policy::new(vec!["127.0.0.1:9000".into()], vec![]);
+        let p = Policy::tenant(vec!["127.0.0.1:9000".into()], Ranges::default());
         assert!(p.resolve("127.0.0.1", 9000).await.is_ok());
         let e = p.resolve("127.0.0.1", 9001).await.unwrap_err();
         assert!(

@@ -12,8 +12,6 @@ pub mod egress;
 
 use std::sync::Arc;
 
-use ipnet::IpNet;
-
 pub use allowed::AllowedSources;
 
 use crate::error::{Error, Result};
@@ -33,12 +31,35 @@ const ENDPOINT_ENV: [&str; 5] = [
     "AWS_ENDPOINT",
 ];
 
-/// A source named by a tenant, and the bounds it is pulled within.
+/// StorageClass parameter: the URI prefixes a model registry's answer may
+/// carry the class's credentials to (its provisioner secret and the
+/// driver's environment); any other answer is pulled with none.
+pub const ARTIFACT_CREDENTIALS: &str = "artifactCredentials";
+
+/// What a URI the class did not write itself may reach: a tenant's
+/// annotation or inline attribute, or a model registry's answer to the
+/// class's own `model-registry://` source.
+#[derive(Clone, Debug, Default)]
+pub struct Bounds {
+    /// `allowedSources`.
+    pub allowed: Option<AllowedSources>,
+    /// `artifactCredentials`.
+    pub credentialed: Option<AllowedSources>,
+    /// The node's networks closed to, or opened for, such pulls.
+    pub ranges: egress::Ranges,
+}
+
+/// A source named by someone the admin does not vouch for (a tenant, or
+/// whoever registers model versions), and the bounds it is pulled within.
 #[derive(Debug)]
 pub struct Tenant {
     pub allowed: AllowedSources,
     /// Every connection of the pull goes through this.
     pub guard: egress::Guard,
+    /// The class's and the driver's credentials may follow this pull (a
+    /// registry answer within `artifactCredentials`); otherwise only the
+    /// requester's own secret is used.
+    pub credentials: bool,
 }
 
 impl Tenant {
@@ -50,7 +71,7 @@ impl Tenant {
         uri: &str,
         allowed: Option<&AllowedSources>,
         params: &std::collections::BTreeMap<String, String>,
-        blocked: &[IpNet],
+        ranges: &egress::Ranges,
     ) -> Result<Arc<Tenant>> {
         let allowed = allowed.ok_or_else(|| {
             Error::invalid(
@@ -65,29 +86,75 @@ impl Tenant {
         allowed
             .permits(uri)
             .map_err(|m| Error::NotAllowed(format!("{field}: {m}")))?;
-        let mut admitted = allowed.named_hosts();
-        let env: Vec<String> = ENDPOINT_ENV
-            .iter()
-            .filter_map(|k| std::env::var(k).ok())
-            .collect();
-        for url in ENDPOINT_PARAMS
-            .iter()
-            .filter_map(|k| params.get(*k))
-            .chain(env.iter())
-        {
-            if let Ok(u) = url::Url::parse(url)
-                && let Some(host) = u.host_str()
-            {
-                admitted.push(host.to_string());
-                if let Some(port) = u.port_or_known_default() {
-                    admitted.push(format!("{host}:{port}"));
-                }
-            }
-        }
-        let guard = egress::Guard::new(egress::Policy::new(admitted, blocked.to_vec())).await?;
+        let guard = egress::Guard::new(egress::Policy::tenant(
+            admitted_hosts(allowed, params),
+            ranges.clone(),
+        ))
+        .await?;
         Ok(Arc::new(Tenant {
             allowed: allowed.clone(),
             guard,
+            credentials: false,
+        }))
+    }
+
+    /// The scope for a model registry's answer to a `model-registry://`
+    /// source that the class itself names: whoever registers a version
+    /// chooses that URI, so it is held to the class's `allowedSources`
+    /// like a tenant's (without one, only the registry's own host), goes
+    /// through the egress guard, and carries the class's credentials only
+    /// within `artifactCredentials`.
+    pub async fn registry_answer(
+        artifact: &str,
+        registry: &url::Url,
+        params: &std::collections::BTreeMap<String, String>,
+        bounds: &Bounds,
+    ) -> Result<Arc<Tenant>> {
+        const WHAT: &str = "the model registry's artifact URI";
+        let own_host;
+        let allowed = match &bounds.allowed {
+            Some(a) => a,
+            None => {
+                let (Some(host), Some(port)) =
+                    (registry.host_str(), registry.port_or_known_default())
+                else {
+                    return Err(Error::Internal(format!(
+                        "registry URL {registry} has no host"
+                    )));
+                };
+                own_host = AllowedSources::parse(&format!(
+                    "{}://{}/",
+                    registry.scheme(),
+                    egress::host_port(host, port)
+                ))
+                .map_err(Error::Internal)?;
+                if own_host.permits(artifact).is_err() {
+                    return Err(Error::NotAllowed(format!(
+                        "{WHAT} {} is not on the registry's own host, and this StorageClass does not \
+                         say what else a registry may answer with: an admin must list the artifacts' \
+                         URI prefixes (e.g. s3://models/) in the StorageClass parameter {ALLOWED_SOURCES}",
+                        allowed::shown(artifact)
+                    )));
+                }
+                &own_host
+            }
+        };
+        allowed
+            .permits(artifact)
+            .map_err(|m| Error::NotAllowed(format!("{WHAT}: {m}")))?;
+        let guard = egress::Guard::new(egress::Policy::tenant(
+            admitted_hosts(allowed, params),
+            bounds.ranges.clone(),
+        ))
+        .await?;
+        let credentials = bounds
+            .credentialed
+            .as_ref()
+            .is_some_and(|c| c.permits(artifact).is_ok());
+        Ok(Arc::new(Tenant {
+            allowed: allowed.clone(),
+            guard,
+            credentials,
         }))
     }
 
@@ -98,4 +165,30 @@ impl Tenant {
             .permits(uri)
             .map_err(|m| Error::NotAllowed(format!("{what}: {m}")))
     }
+}
+
+/// The `host:port`s a class names: its prefixes' hosts and its endpoint
+/// parameters' (and the driver's environment's, set by whoever deploys
+/// it), each on its own port only.
+fn admitted_hosts(
+    allowed: &AllowedSources,
+    params: &std::collections::BTreeMap<String, String>,
+) -> Vec<String> {
+    let mut admitted = allowed.named_hosts();
+    let env: Vec<String> = ENDPOINT_ENV
+        .iter()
+        .filter_map(|k| std::env::var(k).ok())
+        .collect();
+    for url in ENDPOINT_PARAMS
+        .iter()
+        .filter_map(|k| params.get(*k))
+        .chain(env.iter())
+    {
+        if let Ok(u) = url::Url::parse(url)
+            && let (Some(host), Some(port)) = (u.host_str(), u.port_or_known_default())
+        {
+            admitted.push(egress::host_port(host, port));
+        }
+    }
+    admitted
 }

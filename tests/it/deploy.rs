@@ -132,6 +132,10 @@ fn manifests_bound_disk_use() {
             );
         }
         assert!(text.contains("- --min-free="), "{file} sets no --min-free");
+        assert!(
+            text.contains("- --min-free-inodes="),
+            "{file} sets no --min-free-inodes"
+        );
     }
 }
 

@@ -497,3 +497,48 @@ async fn min_free_reserve_refuses_pulls_and_sources() {
         .await
         .unwrap();
 }
+
+/// Inodes are not free: a model of 20,000 empty files lists 0 bytes, but
+/// costs a block and an inode each. It is charged against
+/// `--cache-capacity` (refused under 40M, which its blocks exceed), and
+/// `--min-free-inodes` keeps the node's inodes the way `--min-free` keeps
+/// its blocks.
+#[tokio::test]
+async fn empty_files_cost_blocks_and_inodes() {
+    let d = Driver::start_with(&["--cache-capacity", "local=40M", "--min-free", "0"]).await;
+    let model = d.dir.join("models/empty");
+    for i in 0..20_000 {
+        let dir = model.join(format!("d{}", i % 20));
+        if i < 20 {
+            std::fs::create_dir_all(&dir).unwrap();
+        }
+        std::fs::write(dir.join(format!("f{i}")), b"").unwrap();
+    }
+    let uri = format!("file://{}", model.display());
+    let st = assert_code(
+        d.create(create_req("pvc-empty", &[("source", &uri)], READER))
+            .await,
+        Code::ResourceExhausted,
+        "--cache-capacity",
+    );
+    assert!(st.message().contains("a block at least"), "{st:?}");
+
+    // Every inode the filesystem has is kept free: refused, naming the flag.
+    let d = Driver::start_with(&["--min-free", "0", "--min-free-inodes", "100%"]).await;
+    let small = d.dir.join("models/small");
+    write_model(&small, 4);
+    let uri = format!("file://{}", small.display());
+    assert_code(
+        d.create(create_req("pvc-inodes", &[("source", &uri)], READER))
+            .await,
+        Code::ResourceExhausted,
+        "--min-free-inodes",
+    );
+    // With no inode reserve the same pull goes through.
+    let d = Driver::start_with(&["--min-free", "0", "--min-free-inodes", "0"]).await;
+    write_model(&d.dir.join("models/small"), 4);
+    let uri = format!("file://{}", d.dir.join("models/small").display());
+    d.create(create_req("pvc-inodes", &[("source", &uri)], READER))
+        .await
+        .unwrap();
+}

@@ -278,9 +278,13 @@ async fn a_model_registry_version_shares_the_cache_entry_of_its_artifact() {
     let mr = RegistryServer::start("minilm", &[("v1", &artifact)]).await;
     let url = mr.url();
     let d = driver(&[]).await;
+    // The artifact is on another host than the registry: the class says a
+    // registry may answer with it.
+    let allowed = format!("{}/", files.base());
     let params = [
         ("source", "model-registry://minilm/v1"),
         ("modelRegistryURL", url.as_str()),
+        ("allowedSources", allowed.as_str()),
     ];
 
     let v = created(create(&d, "pvc-mr", &params).await);
@@ -298,6 +302,123 @@ async fn a_model_registry_version_shares_the_cache_entry_of_its_artifact() {
     assert_eq!(file_gets(&files), pulled, "a cache hit downloaded");
     assert_served(&d, &direct, model()).await;
     assert_eq!(sealed_sources(&d).len(), 1);
+}
+
+/// Whoever registers a model version chooses its artifact URI, so a
+/// registry's answer to the class's own `model-registry://` source is held
+/// to the class like a tenant's URI: within `allowedSources` (without it,
+/// only the registry's own host), through the egress guard, and with the
+/// class's credentials only within `artifactCredentials`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_registry_answer_is_held_to_the_class() {
+    let dir = fixtures::model_dir();
+    let files = FileServer::start(&dir).await;
+    files.put("a.json", fixtures::manifest_for(&dir, true));
+    files.put("b.json", fixtures::manifest_for(&dir, false));
+    let node_dir = format!("file://{}", dir.display());
+    let (a, b) = (
+        format!("{}#manifest", files.url("a.json")),
+        format!("{}#manifest", files.url("b.json")),
+    );
+    let mr = RegistryServer::start(
+        "m",
+        &[
+            ("node", node_dir.as_str()),
+            ("a", a.as_str()),
+            ("b", b.as_str()),
+        ],
+    )
+    .await;
+    let (url, http_prefix) = (mr.url(), format!("{}/", files.base()));
+    let d = driver(&[]).await;
+    let class = |version: &str, extra: &[(&'static str, &str)]| {
+        let mut p = vec![
+            (
+                "source".to_string(),
+                format!("model-registry://m/{version}"),
+            ),
+            ("modelRegistryURL".to_string(), url.clone()),
+        ];
+        p.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        p
+    };
+    let create_with = |name: &'static str, params: Vec<(String, String)>| {
+        let d = &d;
+        async move {
+            let mut all = vec![("backend", "local")];
+            all.extend(params.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            let mut r = create_req(name, &all, READER);
+            r.secrets = map(&[("httpBearerToken", "class-token")]);
+            d.create(r).await
+        }
+    };
+
+    // A node directory, even where the class lists only http prefixes.
+    for (name, extra) in [
+        ("mr-node", vec![]),
+        (
+            "mr-node-http",
+            vec![("allowedSources", http_prefix.as_str())],
+        ),
+    ] {
+        let e = assert_code(
+            create_with(name, class("node", &extra)).await,
+            Code::PermissionDenied,
+            "artifact URI",
+        );
+        assert!(e.message().contains("allowedSources"), "{}", e.message());
+    }
+    // Another host than the registry's, with no allowedSources: refused,
+    // naming the parameter, before any request reaches it.
+    let e = assert_code(
+        create_with("mr-elsewhere", class("a", &[])).await,
+        Code::PermissionDenied,
+        "not on the registry's own host",
+    );
+    assert!(e.message().contains("allowedSources"), "{}", e.message());
+    assert!(files.requests().is_empty(), "{:?}", files.requests());
+    assert!(sealed_sources(&d).is_empty());
+
+    // Allowed: pulled through the guard, without the class's token.
+    created(
+        create_with(
+            "mr-a",
+            class("a", &[("allowedSources", http_prefix.as_str())]),
+        )
+        .await,
+    );
+    let auth: Vec<_> = files
+        .requests()
+        .iter()
+        .filter_map(|r| r.header("authorization").map(str::to_string))
+        .collect();
+    assert!(
+        auth.is_empty(),
+        "the class token followed a registry's answer: {auth:?}"
+    );
+    // Within artifactCredentials the class's token goes along.
+    let before = files.requests().len();
+    created(
+        create_with(
+            "mr-b",
+            class(
+                "b",
+                &[
+                    ("allowedSources", http_prefix.as_str()),
+                    ("artifactCredentials", http_prefix.as_str()),
+                ],
+            ),
+        )
+        .await,
+    );
+    let sent = files.requests()[before..]
+        .iter()
+        .filter(|r| r.header("authorization") == Some("Bearer class-token"))
+        .count();
+    assert!(
+        sent > 0,
+        "artifactCredentials did not scope the class token to the artifact"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

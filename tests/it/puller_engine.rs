@@ -580,6 +580,7 @@ async fn capacity_evicts_least_recently_used_but_never_a_model_in_use() {
             revision: None,
             external: None,
             content_source: None,
+            namespace: None,
             request: String::new(),
             created_unix: 0,
         },

@@ -424,9 +424,13 @@ async fn model_registry_resolves_to_the_artifact_uri() {
     let url = reg.url();
     let o = opts(&[("modelRegistryURL", url.as_str())], &[]);
 
-    let uri = registry::resolve_artifact_uri("model-registry://minilm/v2", &o)
+    let (uri, base) = registry::resolve_artifact_uri("model-registry://minilm/v2", &o)
         .await
         .expect("resolve v2");
+    assert_eq!(
+        base.as_str().trim_end_matches('/'),
+        url.trim_end_matches('/')
+    );
     assert_eq!(uri, manifest);
     // The dispatcher then fetches that URI with its own source.
     let r = http(&uri).resolve().await.expect("the artifact resolves");
@@ -435,7 +439,7 @@ async fn model_registry_resolves_to_the_artifact_uri() {
     // KServe's form with the registry's host:port.
     let kserve = format!("model-registry://{}/minilm/v1", reg.authority());
     assert_eq!(
-        registry::resolve_artifact_uri(&kserve, &o).await.unwrap(),
+        registry::resolve_artifact_uri(&kserve, &o).await.unwrap().0,
         "s3://models/minilm/v1"
     );
 
@@ -448,7 +452,8 @@ async fn model_registry_resolves_to_the_artifact_uri() {
     assert_eq!(
         registry::resolve_artifact_uri("model-registry://minilm", &o)
             .await
-            .unwrap(),
+            .unwrap()
+            .0,
         "oci://registry.example/minilm:v3"
     );
     assert!(
@@ -476,7 +481,8 @@ async fn model_registry_resolves_to_the_artifact_uri() {
     assert_eq!(
         registry::resolve_artifact_uri("model-registry://minilm/v1", &o)
             .await
-            .unwrap(),
+            .unwrap()
+            .0,
         "s3://models/minilm/v1"
     );
 }

@@ -364,9 +364,15 @@ async fn a_tenant_reaches_a_registry_only_when_the_class_names_it() {
     let named = AllowedSources::parse(&format!("oci://{host}/")).unwrap();
     let mut opts = reg.options();
     opts.tenant = Some(
-        Tenant::admit("annotation", &uri, Some(&named), &opts.params, &[])
-            .await
-            .unwrap(),
+        Tenant::admit(
+            "annotation",
+            &uri,
+            Some(&named),
+            &opts.params,
+            &Default::default(),
+        )
+        .await
+        .unwrap(),
     );
     let src = modelcache_csi::puller::open(&uri, &opts).await.unwrap();
     let resolved = src.resolve().await.expect("through the guard");
@@ -388,9 +394,15 @@ async fn a_tenant_reaches_a_registry_only_when_the_class_names_it() {
     let before = reg.log_text().len();
     let mut opts = reg.options();
     opts.tenant = Some(
-        Tenant::admit("annotation", &uri, Some(&any), &opts.params, &[])
-            .await
-            .unwrap(),
+        Tenant::admit(
+            "annotation",
+            &uri,
+            Some(&any),
+            &opts.params,
+            &Default::default(),
+        )
+        .await
+        .unwrap(),
     );
     let src = modelcache_csi::puller::open(&uri, &opts).await.unwrap();
     let e = src.resolve().await.unwrap_err();

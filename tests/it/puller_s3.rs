@@ -281,13 +281,20 @@ async fn a_tenant_pulls_through_the_guard_with_its_own_keys_only() {
         let params = minio.params();
         let allowed = allowed.clone();
         async move {
-            let t = Tenant::admit("annotation", uri, Some(&allowed), &params, &[])
-                .await
-                .unwrap();
+            let t = Tenant::admit(
+                "annotation",
+                uri,
+                Some(&allowed),
+                &params,
+                &Default::default(),
+            )
+            .await
+            .unwrap();
             SourceOptions {
                 params,
                 secrets,
                 tenant: Some(t),
+                ..SourceOptions::default()
             }
         }
     };

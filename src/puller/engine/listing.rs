@@ -87,9 +87,44 @@ pub(super) fn check_listing(r: &Resolved, limits: &PullLimits) -> Result<Option<
     Ok(total)
 }
 
+/// What a listing will take in the cache, as far as it tells: bytes as
+/// charged (`manifest::charge`: each plain file rounded up to whole blocks,
+/// a block per directory; layers at their blob's size), None while a size
+/// is unknown; and the inodes of its plain files, their directories and
+/// the model's root (what layers unpack is bounded by the files limit).
+pub(super) fn need_of(r: &Resolved, total: Option<u64>) -> (Option<u64>, u64) {
+    let mut dirs = BTreeSet::new();
+    let mut plain = Vec::new();
+    for f in r.files.iter().filter(|f| f.unpack == Unpack::None) {
+        dirs.extend(f.path.match_indices('/').map(|(i, _)| &f.path[..i]));
+        plain.push(f.size.unwrap_or(0));
+    }
+    let inodes = (plain.len() + dirs.len()) as u64 + 1;
+    let listed: u64 = plain.iter().fold(0, |a, b| a.saturating_add(*b));
+    let overhead = crate::cache::manifest::charge(plain.iter().copied(), dirs.len() as u64)
+        .saturating_sub(listed);
+    (total.map(|t| t.saturating_add(overhead)), inodes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    /// 20,000 empty files cost 20,000 blocks and as many inodes, not 0.
+    #[test]
+    fn empty_files_are_charged_a_block_and_an_inode() {
+        let files: Vec<(String, Option<u64>)> = (0..20_000)
+            .map(|i| (format!("d{}/f{i}", i % 10), Some(0)))
+            .collect();
+        let refs: Vec<(&str, Option<u64>)> = files.iter().map(|(p, s)| (p.as_str(), *s)).collect();
+        let r = listing(&refs);
+        let (bytes, inodes) = need_of(&r, r.total_bytes().unwrap());
+        assert_eq!(bytes, Some((20_000 + 10) * 4096));
+        assert_eq!(inodes, 20_000 + 10 + 1);
+        let (bytes, _) = need_of(&listing(&[("a", Some(1)), ("b", Some(4097))]), Some(4098));
+        assert_eq!(bytes, Some(4096 + 8192));
+        assert_eq!(need_of(&listing(&[("a", None)]), None).0, None);
+    }
+
     #[test]
     fn model_paths_stay_inside() {
         for bad in ["/etc/passwd", "../x", "a/../../x", "a/./b", ""] {

@@ -108,6 +108,9 @@ struct Pull<'a> {
     resolved: &'a Resolved,
     /// The model's size, when every file's size is listed.
     total: Option<u64>,
+    /// What it takes in the cache (`listing::need_of`).
+    charged: Option<u64>,
+    inodes: u64,
     limits: PullLimits,
 }
 
@@ -204,10 +207,13 @@ impl Engine {
                 .await
                 .map_err(|_| Error::Internal("puller is shutting down".into()))?;
             sink.started(&resolved.uri, total);
+            let (charged, inodes) = need_of(&resolved, total);
             let pull = Pull {
                 sid: &sid,
                 resolved: &resolved,
                 total,
+                charged,
+                inodes,
                 limits,
             };
             match self.fetch(root, &pull, source, sink).await {
@@ -293,10 +299,13 @@ impl Engine {
     ) -> Result<(Seal, u64)> {
         let (sid, need) = (pull.sid, pull.total);
         let capacity = self.cfg.capacity.get(&root.backend).copied();
-        if let Some(need) = need {
-            let (r, s) = (root.clone(), sid.to_string());
-            blocking(move || cache::evict::make_room(&r, need, capacity, &s)).await?;
-        }
+        // Bytes are checked once every size is known; inodes always.
+        let room = cache::evict::Need {
+            bytes: pull.charged.unwrap_or(0),
+            inodes: pull.inodes,
+        };
+        let (r, s) = (root.clone(), sid.to_string());
+        blocking(move || cache::evict::make_room(&r, room, capacity, &s)).await?;
         let (r, s) = (root.clone(), sid.to_string());
         let work = Arc::new(blocking(move || open_work(&r, &s, need)).await?);
         let result = self
