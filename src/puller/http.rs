@@ -262,9 +262,16 @@ pub(crate) fn status_error(
     let code = status.as_u16();
     match code {
         404 | 410 => Failure::NotFound(format!("{what}: not found (HTTP {code})")),
-        401 | 403 => Failure::Denied(format!(
-            "{what}: access denied (HTTP {code}); {denied_hint}"
-        )),
+        401 | 403 => {
+            // The Hub says why on every endpoint, file reads included.
+            let gated = headers
+                .get("x-error-code")
+                .is_some_and(|v| v.as_bytes() == b"GatedRepo");
+            let kind = if gated { "gated repo, " } else { "" };
+            Failure::Denied(format!(
+                "{what}: {kind}access denied (HTTP {code}); {denied_hint}"
+            ))
+        }
         429 | 503 => match retry_after(headers, SystemTime::now()) {
             Some(after) => Failure::Transient {
                 message: format!("{what}: HTTP {code}"),

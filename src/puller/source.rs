@@ -151,4 +151,25 @@ pub trait Source: Send + Sync {
     fn limits(&self) -> Option<PullLimits> {
         None
     }
+
+    /// Proves that this requester may read the model's content, before a
+    /// cache hit hands it the sealed copy. A listing proves nothing: a
+    /// gated Hub repo lists publicly and gates only `/resolve/`, and an
+    /// S3 prefix may allow List but not Get. So one byte of one file is
+    /// read with the requester's own credentials (for OCI, a blob, after
+    /// the manifest `resolve` fetched with them).
+    async fn authorize(&self, resolved: &Resolved) -> Result<()> {
+        use futures::StreamExt;
+        let Some(f) = resolved.files.iter().find(|f| f.size.is_none_or(|s| s > 0)) else {
+            return Ok(());
+        };
+        let len = self.ranges().then_some(1);
+        let mut stream = self.read(f, 0, len).await?;
+        // A source without ranges streams the whole file: the first chunk
+        // answers the question, and dropping the stream ends the request.
+        match stream.next().await {
+            Some(Err(e)) => Err(e),
+            _ => Ok(()),
+        }
+    }
 }

@@ -378,8 +378,21 @@ async fn hf_resolves_the_commit_and_lfs_digests() {
         .unwrap_err();
     assert!(matches!(err, Error::Precondition(_)), "{err}");
 
-    // A gated repo needs the token, and the token never shows.
-    hub.require_token("hf_s3cr3t");
+    // A gated repo lists publicly, as the Hub's do, and serves its files
+    // only with the token.
+    hub.gate("hf_s3cr3t");
+    let open = HfSource::new("hf://org/minilm", &opts(&params, &[])).unwrap();
+    let listed = open
+        .resolve()
+        .await
+        .expect("a gated repo's listing is public");
+    let err = open.authorize(&listed).await.unwrap_err();
+    assert!(
+        matches!(err, Error::Precondition(ref m) if m.contains("gated repo")),
+        "{err}"
+    );
+    // A private repo needs the token for everything, and the token never shows.
+    hub.make_private("hf_s3cr3t");
     let err = HfSource::new("hf://org/minilm", &opts(&params, &[]))
         .unwrap()
         .resolve()
@@ -615,4 +628,62 @@ async fn no_source_reaches_link_local_metadata() {
             "{uri}: {e:?}"
         );
     }
+}
+
+/// A sealed copy of a gated model is a cache hit only for a requester the
+/// Hub would serve: its listing is public, so the engine reads a byte of
+/// the content with each requester's own token before handing it out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_hit_of_a_gated_repo_needs_the_requesters_own_access() {
+    use modelcache_csi::config::Config;
+    use modelcache_csi::puller::engine::{Engine, EngineConfig, NoProgress};
+    let model = fixtures::model_dir();
+    let hub = HubServer::start(&model).await;
+    hub.gate("team-a-token");
+    let state = tempfile::tempdir().unwrap();
+    let root = Config {
+        node_id: Some("n".into()),
+        state_dir: state.path().to_path_buf(),
+        ..Config::default()
+    }
+    .roots()
+    .roots
+    .remove(0);
+    let engine = Engine::new(
+        EngineConfig::default(),
+        modelcache_csi::puller::extract_layer,
+    );
+    let endpoint = hub.endpoint();
+    let source = |token: Option<&str>| {
+        let secrets: Vec<(&str, &str)> = token.map(|t| ("hfToken", t)).into_iter().collect();
+        std::sync::Arc::new(
+            HfSource::new(
+                "hf://org/minilm",
+                &opts(&[("hfEndpoint", &endpoint)], &secrets),
+            )
+            .unwrap(),
+        )
+    };
+    let first = engine
+        .pull(&root, source(Some("team-a-token")), &NoProgress)
+        .await
+        .expect("the token holder pulls");
+    assert!(!first.hit);
+    for token in [None, Some("a-guess")] {
+        let err = engine
+            .pull(&root, source(token), &NoProgress)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{token:?}: a gated cache hit was served"));
+        assert!(
+            matches!(err, Error::Precondition(ref m) if m.contains("gated repo")),
+            "{token:?}: {err}"
+        );
+    }
+    let again = engine
+        .pull(&root, source(Some("team-a-token")), &NoProgress)
+        .await
+        .expect("the token holder's hit");
+    assert!(again.hit);
+    assert_eq!(again.sid, first.sid);
 }

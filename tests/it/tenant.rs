@@ -459,7 +459,7 @@ async fn tenants_reach_only_what_the_class_allows() {
     let gated_dir = d.dir.join("gated");
     write_model(&gated_dir, 23);
     let gated = HubServer::start(&gated_dir).await;
-    gated.require_token("good");
+    gated.gate("good");
     let gated_class = [
         ("allowedSources", "hf://"),
         ("hfEndpoint", &gated.endpoint() as &str),

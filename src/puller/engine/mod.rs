@@ -186,7 +186,9 @@ impl Engine {
         let m = crate::metrics::global();
         let started = Instant::now();
         let result = async {
+            // A hit is served only to a requester the origin would serve.
             if let Some(seal) = cache::read_seal(root, &sid)? {
+                source.authorize(&resolved).await?;
                 return Ok(Pulled {
                     sid,
                     seal,
@@ -195,6 +197,7 @@ impl Engine {
             }
             let _joined = self.inflight.lock(&sid).await;
             if let Some(seal) = cache::read_seal(root, &sid)? {
+                source.authorize(&resolved).await?;
                 return Ok(Pulled {
                     sid,
                     seal,

@@ -802,6 +802,7 @@ struct HubState {
     root: PathBuf,
     files: Vec<HubFile>,
     token: Mutex<Option<String>>,
+    private: std::sync::atomic::AtomicBool,
     base: OnceLock<String>,
     hits: Hits,
 }
@@ -813,7 +814,8 @@ struct HubState {
 /// LFS oids = sha256), `/{repo}/resolve/{rev}/{path}` (LFS files redirect
 /// to `/cdn-lfs/{sha256}`, like the Hub's CDN redirect), with ranges.
 /// Unknown repos get the Hub's 401 `RepoNotFound`, unknown revisions 404
-/// `RevisionNotFound`; with [`HubServer::require_token`], 401 `GatedRepo`.
+/// `RevisionNotFound`; with [`HubServer::gate`], 401 `GatedRepo` from
+/// `/resolve/` only, as the Hub answers for a gated repo.
 pub struct HubServer {
     server: Server,
     state: Arc<HubState>,
@@ -842,6 +844,7 @@ impl HubServer {
             root,
             files,
             token: Mutex::default(),
+            private: Default::default(),
             base: OnceLock::new(),
             hits: Hits::default(),
         });
@@ -856,9 +859,20 @@ impl HubServer {
         self.server.base()
     }
 
-    /// Makes the repo gated: requests need `Authorization: Bearer <token>`.
-    pub fn require_token(&self, token: &str) {
+    /// Makes the repo gated, as the Hub gates one: its listing stays
+    /// public, and only `/resolve/` needs `Authorization: Bearer <token>`
+    /// (401 `GatedRepo` without it).
+    pub fn gate(&self, token: &str) {
         *self.state.token.lock().unwrap() = Some(token.into());
+    }
+
+    /// Makes the repo private: every endpoint needs the token, and answers
+    /// 401 `RepoNotFound` without it, as the Hub hides a private repo.
+    pub fn make_private(&self, token: &str) {
+        self.gate(token);
+        self.state
+            .private
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// GETs of a decoded path, like `org/minilm/resolve/<sha>/config.json`.
@@ -885,6 +899,8 @@ fn serve_hub(state: &HubState, req: &Request) -> Reply {
         None => true,
         Some(t) => req.header("authorization") == Some(&format!("Bearer {t}")),
     };
+    // A gated repo's listing is public; a private one's is not.
+    let listed = || !state.private.load(std::sync::atomic::Ordering::Relaxed) || authorized();
     let gated = || {
         Reply::json(401, &json!({"error": "Access to this model is restricted"}))
             .header("X-Error-Code", "GatedRepo")
@@ -895,11 +911,8 @@ fn serve_hub(state: &HubState, req: &Request) -> Reply {
     };
     match seg.as_slice() {
         ["api", "models", o, n, "revision", rev] => {
-            if [*o, *n] != repo[..] {
+            if [*o, *n] != repo[..] || !listed() {
                 return not_repo();
-            }
-            if !authorized() {
-                return gated();
             }
             if !known_rev(rev) {
                 return no_rev();
@@ -924,11 +937,8 @@ fn serve_hub(state: &HubState, req: &Request) -> Reply {
             )
         }
         ["api", "models", o, n, "tree", rev, rest @ ..] => {
-            if [*o, *n] != repo[..] {
+            if [*o, *n] != repo[..] || !listed() {
                 return not_repo();
-            }
-            if !authorized() {
-                return gated();
             }
             if !known_rev(rev) || !rest.is_empty() {
                 return no_rev();
