@@ -134,6 +134,13 @@ pub struct EngineConfig {
     /// at all, or a trickle) is dropped and its range resumed.
     pub stall: Duration,
     pub stall_min_bytes_per_sec: u64,
+    /// A pull moving fewer bytes a second than this over a stall window
+    /// gives its slot to a waiting pull and goes on without one.
+    pub slow_bytes_per_sec: u64,
+    /// A pull of a listed size must finish within `deadline_grace` plus its
+    /// size at this rate; 0: no deadline.
+    pub min_average_bytes_per_sec: u64,
+    pub deadline_grace: Duration,
     /// Bounds on every model (`--max-model-bytes`, `--max-model-files`); a
     /// StorageClass may lower them.
     pub limits: PullLimits,
@@ -161,6 +168,9 @@ impl Default for EngineConfig {
             models: 2,
             stall: Duration::from_secs(30),
             stall_min_bytes_per_sec: 1024,
+            slow_bytes_per_sec: 1 << 20,
+            min_average_bytes_per_sec: 256 << 10,
+            deadline_grace: Duration::from_secs(600),
             limits: PullLimits::default(),
             attempts: 8,
             backoff: Duration::from_millis(200),

@@ -99,6 +99,23 @@ impl KubeApi {
             .map_err(|e| api_error(&format!("PVC {namespace}/{name}"), e))
     }
 
+    /// Whether a pod exists, and is being deleted: by listing its
+    /// namespace's pods by name, since the driver may list pods but never
+    /// read one (deploy/csi-driver/base/rbac-node.yaml).
+    pub async fn pod_deleting(&self, namespace: &str, name: &str) -> Result<bool> {
+        let found =
+            Api::<k8s_openapi::api::core::v1::Pod>::namespaced(self.client.clone(), namespace)
+                .list_metadata(
+                    &kube::api::ListParams::default().fields(&format!("metadata.name={name}")),
+                )
+                .await
+                .map_err(|e| api_error(&format!("pod {namespace}/{name}"), e))?;
+        match found.items.first() {
+            Some(p) => Ok(p.metadata.deletion_timestamp.is_some()),
+            None => Err(Error::NotFound(format!("pod {namespace}/{name}"))),
+        }
+    }
+
     pub async fn pv(&self, name: &str) -> Result<PersistentVolume> {
         Api::<PersistentVolume>::all(self.client.clone())
             .get(name)

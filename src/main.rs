@@ -147,6 +147,19 @@ struct ServeArgs {
     /// The least a live download stream sends, averaged over the stall window.
     #[arg(long, default_value_t = 1024)]
     pull_stall_min_bytes_per_second: u64,
+    /// A pull moving fewer bytes a second than this over a stall window,
+    /// while other pulls wait for a slot, gives its slot
+    /// (--pull-parallel-models) to them and goes on without one: slow
+    /// origins cannot hold every slot.
+    #[arg(long, default_value_t = 1 << 20)]
+    pull_slow_bytes_per_second: u64,
+    /// A pull of a listed size fails (Unavailable; a retry resumes it) if
+    /// it has not finished within --pull-deadline-grace-seconds plus its
+    /// size at this rate. `0` turns the deadline off.
+    #[arg(long, default_value_t = 256 << 10)]
+    pull_min_average_bytes_per_second: u64,
+    #[arg(long, default_value_t = 600)]
+    pull_deadline_grace_seconds: u64,
     /// The largest model a pull may fetch or unpack to (K/M/G/T suffixes);
     /// a StorageClass may lower it with maxModelBytes.
     #[arg(long, default_value = "1T")]
@@ -260,6 +273,9 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         chunk_bytes: a.pull_chunk_mib.max(1) << 20,
         stall: std::time::Duration::from_secs(a.pull_stall_seconds.max(1)),
         stall_min_bytes_per_sec: a.pull_stall_min_bytes_per_second,
+        slow_bytes_per_sec: a.pull_slow_bytes_per_second,
+        min_average_bytes_per_sec: a.pull_min_average_bytes_per_second,
+        deadline_grace: std::time::Duration::from_secs(a.pull_deadline_grace_seconds),
         limits: modelcache_csi::puller::source::PullLimits {
             max_bytes: parse_size(&a.max_model_bytes)
                 .map_err(|e| anyhow::anyhow!("--max-model-bytes: {e}"))?

@@ -42,7 +42,7 @@ pub struct Provisioner {
 struct PullInputs {
     options: SourceOptions,
     sink: Arc<dyn ProgressSink>,
-    owner: Option<(String, String)>,
+    owner: Option<jobs::Owner>,
 }
 
 /// What a `pvc://` source turned out to be.
@@ -233,7 +233,17 @@ impl Provisioner {
                 admin_guard: None,
             },
             sink,
-            owner: pvc.as_ref().map(|(ns, c)| (ns.clone(), c.name_any())),
+            owner: match (&pvc, req.inline.as_ref().and_then(|i| i.pod.as_ref())) {
+                (Some((ns, c)), _) => Some(jobs::Owner::Pvc {
+                    namespace: ns.clone(),
+                    name: c.name_any(),
+                }),
+                (None, Some((ns, pod))) => Some(jobs::Owner::Pod {
+                    namespace: ns.clone(),
+                    name: pod.clone(),
+                }),
+                (None, None) => None,
+            },
         };
         Ok((
             Resolved {
@@ -337,11 +347,7 @@ impl Provisioner {
             }
             Work::Clone { from } => from.source,
             Work::Pull { uri } => {
-                let ns = pull.owner.as_ref().map(|(ns, _)| ns.clone()).or_else(|| {
-                    req.inline
-                        .as_ref()
-                        .and_then(|i| i.pod.as_ref().map(|(ns, _)| ns.clone()))
-                });
+                let ns = pull.owner.as_ref().map(|o| o.namespace().to_string());
                 if let Some(ns) = &ns {
                     let (r, n, u, max) = (
                         root.clone(),
@@ -609,16 +615,24 @@ impl Provisioner {
         Ok(free.min(i64::MAX as u64) as i64)
     }
 
-    /// Cancels pull jobs whose PVC is gone or going: no retry will ever
-    /// come for them. Their finished ranges stay resumable and evictable.
+    /// Cancels pull jobs whose PVC, or whose inline volume's pod, is gone
+    /// or going: no retry will ever come for them. Their finished ranges
+    /// stay resumable and evictable.
     pub async fn sweep_jobs(&self) {
         let Some(kube) = &self.kube else {
             return;
         };
-        for (key, (ns, name)) in self.jobs.owners() {
-            let gone = match kube.pvc(&ns, &name).await {
+        for (key, owner) in self.jobs.owners() {
+            let deleting = match &owner {
+                jobs::Owner::Pvc { namespace, name } => kube
+                    .pvc(namespace, name)
+                    .await
+                    .map(|o| o.metadata.deletion_timestamp.is_some()),
+                jobs::Owner::Pod { namespace, name } => kube.pod_deleting(namespace, name).await,
+            };
+            let gone = match deleting {
                 Err(Error::NotFound(_)) => true,
-                Ok(pvc) => pvc.metadata.deletion_timestamp.is_some(),
+                Ok(deleting) => deleting,
                 Err(_) => false,
             };
             if gone {

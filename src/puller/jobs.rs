@@ -22,11 +22,27 @@ use crate::error::{Error, Result};
 
 type Outcome = crate::outcome::Outcome<Arc<Pulled>>;
 
+/// Who wants a pull: a PVC, or the pod of an inline volume. When it is
+/// gone, nothing will ever ask for the pull again, and it is cancelled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Owner {
+    Pvc { namespace: String, name: String },
+    Pod { namespace: String, name: String },
+}
+
+impl Owner {
+    pub fn namespace(&self) -> &str {
+        match self {
+            Owner::Pvc { namespace, .. } | Owner::Pod { namespace, .. } => namespace,
+        }
+    }
+}
+
 /// One running pull.
 struct Job {
     uri: String,
-    /// The PVC that wants it (namespace, name), when known.
-    owner: Option<(String, String)>,
+    /// Who wants it, when known.
+    owner: Option<Owner>,
     started: Instant,
     last: Arc<Mutex<Option<Progress>>>,
     done: watch::Receiver<Outcome>,
@@ -84,7 +100,7 @@ pub struct Request {
     pub key: String,
     /// The URI as shown (no query).
     pub uri: String,
-    pub owner: Option<(String, String)>,
+    pub owner: Option<Owner>,
     pub root: Root,
     pub source: Arc<dyn Source>,
     pub sink: Arc<dyn ProgressSink>,
@@ -123,8 +139,14 @@ impl Jobs {
             counted: Default::default(),
         });
         let (engine, root, source, uri) = (engine.clone(), req.root, req.source, req.uri.clone());
+        // Slots are shared fairly between the namespaces that want pulls.
+        let who = req
+            .owner
+            .as_ref()
+            .map(|o| o.namespace().to_string())
+            .unwrap_or_default();
         let task = tokio::spawn(async move {
-            let outcome = engine.pull(&root, source, sink.as_ref()).await;
+            let outcome = engine.pull_for(&who, &root, source, sink.as_ref()).await;
             if let Err(e) = &outcome {
                 sink.failed(&uri, &e.to_string());
             }
@@ -147,8 +169,8 @@ impl Jobs {
         running.retain(|_, j| !Arc::ptr_eq(j, job));
     }
 
-    /// The PVCs (namespace, name) of running jobs, for the sweeper to check.
-    pub fn owners(&self) -> Vec<(String, (String, String))> {
+    /// Who wants each running job, for the sweeper to check.
+    pub fn owners(&self) -> Vec<(String, Owner)> {
         let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         running
             .iter()
@@ -249,6 +271,7 @@ mod tests {
 
     /// One file of `len` bytes, served slowly, counting resolves.
     struct Slow {
+        uri: &'static str,
         len: u64,
         resolves: AtomicUsize,
         delay: Duration,
@@ -259,7 +282,7 @@ mod tests {
         async fn resolve(&self) -> Result<Resolved> {
             self.resolves.fetch_add(1, Ordering::SeqCst);
             Ok(Resolved {
-                uri: "test://slow".into(),
+                uri: self.uri.into(),
                 revision: "r1".into(),
                 files: vec![RemoteFile {
                     path: "w.bin".into(),
@@ -306,6 +329,7 @@ mod tests {
         ));
         let jobs = Jobs::default();
         let src = Arc::new(Slow {
+            uri: "test://slow",
             len: 64 * 4096,
             resolves: AtomicUsize::new(0),
             delay: Duration::from_millis(5),
@@ -344,6 +368,115 @@ mod tests {
         assert!(jobs.is_empty());
     }
 
+    /// Two tenants' slow origins hold both slots (`--pull-parallel-models
+    /// 2`); a third tenant's pull still proceeds, because a slow pull gives
+    /// its slot to a waiting one. With a plain semaphore it waited for a
+    /// slow pull to end (20 s here).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slow_origins_cannot_hold_every_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = local_root(dir.path());
+        let engine = Arc::new(Engine::new(
+            EngineConfig {
+                models: 2,
+                stall: Duration::from_millis(300),
+                progress_every: Duration::from_millis(50),
+                slow_bytes_per_sec: 1 << 20,
+                ..EngineConfig::default()
+            },
+            crate::puller::extract_layer,
+        ));
+        let jobs = Jobs::default();
+        let req = |key: &str, ns: &str, src: Slow| Request {
+            key: key.into(),
+            uri: src.uri.into(),
+            owner: Some(Owner::Pod {
+                namespace: ns.into(),
+                name: key.into(),
+            }),
+            root: root.clone(),
+            source: Arc::new(src),
+            sink: Arc::new(NoProgress),
+        };
+        // 4 KiB every 20 ms: about 200 KB/s, live but slow; 20 s in all.
+        let slow = |uri| Slow {
+            uri,
+            len: 4 << 20,
+            resolves: AtomicUsize::new(0),
+            delay: Duration::from_millis(20),
+        };
+        for (key, ns, uri) in [
+            ("a", "team-a", "test://slow-a"),
+            ("b", "team-b", "test://slow-b"),
+        ] {
+            let e = jobs
+                .pull(
+                    &engine,
+                    req(key, ns, slow(uri)),
+                    Some(Duration::from_millis(100)),
+                )
+                .await
+                .err()
+                .expect("still pulling");
+            assert!(
+                matches!(&e, Error::Transient(m) if m.contains("still pulling")),
+                "{e:?}"
+            );
+        }
+        let fast = Slow {
+            uri: "test://fast",
+            len: 64 << 10,
+            resolves: AtomicUsize::new(0),
+            delay: Duration::ZERO,
+        };
+        let t0 = Instant::now();
+        let pulled = jobs
+            .pull(
+                &engine,
+                req("c", "team-c", fast),
+                Some(Duration::from_secs(10)),
+            )
+            .await
+            .expect("the third tenant's pull proceeds while both slow ones run");
+        assert!(!pulled.hit);
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        assert!(jobs.is_running("a") && jobs.is_running("b"));
+        assert!(jobs.cancel("a") && jobs.cancel("b"));
+    }
+
+    /// A live trickle that could never finish in time ends at its
+    /// deadline (grace plus size at the floor rate), and says which flags.
+    #[tokio::test]
+    async fn a_pull_slower_than_its_deadline_allows_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = Engine::new(
+            EngineConfig {
+                min_average_bytes_per_sec: 64 << 10,
+                deadline_grace: Duration::from_millis(200),
+                ..EngineConfig::default()
+            },
+            crate::puller::extract_layer,
+        );
+        // 64 KiB at 4 KiB per 200 ms: 3.2 s, against a 1.2 s deadline.
+        let src = Arc::new(Slow {
+            uri: "test://trickle",
+            len: 64 << 10,
+            resolves: AtomicUsize::new(0),
+            delay: Duration::from_millis(200),
+        });
+        let t0 = Instant::now();
+        let e = engine
+            .pull(&local_root(dir.path()), src, &NoProgress)
+            .await
+            .err()
+            .expect("the deadline ends it");
+        assert!(
+            matches!(&e, Error::Transient(m) if m.contains("--pull-min-average-bytes-per-second")),
+            "{e:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    }
+
     #[tokio::test]
     async fn a_cancelled_job_stops_and_is_forgotten() {
         let dir = tempfile::tempdir().unwrap();
@@ -354,6 +487,7 @@ mod tests {
         ));
         let jobs = Jobs::default();
         let src = Arc::new(Slow {
+            uri: "test://slow",
             len: 1 << 20,
             resolves: AtomicUsize::new(0),
             delay: Duration::from_millis(50),
@@ -361,7 +495,10 @@ mod tests {
         let r = Request {
             key: "gone".into(),
             uri: "test://slow".into(),
-            owner: Some(("ns".into(), "pvc".into())),
+            owner: Some(Owner::Pvc {
+                namespace: "ns".into(),
+                name: "pvc".into(),
+            }),
             root,
             source: src,
             sink: Arc::new(NoProgress),
@@ -369,7 +506,13 @@ mod tests {
         let _ = jobs.pull(&engine, r, Some(Duration::from_millis(20))).await;
         assert_eq!(
             jobs.owners(),
-            vec![("gone".into(), ("ns".into(), "pvc".into()))]
+            vec![(
+                "gone".into(),
+                Owner::Pvc {
+                    namespace: "ns".into(),
+                    name: "pvc".into()
+                }
+            )]
         );
         assert!(jobs.cancel("gone"));
         assert!(jobs.is_empty());

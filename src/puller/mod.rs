@@ -17,6 +17,7 @@ pub mod jobs;
 pub mod oci;
 pub mod registry;
 pub mod s3;
+pub mod slots;
 pub mod source;
 pub mod unpack;
 

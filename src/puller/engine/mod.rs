@@ -45,6 +45,8 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
+
+use super::slots::{Slot, Slots};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::direct::{ALIGN, PartFile, Window};
@@ -90,7 +92,7 @@ pub struct Engine {
     cfg: EngineConfig,
     extract: Extract,
     inflight: KeyedMutex,
-    models: Arc<Semaphore>,
+    slots: Slots,
 }
 
 /// The source id of a model revision.
@@ -154,12 +156,12 @@ fn is_retryable(e: &Error) -> bool {
 
 impl Engine {
     pub fn new(cfg: EngineConfig, extract: Extract) -> Engine {
-        let models = Arc::new(Semaphore::new(cfg.models.max(1)));
+        let slots = Slots::new(cfg.models);
         Engine {
             cfg,
             extract,
             inflight: KeyedMutex::default(),
-            models,
+            slots,
         }
     }
 
@@ -167,6 +169,18 @@ impl Engine {
     /// Concurrent calls for one model join the same pull.
     pub async fn pull(
         &self,
+        root: &Root,
+        source: Arc<dyn Source>,
+        sink: &dyn ProgressSink,
+    ) -> Result<Pulled> {
+        self.pull_for("", root, source, sink).await
+    }
+
+    /// `pull` on behalf of namespace `who` ("" for no tenant): slots are
+    /// shared fairly between namespaces (`slots`).
+    pub async fn pull_for(
+        &self,
+        who: &str,
         root: &Root,
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
@@ -204,11 +218,7 @@ impl Engine {
                     hit: true,
                 });
             }
-            let _permit = self
-                .models
-                .acquire()
-                .await
-                .map_err(|_| Error::Internal("puller is shutting down".into()))?;
+            let slot = self.slots.acquire(who).await;
             sink.started(&resolved.uri, total);
             let (charged, inodes) = need_of(&resolved, total);
             let pull = Pull {
@@ -219,7 +229,15 @@ impl Engine {
                 inodes,
                 limits,
             };
-            match self.fetch(root, &pull, source, sink).await {
+            let counted = Counted {
+                inner: sink,
+                bytes: AtomicU64::new(0),
+            };
+            let fetched = self.fetch_within_deadline(root, &pull, source, &counted);
+            match self
+                .give_up_slot_when_slow(slot, &counted.bytes, fetched)
+                .await
+            {
                 Ok((seal, fetched)) => {
                     m.pull_bytes
                         .get_or_create(&crate::metrics::Scheme {
@@ -271,6 +289,74 @@ impl Engine {
                 .observe(started.elapsed().as_secs_f64());
         }
         result
+    }
+
+    /// Runs a pull's transfer holding `slot` while it moves at least
+    /// `slow_bytes_per_sec`; a slower one gives the slot to a waiting pull
+    /// and goes on without it, so slow origins (a tenant's, say) cannot
+    /// hold every slot while others queue.
+    async fn give_up_slot_when_slow<T>(
+        &self,
+        slot: Slot,
+        bytes: &AtomicU64,
+        transfer: impl std::future::Future<Output = T>,
+    ) -> T {
+        let window = self.cfg.stall;
+        let floor = u128::from(self.cfg.slow_bytes_per_sec) * window.as_millis() / 1000;
+        let watch = async {
+            let mut slot = Some(slot);
+            let mut last = bytes.load(Ordering::Relaxed);
+            loop {
+                tokio::time::sleep(window).await;
+                let now = bytes.load(Ordering::Relaxed);
+                let moved = u128::from(now.saturating_sub(last));
+                last = now;
+                if moved < floor && self.slots.waiting() > 0 {
+                    info!(
+                        bytes_in_window = moved as u64,
+                        window_secs = window.as_secs_f64(),
+                        "slow transfer: its pull slot goes to a waiting pull"
+                    );
+                    drop(slot.take());
+                    return futures::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::select! {
+            out = transfer => out,
+            _ = watch => unreachable!("the watch never ends"),
+        }
+    }
+
+    /// The transfer, within a deadline that grows with the model: a grace
+    /// period plus its size at `min_average_bytes_per_sec`. A live but
+    /// hopeless trickle ends there (Unavailable; a retry resumes the work)
+    /// instead of holding the pull's resources for ever.
+    async fn fetch_within_deadline(
+        &self,
+        root: &Root,
+        pull: &Pull<'_>,
+        source: Arc<dyn Source>,
+        sink: &Counted<'_>,
+    ) -> Result<(Seal, u64)> {
+        let Some(total) = pull
+            .total
+            .filter(|_| self.cfg.min_average_bytes_per_sec > 0)
+        else {
+            return self.fetch(root, pull, source, sink).await;
+        };
+        let at_floor = Duration::from_secs(total / self.cfg.min_average_bytes_per_sec);
+        let deadline = self.cfg.deadline_grace.saturating_add(at_floor);
+        match tokio::time::timeout(deadline, self.fetch(root, pull, source, sink)).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Transient(format!(
+                "the pull of {total} bytes did not finish within {}s (--pull-deadline-grace-seconds plus its size at \
+                 --pull-min-average-bytes-per-second {}); {} bytes arrived; a retry resumes it",
+                deadline.as_secs(),
+                self.cfg.min_average_bytes_per_sec,
+                sink.bytes.load(Ordering::Relaxed)
+            ))),
+        }
     }
 
     async fn retry<T, F, Fut>(&self, what: &str, mut op: F) -> Result<T>
@@ -487,6 +573,29 @@ fn flush_at(cfg: &EngineConfig) -> usize {
     let buffers = (cfg.models.max(1) * cfg.files.max(1) * cfg.connections.max(1) * 2) as u64;
     let n = (cfg.buffer_budget / buffers).clamp(256 << 10, 4 << 20) as usize;
     n / ALIGN * ALIGN
+}
+
+/// A pull's sink that also remembers how far the transfer got, for the
+/// slot watch and the deadline's message.
+struct Counted<'a> {
+    inner: &'a dyn ProgressSink,
+    bytes: AtomicU64,
+}
+
+impl ProgressSink for Counted<'_> {
+    fn started(&self, uri: &str, total: Option<u64>) {
+        self.inner.started(uri, total)
+    }
+    fn progress(&self, p: &Progress) {
+        self.bytes.store(p.bytes, Ordering::Relaxed);
+        self.inner.progress(p)
+    }
+    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration) {
+        self.inner.sealed(uri, revision, bytes, took)
+    }
+    fn failed(&self, uri: &str, error: &str) {
+        self.inner.failed(uri, error)
+    }
 }
 
 fn progress(uri: &str, bytes: u64, total: Option<u64>, elapsed: Duration) -> Progress {
