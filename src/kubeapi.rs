@@ -295,6 +295,43 @@ fn waits_for(pod: &Pod, pvc: &str) -> bool {
         })
 }
 
+/// Narrations (pod listings) running at once in this process.
+static NARRATIONS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+/// Pods per list request: a page's memory is bounded whatever a
+/// namespace holds.
+const POD_PAGE: u32 = 100;
+/// Pages followed before giving up (50,000 Pending pods).
+const MAX_POD_PAGES: usize = 500;
+
+/// The pods of `ns` still Pending on claim `pvc`, listed in pages of
+/// Pending pods only (`status.phase` is a field pods can be selected by):
+/// one request per hundred Pending pods, however many run.
+async fn waiting_pods(
+    client: &kube::Client,
+    ns: &str,
+    pvc: &str,
+) -> std::result::Result<Vec<k8s_openapi::api::core::v1::ObjectReference>, kube::Error> {
+    let api = Api::<Pod>::namespaced(client.clone(), ns);
+    let mut params = ListParams::default()
+        .fields("status.phase=Pending")
+        .limit(POD_PAGE);
+    let mut waiting = Vec::new();
+    for _ in 0..MAX_POD_PAGES {
+        let page = api.list(&params).await?;
+        waiting.extend(
+            page.items
+                .iter()
+                .filter(|p| waits_for(p, pvc))
+                .map(|p| p.object_ref(&())),
+        );
+        match page.metadata.continue_ {
+            Some(c) if !c.is_empty() => params = params.continue_token(&c),
+            _ => break,
+        }
+    }
+    Ok(waiting)
+}
+
 impl PvcEvents {
     fn emit(&self, type_: EventType, reason: &str, note: String) {
         if self.narrate_waiting_pods {
@@ -340,19 +377,24 @@ impl PvcEvents {
             secondary: Some(self.reference.clone()),
         };
         self.handle.spawn(async move {
-            let pods = match Api::<Pod>::namespaced(client.clone(), &ns)
-                .list(&ListParams::default())
-                .await
-            {
-                Ok(l) => l.items,
+            // Bounded: a few narrations at a time in the whole process; one
+            // that cannot start soon is skipped (progress comes again).
+            let Ok(Ok(_turn)) =
+                tokio::time::timeout(Duration::from_secs(5), NARRATIONS.acquire()).await
+            else {
+                tracing::debug!("narration skipped: others are still listing pods");
+                return;
+            };
+            let waiting = match waiting_pods(&client, &ns, &pvc).await {
+                Ok(w) => w,
                 Err(e) => {
                     tracing::debug!(error = %e, "could not list pods waiting for the PVC");
                     return;
                 }
             };
-            for pod in pods.iter().filter(|p| waits_for(p, &pvc)) {
+            for pod in waiting {
                 let recorder = Recorder::new(client.clone(), reporter.clone());
-                if let Err(e) = recorder.publish(&event, &pod.object_ref(&())).await {
+                if let Err(e) = recorder.publish(&event, &pod).await {
                     tracing::debug!(error = %e, "could not record an event on a waiting pod");
                 }
             }
@@ -419,6 +461,58 @@ impl ProgressSink for PvcEvents {
             format!("pulling {} failed: {error}", crate::uri::display_uri(uri)),
         );
     }
+}
+
+/// Annotations the driver's PVC watchers read (the rescheduler's and the
+/// modify agent's); all else a tenant wrote is dropped before it is stored.
+const KEPT_PVC_ANNOTATIONS: [&str; 3] = [
+    "volume.kubernetes.io/selected-node",
+    "volume.kubernetes.io/storage-provisioner",
+    "volume.beta.kubernetes.io/storage-provisioner",
+];
+
+/// A PVC as the driver's informers keep it: without what a tenant can
+/// grow (annotations other than the provisioning ones, labels,
+/// finalizers, a label selector) or what the apiserver adds
+/// (managedFields). A PVC may carry 256 KiB of annotations and stay
+/// Pending for free, so whole objects would put every tenant's bytes in
+/// every node's memory.
+pub fn slim_pvc(pvc: &mut PersistentVolumeClaim) {
+    let m = &mut pvc.metadata;
+    m.managed_fields = None;
+    m.labels = None;
+    m.finalizers = None;
+    m.owner_references = None;
+    if let Some(a) = m.annotations.as_mut() {
+        a.retain(|k, _| KEPT_PVC_ANNOTATIONS.contains(&k.as_str()));
+    }
+    if let Some(spec) = pvc.spec.as_mut() {
+        spec.selector = None;
+    }
+}
+
+/// Every PVC of the cluster, slimmed (`slim_pvc`) before it is stored: the
+/// trigger and the store for a `Controller::for_stream`.
+pub fn slim_pvcs(
+    client: kube::Client,
+) -> (
+    kube::runtime::reflector::Store<PersistentVolumeClaim>,
+    impl futures::Stream<
+        Item = std::result::Result<PersistentVolumeClaim, kube::runtime::watcher::Error>,
+    > + Send
+    + 'static,
+) {
+    use kube::runtime::WatchStreamExt;
+    let (reader, writer) = kube::runtime::reflector::store();
+    let stream = kube::runtime::watcher(
+        Api::<PersistentVolumeClaim>::all(client),
+        kube::runtime::watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(slim_pvc)
+    .reflect(writer)
+    .applied_objects();
+    (reader, stream)
 }
 
 #[cfg(test)]

@@ -14,9 +14,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use kube::ResourceExt;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::watcher;
-use kube::{Api, ResourceExt};
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::cache::VolumeId;
@@ -75,7 +74,7 @@ fn ours(pv: &PersistentVolume, ctx: &Ctx) -> Option<String> {
 
 /// Runs until the process ends.
 pub async fn run(kube: KubeApi, provisioner: Arc<Provisioner>, node: String, driver: String) {
-    let pvcs = Api::<PersistentVolumeClaim>::all(kube.client());
+    let (store, pvcs) = crate::kubeapi::slim_pvcs(kube.client());
     let ctx = Arc::new(Ctx {
         kube,
         provisioner,
@@ -83,7 +82,7 @@ pub async fn run(kube: KubeApi, provisioner: Arc<Provisioner>, node: String, dri
         driver,
     });
     info!(node = %ctx.node, "applying VolumeAttributesClass changes to this node's volumes");
-    Controller::new(pvcs, watcher::Config::default())
+    Controller::for_stream(pvcs, store)
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
         .await;

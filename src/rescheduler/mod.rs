@@ -94,11 +94,8 @@ pub async fn run(client: Client, cfg: Config, actions: Arc<Mutex<BTreeMap<&'stat
     let (csinodes, csinodes_stream) = store(Api::<CSINode>::all(client.clone()));
     let (classes, classes_stream) = store(Api::<StorageClass>::all(client.clone()));
     let (pvs, pvs_stream) = store(Api::<PersistentVolume>::all(client.clone()));
-    let controller = Controller::new(
-        Api::<PersistentVolumeClaim>::all(client.clone()),
-        watcher::Config::default(),
-    );
-    let pvcs = controller.store();
+    let (pvcs, pvc_stream) = crate::kubeapi::slim_pvcs(client.clone());
+    let controller = Controller::for_stream(pvc_stream, pvcs.clone());
     let reporter = Reporter {
         controller: format!("{}-rescheduler", cfg.driver_name),
         instance: cfg.instance.clone(),

@@ -184,7 +184,9 @@ pub fn check_url(url: &url::Url) -> Result<()> {
         _ => return Ok(()),
     };
     match metadata_refusal(ip) {
-        Some(why) => Err(Error::NotAllowed(why)),
+        Some(why) => Err(Error::NotAllowed(format!(
+            "{ip} is {why}; no model source may reach it"
+        ))),
         None => Ok(()),
     }
 }
@@ -200,7 +202,9 @@ impl reqwest::dns::Resolve for MetadataShield {
             let addrs: Vec<SocketAddr> =
                 tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
             if let Some(why) = addrs.iter().find_map(|a| metadata_refusal(a.ip())) {
-                return Err(Box::new(Refused(format!("{host} resolves to {why}")))
+                return Err(Box::new(Refused(format!(
+                    "{host} resolves to {why}; no model source may reach it"
+                )))
                     as Box<dyn std::error::Error + Send + Sync>);
             }
             Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)

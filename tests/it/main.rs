@@ -15,6 +15,7 @@ mod deploy;
 mod errors;
 mod hostile;
 mod idempotency;
+mod informers;
 mod kube_sources;
 mod metrics;
 mod node_trust;
