@@ -44,6 +44,7 @@ pub fn last_used(root: &Root, sid: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// The admin's pin (`modelcache-csi cache pin`), which no volume undoes.
 pub fn set_pinned(root: &Root, sid: &str, pinned: bool) -> Result<()> {
     let p = root.source(sid).dir.join("pinned");
     if pinned {
@@ -54,8 +55,37 @@ pub fn set_pinned(root: &Root, sid: &str, pinned: bool) -> Result<()> {
     }
 }
 
+/// A volume's pin (`pinned: "true"` on its class): one marker per volume
+/// (`pins/<volume uuid>`), so a volume's `pinned: "false"` takes back its
+/// own pin only, never the admin's or another volume's (a tenant's class
+/// could otherwise unpin what an admin pinned).
+pub fn set_volume_pin(root: &Root, sid: &str, volume_uuid: &str, pinned: bool) -> Result<()> {
+    if !super::layout::is_volume_uuid(volume_uuid) {
+        return Err(Error::Internal(format!(
+            "volume uuid {volume_uuid:?} is malformed"
+        )));
+    }
+    let dir = root.source(sid).dir.join("pins");
+    let p = dir.join(volume_uuid);
+    if pinned {
+        fs::create_dir_all(&dir).ctx("create", &dir)?;
+        state::create_marker(&p, b"").ctx("pin", &p)?;
+        Ok(())
+    } else {
+        state::remove_file(&p).ctx("unpin", &p)
+    }
+}
+
+/// Pinned by the admin, or by a volume that still exists.
 pub fn is_pinned(root: &Root, sid: &str) -> bool {
-    root.source(sid).dir.join("pinned").exists()
+    let dir = root.source(sid).dir;
+    if dir.join("pinned").exists() {
+        return true;
+    }
+    state::list_names(&dir.join("pins"))
+        .unwrap_or_default()
+        .iter()
+        .any(|uuid| matches!(read_volume(root, uuid), Ok(Some(_))))
 }
 
 /// Live references: those whose volume record exists. References left by
@@ -301,4 +331,73 @@ pub fn evict_idle(root: &Root, idle: Duration) -> Result<Vec<String>> {
         }
     }
     Ok(gone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{Role, VolumeRecord, write_volume};
+
+    fn volume(root: &Root, uuid: &str, sid: &str) {
+        write_volume(
+            root,
+            &VolumeRecord {
+                id: root.volume_id(uuid),
+                name: uuid.into(),
+                backend: root.backend,
+                role: Role::Cache,
+                source: sid.into(),
+                sub_path: None,
+                verify: Default::default(),
+                capacity_bytes: 1,
+                node: root.node.clone(),
+                model: Some("s3://m/x".into()),
+                revision: None,
+                external: None,
+                content_source: None,
+                namespace: None,
+                request: String::new(),
+                created_unix: 0,
+            },
+        )
+        .unwrap();
+    }
+
+    /// A tenant's class with `pinned: "false"` takes back its own volume's
+    /// pin, never the admin's or another volume's.
+    #[test]
+    fn a_volume_unpins_only_its_own_pin() {
+        let d = tempfile::tempdir().unwrap();
+        let root = crate::config::Config {
+            node_id: Some("n".into()),
+            state_dir: d.path().to_path_buf(),
+            ..Default::default()
+        }
+        .roots()
+        .roots
+        .remove(0);
+        let sid = format!("m{}", "c".repeat(31));
+        fs::create_dir_all(root.source(&sid).dir.join("data")).unwrap();
+        let (a, b) = ("a".repeat(32), "b".repeat(32));
+        volume(&root, &a, &sid);
+        volume(&root, &b, &sid);
+        assert!(!is_pinned(&root, &sid));
+
+        set_pinned(&root, &sid, true).unwrap();
+        set_volume_pin(&root, &sid, &b, false).unwrap();
+        assert!(is_pinned(&root, &sid), "a volume undid the admin's pin");
+        set_pinned(&root, &sid, false).unwrap();
+
+        set_volume_pin(&root, &sid, &a, true).unwrap();
+        set_volume_pin(&root, &sid, &b, false).unwrap();
+        assert!(is_pinned(&root, &sid), "another volume undid a's pin");
+        set_volume_pin(&root, &sid, &a, false).unwrap();
+        assert!(!is_pinned(&root, &sid));
+
+        // A deleted volume's pin ends with it.
+        set_volume_pin(&root, &sid, &a, true).unwrap();
+        crate::cache::remove_volume(&root, &a).unwrap();
+        assert!(!is_pinned(&root, &sid));
+        assert!(set_volume_pin(&root, &sid, "../x", true).is_err());
+    }
 }

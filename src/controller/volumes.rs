@@ -104,7 +104,8 @@ impl Provisioner {
                 rec.source.clone(),
                 mutable.pinned == Some(true),
             );
-            blocking(move || cache::evict::set_pinned(&r, &sid, pin)).await?;
+            let uuid = VolumeId::parse(&rec.id).map(|i| i.uuid).unwrap_or_default();
+            blocking(move || cache::evict::set_volume_pin(&r, &sid, &uuid, pin)).await?;
         }
         if mutable.sealed == Some(true) && rec.role == Role::Source {
             self.seal(&rec.id).await?;
@@ -525,7 +526,8 @@ impl Provisioner {
                 ));
             }
             let (r, sid) = (root.clone(), rec.source.clone());
-            blocking(move || cache::evict::set_pinned(&r, &sid, pin)).await?;
+            let uuid = VolumeId::parse(&rec.id).map(|i| i.uuid).unwrap_or_default();
+            blocking(move || cache::evict::set_volume_pin(&r, &sid, &uuid, pin)).await?;
         }
         match (m.sealed, rec.role) {
             (Some(true), Role::Source) => self.seal(volume_id).await.map(|_| ()),
