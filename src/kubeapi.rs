@@ -31,6 +31,9 @@ pub const SOURCE_ANNOTATION: &str = "modelcache.csi.io/source";
 pub const SECRET_ANNOTATION: &str = "modelcache.csi.io/source-secret";
 /// An admin's annotation on a block PV: its filesystem may be mounted by
 /// the node's kernel (read-only) for `pvc://` sources.
+/// On a PVC: the namespaces (comma-separated, or `*`) whose PVCs may read
+/// it through `pvc://namespace:claim`; the claim owner's consent.
+pub const SHARED_WITH_ANNOTATION: &str = "modelcache.csi.io/shared-with";
 pub const TRUSTED_FILESYSTEM_ANNOTATION: &str = "modelcache.csi.io/trusted-filesystem";
 
 /// An RFC 1123 subdomain, as Kubernetes object names are.

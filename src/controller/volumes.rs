@@ -758,6 +758,36 @@ fn sealed(root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
 /// still give: its free space beyond the reserve (`--min-free`). Neither
 /// a directory nor a sparse image is allocated up front, so this is the
 /// bound a size gets where no quota enforces it.
+/// A claim named across namespaces must say that the requester's
+/// namespace may read it (`modelcache.csi.io/shared-with`): the class's
+/// `allowCrossNamespacePVC` is the admin's leave, this is the owner's.
+fn consented(
+    claim: &k8s_openapi::api::core::v1::PersistentVolumeClaim,
+    ns: &str,
+    requester_ns: &str,
+    uri: &str,
+) -> Result<()> {
+    let shared = claim
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(kubeapi::SHARED_WITH_ANNOTATION));
+    let ok = shared.is_some_and(|v| {
+        v.split(',')
+            .map(str::trim)
+            .any(|n| n == requester_ns || n == "*")
+    });
+    if ok {
+        return Ok(());
+    }
+    Err(Error::NotAllowed(format!(
+        "{uri}: claim {ns}/{} does not consent to be read from namespace {requester_ns}; its owner \
+         may annotate it {}: \"{requester_ns}\" (comma-separated namespaces, or \"*\")",
+        claim.metadata.name.as_deref().unwrap_or_default(),
+        kubeapi::SHARED_WITH_ANNOTATION
+    )))
+}
+
 /// Whether a namespace may pull `uri` into `root`: its volumes hold fewer
 /// than `max` distinct pulled models, or one of them is of this URI
 /// already. Inline volumes have no ResourceQuota, so without this one
@@ -844,6 +874,9 @@ impl Provisioner {
             None => requester_ns.to_string(),
         };
         let claim = kube.pvc(&ns, &u.claim).await?;
+        if ns != requester_ns {
+            consented(&claim, &ns, requester_ns, uri)?;
+        }
         let pv_name = claim
             .spec
             .as_ref()

@@ -406,17 +406,36 @@ async fn per_pvc_sources_and_pvc_claims() {
         ))
         .await;
     assert_code(r, Code::InvalidArgument, "allowCrossNamespacePVC");
-    d.create(request(
-        "pvc-x2",
-        "team",
-        "reader",
-        &[
-            ("source", "pvc://other:theirs/m"),
-            ("allowCrossNamespacePVC", "true"),
-        ],
-    ))
-    .await
-    .expect("allowed by the class");
+    // The class allows it, but the claim's owner has not consented.
+    let cross = [
+        ("source", "pvc://other:theirs/m"),
+        ("allowCrossNamespacePVC", "true"),
+    ];
+    let r = d.create(request("pvc-x2", "team", "reader", &cross)).await;
+    let s = assert_code(r, Code::PermissionDenied, "does not consent");
+    assert!(
+        s.message().contains("modelcache.csi.io/shared-with"),
+        "{}",
+        s.message()
+    );
+    for (value, ok) in [("someone-else", false), ("x, team", true)] {
+        let out = api.kubectl(&[
+            "-n",
+            "other",
+            "annotate",
+            "--overwrite",
+            "pvc",
+            "theirs",
+            &format!("modelcache.csi.io/shared-with={value}"),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r = d.create(request("pvc-x2", "team", "reader", &cross)).await;
+        assert_eq!(r.is_ok(), ok, "shared-with {value:?}: {:?}", r.err());
+    }
     bind(
         &api,
         "team",
