@@ -1,6 +1,8 @@
 //! `file:///path`: a local directory tree (or single file) as a model, for
 //! tests and air-gapped nodes. Symlinked files are read through, so a
-//! Hugging Face cache snapshot (symlinks into `blobs/`) works as a source.
+//! Hugging Face cache snapshot (symlinks into `blobs/`) works as a source;
+//! for a tenant's URI only while they stay beneath the allowed prefix,
+//! which the kernel checks (openat2 with RESOLVE_BENEATH) on every open.
 
 use std::collections::HashSet;
 use std::fs::{self, File};
@@ -29,12 +31,68 @@ pub fn parse(uri: &str) -> Result<PathBuf, String> {
 
 pub struct FileSource {
     root: PathBuf,
+    /// Every file must resolve beneath this directory (a tenant's allowed
+    /// prefix), symlinks included.
+    beneath: Option<PathBuf>,
 }
 
 impl FileSource {
     pub fn new(uri: &str) -> Result<FileSource> {
         let root = parse(uri).map_err(|m| Error::invalid("source", m))?;
-        Ok(FileSource { root })
+        Ok(FileSource {
+            root,
+            beneath: None,
+        })
+    }
+
+    /// The same source, confined to `dir`: a file reached through a link
+    /// that leaves it is refused, at listing and at every read.
+    pub fn beneath(mut self, dir: PathBuf) -> FileSource {
+        self.beneath = Some(dir);
+        self
+    }
+}
+
+/// Opens `path` for reading, resolved by the kernel beneath `base` when
+/// given: a symlink (or `..`) that would leave it fails with EXDEV, which
+/// becomes PermissionDenied naming the file.
+fn open_file(path: &Path, base: Option<&Path>) -> Result<File> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+    let Some(base) = base else {
+        return File::open(path).ctx("open", path);
+    };
+    let rel = path.strip_prefix(base).map_err(|_| {
+        Error::NotAllowed(format!(
+            "{} is not beneath {}",
+            path.display(),
+            base.display()
+        ))
+    })?;
+    let dir = File::open(base).ctx("open", base)?;
+    let how = OpenHow::new()
+        .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let rel = if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
+    };
+    let mut attempts = 0;
+    loop {
+        match openat2(&dir, rel, how) {
+            Ok(fd) => return Ok(File::from(fd)),
+            // A concurrent rename; it is over by the retry.
+            Err(nix::errno::Errno::EAGAIN) if attempts < 8 => attempts += 1,
+            Err(nix::errno::Errno::EXDEV | nix::errno::Errno::ELOOP) => {
+                return Err(Error::NotAllowed(format!(
+                    "{} leads out of {} through a symbolic link; a source named by a PVC or pod \
+                     is read only beneath its allowed prefix",
+                    path.display(),
+                    base.display()
+                )));
+            }
+            Err(e) => return Err(Error::io("open", path, std::io::Error::from(e))),
+        }
     }
 }
 
@@ -92,10 +150,20 @@ fn list(root: &Path) -> Result<Vec<(String, PathBuf, fs::Metadata)>> {
 #[async_trait::async_trait]
 impl Source for FileSource {
     async fn resolve(&self) -> Result<Resolved> {
-        let root = self.root.clone();
-        let entries = tokio::task::spawn_blocking(move || list(&root))
-            .await
-            .map_err(|e| Error::Internal(format!("listing failed: {e}")))??;
+        let (root, beneath) = (self.root.clone(), self.beneath.clone());
+        let entries = tokio::task::spawn_blocking(move || {
+            let entries = list(&root)?;
+            // What a listing followed, the kernel must be able to reach
+            // beneath the prefix too.
+            if let Some(b) = &beneath {
+                for (_, path, _) in &entries {
+                    open_file(path, Some(b))?;
+                }
+            }
+            Ok::<_, Error>(entries)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("listing failed: {e}")))??;
         // An edited tree is a new revision: every path, size and mtime counts.
         let mut h = Sha256::new();
         let mut files = Vec::new();
@@ -123,7 +191,7 @@ impl Source for FileSource {
         len: Option<u64>,
     ) -> Result<BoxStream<'static, Result<Bytes>>> {
         let path = PathBuf::from(&file.locator);
-        let f = File::open(&path).ctx("open", &path)?;
+        let f = open_file(&path, self.beneath.as_deref())?;
         let end = match len {
             Some(l) => offset + l,
             None => f.metadata().ctx("stat", &path)?.len(),
@@ -192,5 +260,43 @@ mod tests {
             .await;
         assert_eq!(bytes, b"3456");
         assert_eq!(src.resolve().await.unwrap().revision, r.revision);
+    }
+
+    /// A tenant's `file:///models/m` under the prefix `file:///models/`:
+    /// links inside the prefix are read through; one to a host file is
+    /// refused at listing, and at reading if it appears afterwards.
+    #[tokio::test]
+    async fn a_confined_source_stays_beneath_its_prefix() {
+        let d = tempfile::tempdir().unwrap();
+        let (prefix, outside) = (d.path().join("models"), d.path().join("secret"));
+        fs::create_dir_all(prefix.join("m")).unwrap();
+        fs::create_dir_all(prefix.join("blobs")).unwrap();
+        fs::create_dir_all(&outside).unwrap();
+        fs::write(prefix.join("blobs/w"), b"weights").unwrap();
+        fs::write(outside.join("token"), b"secret").unwrap();
+        std::os::unix::fs::symlink("../blobs/w", prefix.join("m/w.bin")).unwrap();
+        let uri = format!("file://{}/m", prefix.display());
+        let src = FileSource::new(&uri).unwrap().beneath(prefix.clone());
+        let r = src
+            .resolve()
+            .await
+            .expect("links within the prefix are fine");
+        assert_eq!(r.files.len(), 1);
+
+        std::os::unix::fs::symlink(outside.join("token"), prefix.join("m/abs")).unwrap();
+        std::os::unix::fs::symlink("../../secret/token", prefix.join("m/rel")).unwrap();
+        let e = src.resolve().await.unwrap_err();
+        assert!(
+            matches!(e, Error::NotAllowed(ref m) if m.contains("symbolic link")),
+            "{e}"
+        );
+        // Swapped in after the listing: the read is refused too.
+        fs::remove_file(prefix.join("m/w.bin")).unwrap();
+        std::os::unix::fs::symlink(outside.join("token"), prefix.join("m/w.bin")).unwrap();
+        let e = src.read(&r.files[0], 0, None).await.err().unwrap();
+        assert!(matches!(e, Error::NotAllowed(_)), "{e}");
+        // An admin's source is not confined.
+        let admin = FileSource::new(&uri).unwrap();
+        assert!(admin.resolve().await.is_ok());
     }
 }

@@ -157,7 +157,13 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
     }
     let opts = &opts;
     let source: Arc<dyn Source> = match scheme {
-        Some("file") => Arc::new(file::FileSource::new(uri)?),
+        Some("file") => {
+            let src = file::FileSource::new(uri)?;
+            match opts.tenant.as_ref().and_then(|t| t.allowed.file_root(uri)) {
+                Some(dir) => Arc::new(src.beneath(dir)),
+                None => Arc::new(src),
+            }
+        }
         Some("s3") => Arc::new(s3::new(uri, opts)?),
         Some("http" | "https") => Arc::new(http::HttpSource::new(uri, opts)?),
         Some("oci") => Arc::new(oci::OciSource::new(uri, opts)?),

@@ -183,6 +183,31 @@ impl AllowedSources {
         out
     }
 
+    /// The directory a tenant's `file://` URI is confined to: the path of
+    /// the longest `file://` prefix that admits it (none for a bare
+    /// `file://`, which admits the whole host).
+    pub fn file_root(&self, uri: &str) -> Option<std::path::PathBuf> {
+        let parts = split(uri)?;
+        self.prefixes
+            .iter()
+            .filter(|p| p.scheme == "file")
+            .filter(|p| match &p.authority {
+                None => true,
+                Some(a) => *a == parts.authority && path_within("file", &p.path, parts.rest),
+            })
+            .map(|p| {
+                if p.path.is_empty() {
+                    "/".to_string()
+                } else {
+                    p.path.clone()
+                }
+            })
+            .max_by_key(String::len)
+            // `file://` alone admits the whole host: nothing to confine to.
+            .filter(|p| p.trim_end_matches('/') != "")
+            .map(std::path::PathBuf::from)
+    }
+
     /// Whether `url` is on a host some prefix names (so it is reachable
     /// only by that name) but outside every prefix: a redirect there would
     /// reach a path of an admitted host that the class never allowed.
@@ -372,6 +397,18 @@ mod tests {
         assert!(!a.strays_on_named_host(&u("http://127.0.0.1:9000/m/x")));
         assert!(a.strays_on_named_host(&u("http://127.0.0.1:9000/admin")));
         assert!(!a.strays_on_named_host(&u("https://elsewhere.example/admin")));
+    }
+
+    #[test]
+    fn a_file_uri_is_confined_to_its_longest_prefix() {
+        let a = allowed("file:///models/, file:///models/team-a/, hf://");
+        let root = |u: &str| a.file_root(u).map(|p| p.display().to_string());
+        assert_eq!(root("file:///models/x").as_deref(), Some("/models/"));
+        assert_eq!(
+            root("file:///models/team-a/m").as_deref(),
+            Some("/models/team-a/")
+        );
+        assert_eq!(allowed("file://").file_root("file:///etc"), None);
     }
 
     #[test]
