@@ -204,7 +204,7 @@ impl AllowedSources {
             })
             .max_by_key(String::len)
             // `file://` alone admits the whole host: nothing to confine to.
-            .filter(|p| p.trim_end_matches('/') != "")
+            .filter(|p| !p.trim_end_matches('/').is_empty())
             .map(std::path::PathBuf::from)
     }
 
