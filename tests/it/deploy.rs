@@ -316,8 +316,11 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
 
 /// With the component applied for team-a.
 const GRANTED_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
-    (NODE, "get", "secrets", "team-a", true),
-    (CONTROLLER, "get", "secrets", "team-a", true),
+    // The default names one Secret, never the whole namespace.
+    (NODE, "get", "secrets=modelcache-source", "team-a", true),
+    (CONTROLLER, "get", "secrets=modelcache-source", "team-a", true),
+    (NODE, "get", "secrets=admin-token", "team-a", false),
+    (NODE, "get", "secrets", "team-a", false),
     (NODE, "list", "secrets", "team-a", false),
     (NODE, "get", "secrets", "team-b", false),
     (CONTROLLER, "get", "secrets", "team-b", false),
@@ -334,9 +337,12 @@ fn identity(who: &str) -> String {
 }
 
 /// `kubectl auth can-i` as `who`: "yes" or "no".
+/// `resource` may be `kind/subresource`, or `kind=name` for one object.
 fn can_i(api: &apiserver::ApiServer, who: &str, verb: &str, resource: &str, at: &str) -> bool {
+    let named = resource.replacen('=', "/", 1);
     let (resource, sub) = match resource.split_once('/') {
         Some((r, s)) => (r, Some(format!("--subresource={s}"))),
+        None if resource.contains('=') => (named.as_str(), None),
         None => (resource, None),
     };
     let scope = match at {
@@ -561,7 +567,7 @@ async fn source_secrets_need_the_tenant_grant() {
         apply_yaml(
             &api,
             &format!(
-                "apiVersion: v1\nkind: Secret\nmetadata: {{name: creds, namespace: {ns}}}\nstringData: {{httpBearerToken: x}}\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: model\n  namespace: {ns}\n  annotations: {{modelcache.csi.io/source-secret: creds}}\nspec:\n  accessModes: [ReadOnlyMany]\n  resources: {{requests: {{storage: 1Gi}}}}\n"
+                "apiVersion: v1\nkind: Secret\nmetadata: {{name: modelcache-source, namespace: {ns}}}\nstringData: {{httpBearerToken: x}}\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: model\n  namespace: {ns}\n  annotations: {{modelcache.csi.io/source-secret: modelcache-source}}\nspec:\n  accessModes: [ReadOnlyMany]\n  resources: {{requests: {{storage: 1Gi}}}}\n"
             ),
         );
     }
@@ -582,7 +588,7 @@ async fn source_secrets_need_the_tenant_grant() {
     let st = assert_code(
         d.create(request("pvc-b", "team-b")).await,
         tonic::Code::FailedPrecondition,
-        "Secret team-b/creds",
+        "Secret team-b/modelcache-source",
     );
     for want in [
         "modelcache.csi.io/source-secret",
@@ -599,7 +605,7 @@ async fn source_secrets_need_the_tenant_grant() {
     let events = events_on(&api, "team-b", "model");
     assert!(
         events.contains("PullFailed")
-            && events.contains("Secret team-b/creds")
+            && events.contains("Secret team-b/modelcache-source")
             && events.contains("tenant-source-secrets"),
         "no Warning event naming the grant on PVC team-b/model: {events:?}"
     );
