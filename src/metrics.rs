@@ -322,9 +322,10 @@ pub fn scheme_of(uri: &str) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// How long `/healthz` answers from its last check: a burst of probes
-/// costs one check.
-const HEALTH_TTL: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long `/healthz` answers from its last finished check: none, so a
+/// change shows at once; probes that arrive while a check runs share it,
+/// which is what bounds a burst.
+const HEALTH_TTL: std::time::Duration = std::time::Duration::ZERO;
 /// Connections answered at once; more wait in the kernel's backlog, so a
 /// flood neither spawns without bound nor fills the blocking pool the CSI
 /// calls share.

@@ -31,10 +31,19 @@ const FLAG_END_STREAM: u8 = 0x1;
 const FLAG_END_HEADERS: u8 = 0x4;
 const FLAG_PADDED: u8 = 0x8;
 const FLAG_PRIORITY: u8 = 0x20;
-/// SETTINGS_MAX_FRAME_SIZE's initial value; h2 never asks for less.
+/// SETTINGS_MAX_FRAME_SIZE's initial value, which our h2 server keeps: a
+/// client may send no larger frame, so a header frame over it is refused
+/// before anything is allocated for it.
 const MAX_FRAME: usize = 16_384;
 /// No client sends a request header block larger than this.
-const MAX_BLOCK: usize = 1 << 20;
+const MAX_BLOCK: usize = 64 << 10;
+/// The decoded header list's size (RFC 7541: name + value + 32 a field),
+/// bounded as h2 bounds it: a block of one-byte references to a 4 KiB
+/// table entry would otherwise decode to gigabytes.
+const MAX_HEADER_LIST: usize = 64 << 10;
+/// SETTINGS_HEADER_TABLE_SIZE's initial value, which our server keeps: a
+/// dynamic table size update above it is a protocol error.
+const MAX_TABLE: usize = 4096;
 
 /// Binds a Unix socket, replacing one a killed predecessor left. The path
 /// appears only once the socket listens: it is bound under a hidden name
@@ -130,6 +139,7 @@ where
     r.read_exact(&mut preface).await?;
     w.write_all(&preface).await?;
     let mut decoder = Decoder::new();
+    decoder.set_max_allowed_table_size(MAX_TABLE);
     let mut encoder = Encoder::new();
     let mut pending: Option<Block> = None;
     loop {
@@ -141,9 +151,30 @@ where
         }
         let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
         let (kind, flags) = (head[3], head[4]);
+        let stream = [head[5], head[6], head[7], head[8]];
+        let header_frame = matches!(
+            (kind, pending.is_some()),
+            (FRAME_HEADERS, false) | (FRAME_CONTINUATION, true)
+        );
+        if !header_frame {
+            if pending.is_some() {
+                return Err(bad("header block interrupted by another frame"));
+            }
+            // Passed through as it streams in: nothing sized by the
+            // client is allocated for a frame the shim does not read.
+            w.write_all(&head).await?;
+            let copied = tokio::io::copy(&mut (&mut *r).take(len as u64), w).await?;
+            if copied < len as u64 {
+                return Err(bad("connection ended inside a frame"));
+            }
+            w.flush().await?;
+            continue;
+        }
+        if len > MAX_FRAME {
+            return Err(bad("header frame larger than SETTINGS_MAX_FRAME_SIZE"));
+        }
         let mut payload = vec![0u8; len];
         r.read_exact(&mut payload).await?;
-        let stream = [head[5], head[6], head[7], head[8]];
         match (kind, pending.as_mut()) {
             (FRAME_HEADERS, None) => {
                 let mut p = &payload[..];
@@ -176,13 +207,7 @@ where
                     return Err(bad("request header block too large"));
                 }
             }
-            (_, Some(_)) => return Err(bad("header block interrupted by another frame")),
-            (_, None) => {
-                w.write_all(&head).await?;
-                w.write_all(&payload).await?;
-                w.flush().await?;
-                continue;
-            }
+            _ => unreachable!("only header frames get here"),
         }
         if flags & FLAG_END_HEADERS != 0 {
             let b = pending.take().expect("a block is pending");
@@ -193,9 +218,21 @@ where
 }
 
 fn reencode(decoder: &mut Decoder, encoder: &mut Encoder, block: &[u8]) -> io::Result<Vec<u8>> {
-    let mut headers = decoder
-        .decode(block)
+    let mut headers = Vec::new();
+    let mut size = 0usize;
+    decoder
+        .decode_with_cb(block, |n, v| {
+            size = size.saturating_add(n.len() + v.len() + 32);
+            // Past the limit nothing more is copied; the block is refused
+            // once decoding (which must go on, for the table) ends.
+            if size <= MAX_HEADER_LIST {
+                headers.push((n.into_owned(), v.into_owned()));
+            }
+        })
         .map_err(|e| bad(&format!("cannot decode a request header block: {e:?}")))?;
+    if size > MAX_HEADER_LIST {
+        return Err(bad("request header list too large"));
+    }
     for (name, value) in headers.iter_mut() {
         if name.as_slice() == b":authority"
             && http::uri::Authority::try_from(value.as_slice()).is_err()
@@ -246,4 +283,98 @@ async fn write_frame<W: AsyncWrite + Unpin>(
     ];
     w.write_all(&head).await?;
     w.write_all(payload).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PREFACE: &[u8; PREFACE_LEN] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+    fn frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+        let len = (payload.len() as u32).to_be_bytes();
+        let mut f = vec![len[1], len[2], len[3], kind, flags, 0, 0, 0, 1];
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// Runs the shim over `input`; what reached the server, or the error.
+    async fn shim(input: Vec<u8>) -> io::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        rewrite_requests(&mut &input[..], &mut out)
+            .await
+            .map(|()| out)
+    }
+
+    fn with_preface(frames: &[Vec<u8>]) -> Vec<u8> {
+        let mut v = PREFACE.to_vec();
+        frames.iter().for_each(|f| v.extend_from_slice(f));
+        v
+    }
+
+    #[tokio::test]
+    async fn other_frames_stream_through_and_header_frames_are_bounded() {
+        // A 1 MiB DATA frame passes through byte for byte.
+        let data = frame(0x0, 0, &vec![7u8; 1 << 20]);
+        let out = shim(with_preface(std::slice::from_ref(&data)))
+            .await
+            .unwrap();
+        assert_eq!(&out[PREFACE_LEN..], &data[..]);
+        // A frame that claims 16 MiB but ends early is refused, not waited
+        // for with 16 MiB allocated.
+        let mut lying = frame(0x0, 0, &[1, 2, 3]);
+        lying[..3].copy_from_slice(&[0xff, 0xff, 0xff]);
+        assert!(shim(with_preface(&[lying])).await.is_err());
+        // A header frame over SETTINGS_MAX_FRAME_SIZE is refused.
+        let big = frame(FRAME_HEADERS, FLAG_END_HEADERS, &vec![0u8; MAX_FRAME + 1]);
+        let e = shim(with_preface(&[big])).await.unwrap_err();
+        assert!(e.to_string().contains("MAX_FRAME_SIZE"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn an_hpack_bomb_and_a_table_over_its_size_are_refused() {
+        let mut enc = Encoder::new();
+        let value = vec![b'x'; 4000];
+        // The first block puts a 4 KiB field in the dynamic table...
+        let mut block = enc.encode([(&b"x-bomb"[..], &value[..])]);
+        // ...and then refers to it, one byte (index 62) a time.
+        block.extend(std::iter::repeat_n(0x80 | 62, 100));
+        let e = shim(with_preface(&[frame(
+            FRAME_HEADERS,
+            FLAG_END_HEADERS,
+            &block,
+        )]))
+        .await
+        .unwrap_err();
+        assert!(e.to_string().contains("too large"), "{e}");
+        // A dynamic table size update to 1 MiB (0x3f, then 1048576-31 in
+        // 7-bit groups), over the 4 KiB the server allows.
+        let mut update = vec![0x3f];
+        let mut n = (1usize << 20) - 31;
+        while n >= 128 {
+            update.push((n % 128) as u8 | 0x80);
+            n /= 128;
+        }
+        update.push(n as u8);
+        update.extend(enc.encode([(&b":authority"[..], &b"localhost"[..])]));
+        assert!(
+            shim(with_preface(&[frame(
+                FRAME_HEADERS,
+                FLAG_END_HEADERS,
+                &update
+            )]))
+            .await
+            .is_err()
+        );
+        // A plain request passes, its authority made valid.
+        let ok = Encoder::new().encode([
+            (&b":method"[..], &b"POST"[..]),
+            (&b":authority"[..], &b"/var/lib/kubelet/csi.sock"[..]),
+        ]);
+        let out = shim(with_preface(&[frame(FRAME_HEADERS, FLAG_END_HEADERS, &ok)]))
+            .await
+            .unwrap();
+        let decoded = Decoder::new().decode(&out[PREFACE_LEN + 9..]).unwrap();
+        assert!(decoded.contains(&(b":authority".to_vec(), b"localhost".to_vec())));
+    }
 }

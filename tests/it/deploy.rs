@@ -318,7 +318,13 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
 const GRANTED_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
     // The default names one Secret, never the whole namespace.
     (NODE, "get", "secrets=modelcache-source", "team-a", true),
-    (CONTROLLER, "get", "secrets=modelcache-source", "team-a", true),
+    (
+        CONTROLLER,
+        "get",
+        "secrets=modelcache-source",
+        "team-a",
+        true,
+    ),
     (NODE, "get", "secrets=admin-token", "team-a", false),
     (NODE, "get", "secrets", "team-a", false),
     (NODE, "list", "secrets", "team-a", false),
