@@ -442,6 +442,90 @@ fn tenants(api: &apiserver::ApiServer) {
     );
 }
 
+/// RBAC lets the node plugin create and delete any PV (its
+/// external-provisioner must); the shipped admission policy narrows that to
+/// PVs of this driver, created for its own node.
+#[test]
+fn the_node_plugin_touches_only_its_drivers_pvs_on_its_own_node() {
+    let api = apiserver::ApiServer::start().expect("start apiserver");
+    let base = format!("{}/deploy/csi-driver/base", env!("CARGO_MANIFEST_DIR"));
+    kubectl_ok(&api, &["apply", "-f", &format!("{base}/namespace.yaml")]);
+    kubectl_ok(&api, &["apply", "-k", &base]);
+    let pv = |name: &str, source: &str, node: &str| {
+        format!(
+            "apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: {name}}}\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadOnlyMany]\n{source}\n  nodeAffinity:\n    required:\n      nodeSelectorTerms:\n        - matchExpressions:\n            - {{key: topology.modelcache.csi.io/node, operator: In, values: [{node}]}}\n"
+        )
+    };
+    let ours = "  csi: {driver: modelcache.csi.io, volumeHandle: local-abc}";
+    let host = "  hostPath: {path: /var/lib/kubelet/pki}";
+    let other = "  csi: {driver: other.csi.io, volumeHandle: x}";
+    // As the node plugin on node-a (its bound token's node name), or with
+    // a token that carries none.
+    let create = |yaml: &str, node: Option<&str>| {
+        let who = format!("--as=system:serviceaccount:{NS}:{NODE}");
+        let extra =
+            node.map(|n| format!("--as-user-extra=authentication.kubernetes.io/node-name={n}"));
+        let mut args = vec!["create", "--dry-run=server", "-f", "-", who.as_str()];
+        args.extend(extra.as_deref());
+        let out = api.kubectl_stdin(&args, yaml);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // A policy takes a moment to be enforced after it is created.
+    let start = std::time::Instant::now();
+    while create(&pv("probe", host, "node-a"), Some("node-a")).0 {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the admission policy never took effect"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    for (yaml, node, ok, why) in [
+        (pv("a", ours, "node-a"), Some("node-a"), true, ""),
+        (
+            pv("b", ours, "node-b"),
+            Some("node-a"),
+            false,
+            "its own node",
+        ),
+        (
+            pv("h", host, "node-a"),
+            Some("node-a"),
+            false,
+            "of driver modelcache.csi.io",
+        ),
+        (
+            pv("o", other, "node-a"),
+            Some("node-a"),
+            false,
+            "of driver modelcache.csi.io",
+        ),
+        (pv("a2", ours, "node-b"), None, true, ""),
+        (
+            pv("h2", host, "node-a"),
+            None,
+            false,
+            "of driver modelcache.csi.io",
+        ),
+    ] {
+        let (done, err) = create(&yaml, node);
+        assert_eq!(done, ok, "{node:?}: {err}\n{yaml}");
+        assert!(err.contains(why), "{err}");
+    }
+    // The admin and the central controller are not narrowed by it.
+    let out = api.kubectl_stdin(
+        &["create", "--dry-run=server", "-f", "-"],
+        &pv("h3", host, "x"),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn rbac_is_least_privilege() {
     let api = apiserver::ApiServer::start().expect("start apiserver");
