@@ -319,3 +319,78 @@ async fn a_tenant_pulls_through_the_guard_with_its_own_keys_only() {
     let e = src.resolve().await.unwrap_err();
     assert!(matches!(e, Error::Precondition(_)), "{e:?}");
 }
+
+/// S3 has the Hub's shape: a bucket policy may let anyone list a prefix
+/// and read nothing. An admin's class pulls and seals the model with its
+/// keys; a tenant's unsigned pull of the same URI lists it fine, so only a
+/// read of its content proves access, and the cache hit is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listable_but_unreadable_bucket_gives_no_cache_hit() {
+    use modelcache_csi::config::Config;
+    use modelcache_csi::puller::engine::{Engine, EngineConfig, NoProgress};
+    use modelcache_csi::trust::{AllowedSources, Tenant};
+    let minio = Minio::start();
+    minio.create_bucket("listable").await;
+    minio
+        .put("listable", "m/weights.bin", vec![5u8; 8192])
+        .await;
+    minio.set_policy(
+        "listable",
+        &serde_json::json!({
+            "Version": "2012-10-17",
+            "Statement": [{
+                "Effect": "Allow",
+                "Principal": {"AWS": ["*"]},
+                "Action": ["s3:ListBucket"],
+                "Resource": ["arn:aws:s3:::listable"],
+            }],
+        }),
+    );
+    let state = tempfile::tempdir().unwrap();
+    let root = Config {
+        node_id: Some("n".into()),
+        state_dir: state.path().to_path_buf(),
+        ..Config::default()
+    }
+    .roots()
+    .roots
+    .remove(0);
+    let engine = Engine::new(
+        EngineConfig::default(),
+        modelcache_csi::puller::extract_layer,
+    );
+    let uri = "s3://listable/m";
+    let admin = modelcache_csi::puller::open(uri, &options(&minio))
+        .await
+        .unwrap();
+    let sealed = engine
+        .pull(&root, admin, &NoProgress)
+        .await
+        .expect("the admin's pull");
+    assert!(!sealed.hit);
+
+    let allowed = AllowedSources::parse("s3://listable/").unwrap();
+    let params = minio.params();
+    let tenant = Tenant::admit(
+        "annotation",
+        uri,
+        Some(&allowed),
+        &params,
+        &Default::default(),
+    )
+    .await
+    .unwrap();
+    let opts = SourceOptions {
+        params,
+        tenant: Some(tenant),
+        ..SourceOptions::default()
+    };
+    let src = modelcache_csi::puller::open(uri, &opts).await.unwrap();
+    assert!(src.resolve().await.is_ok(), "the bucket lists for anyone");
+    let err = engine
+        .pull(&root, src, &NoProgress)
+        .await
+        .err()
+        .expect("a tenant who may only list got the sealed copy");
+    assert!(matches!(err, Error::Precondition(_)), "{err}");
+}

@@ -115,7 +115,11 @@ impl Minio {
     }
 
     fn http(&self, method: &str, path: &str) -> std::io::Result<(u16, String)> {
-        http(self.port, method, path)
+        http(self.port, method, path, b"")
+    }
+
+    fn http_body(&self, method: &str, path: &str, body: &[u8]) -> std::io::Result<(u16, String)> {
+        http(self.port, method, path, body)
     }
 
     /// Parameters for `SourceOptions::params` that point a source at this server.
@@ -176,23 +180,49 @@ impl Minio {
     }
 
     /// PUTs an empty object under a key object_store cannot name, such as a
-    /// directory marker `dir/` (its paths drop a trailing '/'), signed here
-    /// with a SigV4 presigned URL.
+    /// directory marker `dir/` (its paths drop a trailing '/').
     pub fn put_raw_key(&self, bucket: &str, key: &str) {
+        let path = format!("/{bucket}/{}", uri_encode(key, false));
+        let (status, body) = self
+            .http_body("PUT", &self.presign("PUT", &path, None), b"")
+            .expect("raw put");
+        assert_eq!(status, 200, "PUT {bucket}/{key}: {body}");
+    }
+
+    /// Sets a bucket policy (S3 PutBucketPolicy), e.g. to let anyone list a
+    /// bucket but not read its objects.
+    pub fn set_policy(&self, bucket: &str, policy: &serde_json::Value) {
+        let url = self.presign("PUT", &format!("/{bucket}"), Some("policy="));
+        let (status, body) = self
+            .http_body("PUT", &url, policy.to_string().as_bytes())
+            .expect("put bucket policy");
+        assert!(
+            status == 200 || status == 204,
+            "policy of {bucket}: {status} {body}"
+        );
+    }
+
+    /// `path` with a SigV4 presigned query (root credentials, unsigned
+    /// payload); `extra` is a query parameter of the request, already in
+    /// canonical form.
+    fn presign(&self, method: &str, path: &str, extra: Option<&str>) -> String {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs();
         let (date, datetime) = amz_dates(now);
         let scope = format!("{date}/{REGION}/s3/aws4_request");
-        let path = format!("/{bucket}/{}", uri_encode(key, false));
-        let query = format!(
+        let mut query = format!(
             "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={}&X-Amz-Date={datetime}\
              &X-Amz-Expires=300&X-Amz-SignedHeaders=host",
             uri_encode(&format!("{ROOT_USER}/{scope}"), true)
         );
+        // Canonical order: 'X-Amz-*' sorts before lowercase names.
+        if let Some(e) = extra {
+            query = format!("{query}&{e}");
+        }
         let canonical = format!(
-            "PUT\n{path}\n{query}\nhost:127.0.0.1:{}\n\nhost\nUNSIGNED-PAYLOAD",
+            "{method}\n{path}\n{query}\nhost:127.0.0.1:{}\n\nhost\nUNSIGNED-PAYLOAD",
             self.port
         );
         let to_sign = format!(
@@ -204,13 +234,7 @@ impl Minio {
             k = hmac(&k, part.as_bytes());
         }
         let signature = hex::encode(hmac(&k, to_sign.as_bytes()));
-        let (status, body) = self
-            .http(
-                "PUT",
-                &format!("{path}?{query}&X-Amz-Signature={signature}"),
-            )
-            .expect("raw put");
-        assert_eq!(status, 200, "PUT {bucket}/{key}: {body}");
+        format!("{path}?{query}&X-Amz-Signature={signature}")
     }
 
     /// Uploads every file under `dir` as `prefix/<relative path>`; returns the
@@ -351,8 +375,8 @@ fn wait_ready(child: &mut Child, port: u16, timeout: Duration) -> bool {
         // "Ready" comes before the object layer: until then S3 calls answer
         // 503 XMinioServerNotInitialized. An anonymous ListBuckets answers
         // 403 once they work.
-        if matches!(http(port, "GET", "/minio/health/ready"), Ok((200, _)))
-            && matches!(http(port, "GET", "/"), Ok((s, _)) if s != 503 && s != 0)
+        if matches!(http(port, "GET", "/minio/health/ready", b""), Ok((200, _)))
+            && matches!(http(port, "GET", "/", b""), Ok((s, _)) if s != 503 && s != 0)
         {
             return true;
         }
@@ -362,13 +386,15 @@ fn wait_ready(child: &mut Child, port: u16, timeout: Duration) -> bool {
 }
 
 /// A plain HTTP/1.0 request to the server on `port`: (status, body).
-fn http(port: u16, method: &str, path: &str) -> std::io::Result<(u16, String)> {
+fn http(port: u16, method: &str, path: &str, body: &[u8]) -> std::io::Result<(u16, String)> {
     let mut conn = TcpStream::connect(("127.0.0.1", port))?;
     conn.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(
         conn,
-        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\n\r\n"
+        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
     )?;
+    conn.write_all(body)?;
     let mut resp = String::new();
     conn.read_to_string(&mut resp)?;
     let status = resp
