@@ -420,7 +420,7 @@ async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
     };
     if let Some(addr) = a.metrics_address {
         tokio::spawn(modelcache_csi::metrics::serve(
-            addr,
+            modelcache_csi::metrics::bind(addr)?,
             Arc::new(|_| None),
             Arc::new(Vec::new),
         ));
@@ -447,7 +447,7 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
             p
         };
         let listener = modelcache_csi::metrics::serve(
-            addr,
+            modelcache_csi::metrics::bind(addr)?,
             Arc::new(move |b| caps.get(&b).copied()),
             Arc::new(health),
         );

@@ -376,13 +376,26 @@ struct Endpoint {
     scraped: SingleFlight<String>,
 }
 
+/// Binds the metrics port before anything else listens, so a client that
+/// sees the CSI socket finds `/healthz` too.
+pub fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let std = std::net::TcpListener::bind(addr)?;
+    std.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(std)
+}
+
 /// Serves `/metrics` and `/healthz` until the process ends. A minimal
 /// HTTP/1.1 responder: one request per connection, nothing else.
 /// `health` lists what is wrong right now; `/healthz` is 200 only when it is
 /// empty, so a liveness probe restarts a driver that cannot work.
-pub async fn serve(addr: SocketAddr, capacity: Capacity, health: Health) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    tracing::info!(%addr, "serving metrics");
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    capacity: Capacity,
+    health: Health,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "serving metrics");
+    }
     serve_connections(
         tokio_stream::wrappers::TcpListenerStream::new(listener),
         capacity,

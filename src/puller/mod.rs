@@ -178,15 +178,32 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
             ));
         }
     };
-    if opts.tenant.is_none() && opts.admin_guard.is_none() && limits.is_none() {
-        return Ok(source);
-    }
     Ok(Arc::new(Scoped {
         inner: source,
         tenant: opts.tenant.clone(),
         admin_guard: opts.admin_guard.clone(),
         limits,
+        requester: requester_of(opts),
     }))
+}
+
+/// A digest of what a pull presents to its origin: the secrets it was
+/// given, and whether the driver's environment credentials go along.
+fn requester_of(opts: &SourceOptions) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(if opts.own_credentials_only() {
+        &b"own"[..]
+    } else {
+        &b"with-driver-env"[..]
+    });
+    for (k, v) in &opts.secrets {
+        h.update([0]);
+        h.update(k.as_bytes());
+        h.update([0]);
+        h.update(v.as_bytes());
+    }
+    hex::encode(h.finalize())
 }
 
 fn explain(opts: &SourceOptions, e: Error) -> Error {
@@ -205,6 +222,7 @@ struct Scoped {
     tenant: Option<Arc<Tenant>>,
     admin_guard: Option<Arc<egress::Guard>>,
     limits: Option<PullLimits>,
+    requester: String,
 }
 
 impl Scoped {
@@ -268,6 +286,10 @@ impl Source for Scoped {
 
     fn limits(&self) -> Option<PullLimits> {
         self.limits.or_else(|| self.inner.limits())
+    }
+
+    fn requester(&self) -> Option<String> {
+        Some(self.requester.clone())
     }
 }
 

@@ -152,6 +152,16 @@ pub trait Source: Send + Sync {
         None
     }
 
+    /// Who asks, as far as the origin can tell them apart: a digest of the
+    /// credentials this source presents (never the credentials). A cache
+    /// hit is authorised once per requester and model for a while
+    /// (`Engine`), not on every volume. `puller::open` sets it on every
+    /// source it makes; None (a source built by hand: tests, embedding)
+    /// means no requester to tell apart, and no authorisation.
+    fn requester(&self) -> Option<String> {
+        None
+    }
+
     /// Proves that this requester may read the model's content, before a
     /// cache hit hands it the sealed copy. A listing proves nothing: a
     /// gated Hub repo lists publicly and gates only `/resolve/`, and an

@@ -107,3 +107,27 @@ async fn fat_pending_pvcs_stay_out_of_the_drivers_memory() {
         mib(peak)
     );
 }
+
+/// The job sweeper's question about an inline volume's pod, asked with
+/// only `list pods` (the driver may not get one): there, deleting, gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_volumes_pod_is_found_by_listing() {
+    use k8s_openapi::api::core::v1::Pod;
+    use modelcache_csi::error::Error;
+    let api = apiserver::ApiServer::start().expect("start apiserver");
+    let c = client(&api).await;
+    let kube = modelcache_csi::kubeapi::KubeApi::new(c.clone(), "modelcache.csi.io");
+    let pods: Api<Pod> = Api::namespaced(c, "default");
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "reader", "finalizers": ["example.com/hold"]},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    assert!(!kube.pod_deleting("default", "reader").await.unwrap());
+    pods.delete("reader", &Default::default()).await.unwrap();
+    // The finalizer holds it, being deleted: the pull is no longer wanted.
+    assert!(kube.pod_deleting("default", "reader").await.unwrap());
+    let e = kube.pod_deleting("default", "absent").await.unwrap_err();
+    assert!(matches!(e, Error::NotFound(_)), "{e}");
+}

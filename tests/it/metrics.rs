@@ -105,3 +105,46 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
         "{text}"
     );
 }
+
+/// A burst at both paths of the real driver: every answer right, and the
+/// CSI calls made meanwhile answered as quickly as without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_at_the_metrics_port_leaves_csi_calls_alone() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let d = Driver::start_with(&["--metrics-address", &addr]).await;
+    let model = d.dir.join("model");
+    write_model(&model, 9);
+    let uri = format!("file://{}", model.display());
+    d.create(create_req("m1", &[("source", &uri)], READER))
+        .await
+        .expect("pull");
+    let burst: Vec<_> = (0..80)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let path = if i % 2 == 0 { "/healthz" } else { "/metrics" };
+                (path, http_get(port, path))
+            })
+        })
+        .collect();
+    let mut slowest = std::time::Duration::ZERO;
+    for _ in 0..20 {
+        let t = std::time::Instant::now();
+        d.client
+            .identity
+            .clone()
+            .probe(modelcache_csi::csi::ProbeRequest {})
+            .await
+            .expect("Probe during the burst");
+        d.list_all(0).await;
+        slowest = slowest.max(t.elapsed());
+    }
+    for b in burst {
+        let (path, answer) = b.join().unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer}");
+    }
+    assert!(
+        slowest < std::time::Duration::from_secs(2),
+        "a CSI call took {slowest:?} during the burst"
+    );
+}

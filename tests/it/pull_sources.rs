@@ -297,9 +297,19 @@ async fn a_model_registry_version_shares_the_cache_entry_of_its_artifact() {
 
     let again = created(create(&d, "pvc-mr-2", &params).await);
     assert_eq!(again.volume_context["source"], v.volume_context["source"]);
+    assert_eq!(file_gets(&files), pulled, "a cache hit downloaded");
+    // The class's own URI presents other credentials (the driver's) than
+    // the registry's answer (none): its hit first proves it may read the
+    // content, with one byte.
+    let seen = files.requests().len();
     let direct = created(create(&d, "pvc-artifact", &[("source", &artifact)]).await);
     assert_eq!(direct.volume_context["source"], v.volume_context["source"]);
-    assert_eq!(file_gets(&files), pulled, "a cache hit downloaded");
+    let probes: Vec<_> = files.requests()[seen..]
+        .iter()
+        .filter(|r| r.method == "GET" && !r.raw_path.ends_with("manifest.json"))
+        .map(|r| r.header("range").unwrap_or("whole").to_string())
+        .collect();
+    assert_eq!(probes, ["bytes=0-0"], "a cache hit downloaded");
     assert_served(&d, &direct, model()).await;
     assert_eq!(sealed_sources(&d).len(), 1);
 }

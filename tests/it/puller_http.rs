@@ -654,24 +654,25 @@ async fn a_cache_hit_of_a_gated_repo_needs_the_requesters_own_access() {
         modelcache_csi::puller::extract_layer,
     );
     let endpoint = hub.endpoint();
-    let source = |token: Option<&str>| {
+    // Through `puller::open`, as the driver makes every source: it tells
+    // requesters apart by the credentials they present.
+    let source = |token: Option<&'static str>| {
         let secrets: Vec<(&str, &str)> = token.map(|t| ("hfToken", t)).into_iter().collect();
-        std::sync::Arc::new(
-            HfSource::new(
-                "hf://org/minilm",
-                &opts(&[("hfEndpoint", &endpoint)], &secrets),
-            )
-            .unwrap(),
-        )
+        let o = opts(&[("hfEndpoint", &endpoint)], &secrets);
+        async move {
+            modelcache_csi::puller::open("hf://org/minilm", &o)
+                .await
+                .unwrap()
+        }
     };
     let first = engine
-        .pull(&root, source(Some("team-a-token")), &NoProgress)
+        .pull(&root, source(Some("team-a-token")).await, &NoProgress)
         .await
         .expect("the token holder pulls");
     assert!(!first.hit);
     for token in [None, Some("a-guess")] {
         let err = engine
-            .pull(&root, source(token), &NoProgress)
+            .pull(&root, source(token).await, &NoProgress)
             .await
             .err()
             .unwrap_or_else(|| panic!("{token:?}: a gated cache hit was served"));
@@ -680,10 +681,24 @@ async fn a_cache_hit_of_a_gated_repo_needs_the_requesters_own_access() {
             "{token:?}: {err}"
         );
     }
+    // The token holder's own hit costs the origin nothing: its pull proved
+    // its access.
+    let resolves = |h: &HubServer| {
+        h.requests()
+            .iter()
+            .filter(|r| r.raw_path.contains("/resolve/"))
+            .count()
+    };
+    let before = resolves(&hub);
     let again = engine
-        .pull(&root, source(Some("team-a-token")), &NoProgress)
+        .pull(&root, source(Some("team-a-token")).await, &NoProgress)
         .await
         .expect("the token holder's hit");
     assert!(again.hit);
     assert_eq!(again.sid, first.sid);
+    assert_eq!(
+        resolves(&hub),
+        before,
+        "a proven requester's hit read content again"
+    );
 }

@@ -394,3 +394,25 @@ async fn a_listable_but_unreadable_bucket_gives_no_cache_hit() {
         .expect("a tenant who may only list got the sealed copy");
     assert!(matches!(err, Error::Precondition(_)), "{err}");
 }
+
+/// An admin's S3 endpoint is the admin's choice, but never a metadata
+/// service: the s3 client takes no resolver of ours, so it goes through a
+/// guard that closes metadata addresses only.
+#[tokio::test]
+async fn an_admins_s3_endpoint_never_reaches_metadata() {
+    let mut o = SourceOptions::default();
+    for (k, v) in [
+        ("s3Endpoint", "http://169.254.169.254"),
+        ("s3PathStyle", "true"),
+    ] {
+        o.params.insert(k.into(), v.into());
+    }
+    let src = modelcache_csi::puller::open("s3://latest/meta-data", &o)
+        .await
+        .unwrap();
+    let err = src.resolve().await.unwrap_err();
+    assert!(
+        matches!(err, Error::NotAllowed(ref m) if m.contains("metadata")),
+        "{err}"
+    );
+}

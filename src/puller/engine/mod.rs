@@ -33,7 +33,7 @@
 //! out of order), `layers` (unpacking, growing an XFS image), `seal` (the
 //! seal and the rename into place).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -93,7 +93,14 @@ pub struct Engine {
     extract: Extract,
     inflight: KeyedMutex,
     slots: Slots,
+    /// (model, requester) pairs whose access was proven lately: by their
+    /// own pull, or an authorised hit.
+    authorized: Mutex<HashMap<(String, String), Instant>>,
 }
+
+/// How long a requester's proven access to a model is trusted for cache
+/// hits: a revoked token keeps at most this long.
+const AUTHORIZED_FOR: Duration = Duration::from_secs(600);
 
 /// The source id of a model revision.
 pub fn model_id(uri: &str, revision: &str) -> String {
@@ -162,6 +169,7 @@ impl Engine {
             extract,
             inflight: KeyedMutex::default(),
             slots,
+            authorized: Mutex::new(HashMap::new()),
         }
     }
 
@@ -202,7 +210,7 @@ impl Engine {
         let result = async {
             // A hit is served only to a requester the origin would serve.
             if let Some(seal) = cache::read_seal(root, &sid)? {
-                source.authorize(&resolved).await?;
+                self.authorize_hit(&sid, source.as_ref(), &resolved).await?;
                 return Ok(Pulled {
                     sid,
                     seal,
@@ -211,7 +219,7 @@ impl Engine {
             }
             let _joined = self.inflight.lock(&sid).await;
             if let Some(seal) = cache::read_seal(root, &sid)? {
-                source.authorize(&resolved).await?;
+                self.authorize_hit(&sid, source.as_ref(), &resolved).await?;
                 return Ok(Pulled {
                     sid,
                     seal,
@@ -233,12 +241,17 @@ impl Engine {
                 inner: sink,
                 bytes: AtomicU64::new(0),
             };
+            let requester = source.requester();
             let fetched = self.fetch_within_deadline(root, &pull, source, &counted);
             match self
                 .give_up_slot_when_slow(slot, &counted.bytes, fetched)
                 .await
             {
                 Ok((seal, fetched)) => {
+                    // It read every byte with its own credentials.
+                    if let Some(r) = requester {
+                        self.remember_access(&sid, r);
+                    }
                     m.pull_bytes
                         .get_or_create(&crate::metrics::Scheme {
                             scheme: scheme.clone(),
@@ -289,6 +302,39 @@ impl Engine {
                 .observe(started.elapsed().as_secs_f64());
         }
         result
+    }
+
+    /// Proves the requester's access before a hit (`Source::authorize`),
+    /// unless it proved it for this model lately.
+    async fn authorize_hit(
+        &self,
+        sid: &str,
+        source: &dyn Source,
+        resolved: &Resolved,
+    ) -> Result<()> {
+        let Some(requester) = source.requester() else {
+            return Ok(());
+        };
+        let key = (sid.to_string(), requester);
+        let fresh = self
+            .authorized
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            .is_some_and(|at| at.elapsed() < AUTHORIZED_FOR);
+        if !fresh {
+            source.authorize(resolved).await?;
+            self.remember_access(&key.0, key.1);
+        }
+        Ok(())
+    }
+
+    fn remember_access(&self, sid: &str, requester: String) {
+        let mut seen = self.authorized.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.len() > 10_000 {
+            seen.retain(|_, at| at.elapsed() < AUTHORIZED_FOR);
+        }
+        seen.insert((sid.to_string(), requester), Instant::now());
     }
 
     /// Runs a pull's transfer holding `slot` while it moves at least
