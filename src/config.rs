@@ -53,6 +53,16 @@ impl Config {
         format!("topology.{}/node", self.driver_name)
     }
 
+    /// The defaults, serving node `node` from `state_dir`: for embedding
+    /// and tests, whose first root is then that node's `local` one.
+    pub fn for_node(node: &str, state_dir: &std::path::Path) -> Config {
+        Config {
+            node_id: Some(node.into()),
+            state_dir: state_dir.to_path_buf(),
+            ..Config::default()
+        }
+    }
+
     pub fn backend_enabled(&self, b: Backend) -> bool {
         self.backends.contains(&b)
     }

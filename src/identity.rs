@@ -100,11 +100,7 @@ mod tests {
     #[test]
     fn concurrent_checks_do_not_race() {
         let d = tempfile::tempdir().unwrap();
-        let cfg = Config {
-            node_id: Some("n".into()),
-            state_dir: d.path().to_path_buf(),
-            ..Default::default()
-        };
+        let cfg = Config::for_node("n", d.path());
         let failed: Vec<String> = std::thread::scope(|s| {
             let all: Vec<_> = (0..40)
                 .map(|_| s.spawn(|| (0..20).flat_map(|_| problems(&cfg)).collect::<Vec<_>>()))

@@ -630,11 +630,7 @@ mod eviction_tests {
     #[test]
     fn evictions_reach_the_exposition_once() {
         let d = tempfile::tempdir().unwrap();
-        let cfg = crate::config::Config {
-            node_id: Some("n".into()),
-            state_dir: d.path().to_path_buf(),
-            ..Default::default()
-        };
+        let cfg = crate::config::Config::for_node("n", d.path());
         let root = cfg.roots().roots.remove(0);
         let sid = format!("m{}", "e".repeat(31));
         std::fs::create_dir_all(root.source(&sid).dir.join("data")).unwrap();

@@ -368,14 +368,10 @@ mod tests {
     #[test]
     fn a_volume_unpins_only_its_own_pin() {
         let d = tempfile::tempdir().unwrap();
-        let root = crate::config::Config {
-            node_id: Some("n".into()),
-            state_dir: d.path().to_path_buf(),
-            ..Default::default()
-        }
-        .roots()
-        .roots
-        .remove(0);
+        let root = crate::config::Config::for_node("n", d.path())
+            .roots()
+            .roots
+            .remove(0);
         let sid = format!("m{}", "c".repeat(31));
         fs::create_dir_all(root.source(&sid).dir.join("data")).unwrap();
         let (a, b) = ("a".repeat(32), "b".repeat(32));

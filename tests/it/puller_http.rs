@@ -641,14 +641,7 @@ async fn a_cache_hit_of_a_gated_repo_needs_the_requesters_own_access() {
     let hub = HubServer::start(&model).await;
     hub.gate("team-a-token");
     let state = tempfile::tempdir().unwrap();
-    let root = Config {
-        node_id: Some("n".into()),
-        state_dir: state.path().to_path_buf(),
-        ..Config::default()
-    }
-    .roots()
-    .roots
-    .remove(0);
+    let root = Config::for_node("n", state.path()).roots().roots.remove(0);
     let engine = Engine::new(
         EngineConfig::default(),
         modelcache_csi::puller::extract_layer,

@@ -347,14 +347,7 @@ async fn a_listable_but_unreadable_bucket_gives_no_cache_hit() {
         }),
     );
     let state = tempfile::tempdir().unwrap();
-    let root = Config {
-        node_id: Some("n".into()),
-        state_dir: state.path().to_path_buf(),
-        ..Config::default()
-    }
-    .roots()
-    .roots
-    .remove(0);
+    let root = Config::for_node("n", state.path()).roots().roots.remove(0);
     let engine = Engine::new(
         EngineConfig::default(),
         modelcache_csi::puller::extract_layer,
