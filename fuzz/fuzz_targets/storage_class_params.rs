@@ -17,7 +17,7 @@ use modelcache_csi::error::Error;
 
 /// The keys a StorageClass may set, besides `params::SOURCE_OPTIONS` and
 /// csi.storage.k8s.io/ ones.
-const CLASS_KEYS: [&str; 9] = [
+const CLASS_KEYS: [&str; 10] = [
     params::BACKEND,
     params::ROLE,
     params::SHARED_PATH,
@@ -27,6 +27,7 @@ const CLASS_KEYS: [&str; 9] = [
     params::SOURCE,
     params::ALLOW_CROSS_NAMESPACE,
     params::ALLOWED_SOURCES,
+    params::ARTIFACT_CREDENTIALS,
 ];
 
 fn known(key: &str) -> bool {
@@ -81,6 +82,7 @@ fuzz_target!(|data: &[u8]| {
             if p.role == Some(Role::Source) {
                 assert!(p.source.is_none() && p.sub_path.is_none() && p.verify.is_none());
                 assert!(p.allowed_sources.is_none() && p.source_options.is_empty());
+                assert!(p.artifact_credentials.is_none());
             }
             for k in map.keys() {
                 assert!(known(k), "unknown key {k:?} accepted");
