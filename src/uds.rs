@@ -32,8 +32,8 @@ const FLAG_END_HEADERS: u8 = 0x4;
 const FLAG_PADDED: u8 = 0x8;
 const FLAG_PRIORITY: u8 = 0x20;
 /// SETTINGS_MAX_FRAME_SIZE's initial value, which our h2 server keeps: a
-/// client may send no larger frame, so a header frame over it is refused
-/// before anything is allocated for it.
+/// client may send no larger frame, so one is refused before anything is
+/// allocated for it.
 const MAX_FRAME: usize = 16_384;
 /// No client sends a request header block larger than this.
 const MAX_BLOCK: usize = 64 << 10;
@@ -152,6 +152,14 @@ where
         let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
         let (kind, flags) = (head[3], head[4]);
         let stream = [head[5], head[6], head[7], head[8]];
+        // Our h2 server keeps the initial SETTINGS_MAX_FRAME_SIZE, so a
+        // larger frame is a protocol error whatever its type: refused
+        // before anything is allocated for it.
+        if len > MAX_FRAME {
+            return Err(bad("frame larger than SETTINGS_MAX_FRAME_SIZE"));
+        }
+        let mut payload = vec![0u8; len];
+        r.read_exact(&mut payload).await?;
         let header_frame = matches!(
             (kind, pending.is_some()),
             (FRAME_HEADERS, false) | (FRAME_CONTINUATION, true)
@@ -160,21 +168,12 @@ where
             if pending.is_some() {
                 return Err(bad("header block interrupted by another frame"));
             }
-            // Passed through as it streams in: nothing sized by the
-            // client is allocated for a frame the shim does not read.
+            // Whole frames only: the server never sees a truncated one.
             w.write_all(&head).await?;
-            let copied = tokio::io::copy(&mut (&mut *r).take(len as u64), w).await?;
-            if copied < len as u64 {
-                return Err(bad("connection ended inside a frame"));
-            }
+            w.write_all(&payload).await?;
             w.flush().await?;
             continue;
         }
-        if len > MAX_FRAME {
-            return Err(bad("header frame larger than SETTINGS_MAX_FRAME_SIZE"));
-        }
-        let mut payload = vec![0u8; len];
-        r.read_exact(&mut payload).await?;
         match (kind, pending.as_mut()) {
             (FRAME_HEADERS, None) => {
                 let mut p = &payload[..];
@@ -313,22 +312,38 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn other_frames_stream_through_and_header_frames_are_bounded() {
-        // A 1 MiB DATA frame passes through byte for byte.
-        let data = frame(0x0, 0, &vec![7u8; 1 << 20]);
+    async fn frames_are_bounded_before_they_are_read() {
+        // A DATA frame of the largest size passes through byte for byte.
+        let data = frame(0x0, 0, &vec![7u8; MAX_FRAME]);
         let out = shim(with_preface(std::slice::from_ref(&data)))
             .await
             .unwrap();
         assert_eq!(&out[PREFACE_LEN..], &data[..]);
-        // A frame that claims 16 MiB but ends early is refused, not waited
-        // for with 16 MiB allocated.
-        let mut lying = frame(0x0, 0, &[1, 2, 3]);
+        // One that claims 16 MiB is refused on its header, before its
+        // bytes arrive (there are none here) and before anything of it
+        // reaches the server.
+        let mut lying = frame(0x0, 0, &[]);
         lying[..3].copy_from_slice(&[0xff, 0xff, 0xff]);
-        assert!(shim(with_preface(&[lying])).await.is_err());
-        // A header frame over SETTINGS_MAX_FRAME_SIZE is refused.
-        let big = frame(FRAME_HEADERS, FLAG_END_HEADERS, &vec![0u8; MAX_FRAME + 1]);
-        let e = shim(with_preface(&[big])).await.unwrap_err();
+        let mut input = with_preface(&[lying]);
+        let mut out = Vec::new();
+        let e = rewrite_requests(&mut &input[..], &mut out)
+            .await
+            .unwrap_err();
         assert!(e.to_string().contains("MAX_FRAME_SIZE"), "{e}");
+        assert_eq!(
+            out.len(),
+            PREFACE_LEN,
+            "part of a refused frame was passed on"
+        );
+        // A header frame over the limit likewise; a truncated frame never
+        // reaches the server.
+        let big = frame(FRAME_HEADERS, FLAG_END_HEADERS, &vec![0u8; MAX_FRAME + 1]);
+        assert!(shim(with_preface(&[big])).await.is_err());
+        input = with_preface(&[frame(0x0, 0, &[1; 100])]);
+        input.truncate(input.len() - 10);
+        let mut out = Vec::new();
+        assert!(rewrite_requests(&mut &input[..], &mut out).await.is_err());
+        assert_eq!(out.len(), PREFACE_LEN);
     }
 
     #[tokio::test]
