@@ -206,7 +206,8 @@ where
                     return Err(bad("request header block too large"));
                 }
             }
-            _ => unreachable!("only header frames get here"),
+            // A CONTINUATION of another stream interrupts the block.
+            _ => return Err(bad("header block interrupted by another frame")),
         }
         if flags & FLAG_END_HEADERS != 0 {
             let b = pending.take().expect("a block is pending");
@@ -339,6 +340,13 @@ mod tests {
         // reaches the server.
         let big = frame(FRAME_HEADERS, FLAG_END_HEADERS, &vec![0u8; MAX_FRAME + 1]);
         assert!(shim(with_preface(&[big])).await.is_err());
+        // A CONTINUATION on another stream than its HEADERS ends the
+        // connection (found by fuzz/fuzz_targets/registration_frames.rs).
+        let mut other = frame(FRAME_CONTINUATION, FLAG_END_HEADERS, &[0x82]);
+        other[8] = 3;
+        let open = frame(FRAME_HEADERS, 0, &[0x83]);
+        let e = shim(with_preface(&[open, other])).await.unwrap_err();
+        assert!(e.to_string().contains("interrupted"), "{e}");
         input = with_preface(&[frame(0x0, 0, &[1; 100])]);
         input.truncate(input.len() - 10);
         let mut out = Vec::new();
