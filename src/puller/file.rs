@@ -57,10 +57,16 @@ impl FileSource {
 /// given: a symlink (or `..`) that would leave it fails with EXDEV, which
 /// becomes PermissionDenied naming the file.
 fn open_file(path: &Path, base: Option<&Path>) -> Result<File> {
+    match base {
+        None => File::open(path).ctx("open", path),
+        Some(base) => open_in(&File::open(base).ctx("open", base)?, base, path),
+    }
+}
+
+/// `open_file` beneath `base`, whose directory `dir` is already open (a
+/// listing checks every file against one descriptor).
+fn open_in(dir: &File, base: &Path, path: &Path) -> Result<File> {
     use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
-    let Some(base) = base else {
-        return File::open(path).ctx("open", path);
-    };
     let rel = path.strip_prefix(base).map_err(|_| {
         Error::NotAllowed(format!(
             "{} is not beneath {}",
@@ -68,7 +74,6 @@ fn open_file(path: &Path, base: Option<&Path>) -> Result<File> {
             base.display()
         ))
     })?;
-    let dir = File::open(base).ctx("open", base)?;
     let how = OpenHow::new()
         .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC)
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
@@ -79,7 +84,7 @@ fn open_file(path: &Path, base: Option<&Path>) -> Result<File> {
     };
     let mut attempts = 0;
     loop {
-        match openat2(&dir, rel, how) {
+        match openat2(dir, rel, how) {
             Ok(fd) => return Ok(File::from(fd)),
             // A concurrent rename; it is over by the retry.
             Err(nix::errno::Errno::EAGAIN) if attempts < 8 => attempts += 1,
@@ -156,8 +161,9 @@ impl Source for FileSource {
             // What a listing followed, the kernel must be able to reach
             // beneath the prefix too.
             if let Some(b) = &beneath {
+                let dir = File::open(b).ctx("open", b)?;
                 for (_, path, _) in &entries {
-                    open_file(path, Some(b))?;
+                    open_in(&dir, b, path)?;
                 }
             }
             Ok::<_, Error>(entries)

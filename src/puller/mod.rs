@@ -60,13 +60,17 @@ pub struct SourceOptions {
 }
 
 impl SourceOptions {
+    /// The pull's egress guard: the tenant scope's, else the admin's.
+    fn guard(&self) -> Option<&Arc<egress::Guard>> {
+        self.tenant
+            .as_ref()
+            .map(|t| &t.guard)
+            .or(self.admin_guard.as_ref())
+    }
+
     /// The egress guard's proxy URL for this pull, if its clients use one.
     pub(crate) fn proxy(&self) -> Option<&str> {
-        match (&self.tenant, &self.admin_guard) {
-            (Some(t), _) => Some(t.guard.proxy_url()),
-            (None, Some(g)) => Some(g.proxy_url()),
-            (None, None) => None,
-        }
+        self.guard().map(|g| g.proxy_url())
     }
 
     /// Only the requester's own secret may sign or authorise this pull.
@@ -180,8 +184,7 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
     };
     Ok(Arc::new(Scoped {
         inner: source,
-        tenant: opts.tenant.clone(),
-        admin_guard: opts.admin_guard.clone(),
+        guard: opts.guard().cloned(),
         limits,
         requester: requester_of(opts),
     }))
@@ -207,8 +210,8 @@ fn requester_of(opts: &SourceOptions) -> String {
 }
 
 fn explain(opts: &SourceOptions, e: Error) -> Error {
-    match &opts.tenant {
-        Some(t) => t.guard.explain(e),
+    match opts.guard() {
+        Some(g) => g.explain(e),
         None => e,
     }
 }
@@ -219,23 +222,14 @@ fn explain(opts: &SourceOptions, e: Error) -> Error {
 /// owns the pull's guard, whose tasks end when the source is dropped.
 struct Scoped {
     inner: Arc<dyn Source>,
-    tenant: Option<Arc<Tenant>>,
-    admin_guard: Option<Arc<egress::Guard>>,
+    guard: Option<Arc<egress::Guard>>,
     limits: Option<PullLimits>,
     requester: String,
 }
 
 impl Scoped {
-    fn guard(&self) -> Option<&egress::Guard> {
-        match (&self.tenant, &self.admin_guard) {
-            (Some(t), _) => Some(&t.guard),
-            (None, Some(g)) => Some(g),
-            (None, None) => None,
-        }
-    }
-
     fn explain(&self, e: Error) -> Error {
-        match self.guard() {
+        match &self.guard {
             Some(g) => g.explain(e),
             None => e,
         }
@@ -260,20 +254,11 @@ impl Source for Scoped {
             .read(file, offset, len)
             .await
             .map_err(|e| self.explain(e))?;
-        if self.guard().is_none() {
+        let Some(guard) = self.guard.clone() else {
             return Ok(stream);
-        }
+        };
         // The stream holds the guard too: its tasks carry these bytes.
-        let (tenant, admin) = (self.tenant.clone(), self.admin_guard.clone());
-        Ok(stream
-            .map(move |r| {
-                let guard = tenant.as_ref().map(|t| &t.guard).or(admin.as_deref());
-                match guard {
-                    Some(g) => r.map_err(|e| g.explain(e)),
-                    None => r,
-                }
-            })
-            .boxed())
+        Ok(stream.map(move |r| r.map_err(|e| guard.explain(e))).boxed())
     }
 
     fn ranges(&self) -> bool {

@@ -55,7 +55,7 @@ pub struct Bounds {
 pub struct Tenant {
     pub allowed: AllowedSources,
     /// Every connection of the pull goes through this.
-    pub guard: egress::Guard,
+    pub guard: Arc<egress::Guard>,
     /// The class's and the driver's credentials may follow this pull (a
     /// registry answer within `artifactCredentials`); otherwise only the
     /// requester's own secret is used.
@@ -86,16 +86,7 @@ impl Tenant {
         allowed
             .permits(uri)
             .map_err(|m| Error::NotAllowed(format!("{field}: {m}")))?;
-        let guard = egress::Guard::new(egress::Policy::tenant(
-            admitted_hosts(allowed, params),
-            ranges.clone(),
-        ))
-        .await?;
-        Ok(Arc::new(Tenant {
-            allowed: allowed.clone(),
-            guard,
-            credentials: false,
-        }))
+        Tenant::scope(allowed, params, ranges, false).await
     }
 
     /// The scope for a model registry's answer to a `model-registry://`
@@ -142,18 +133,25 @@ impl Tenant {
         allowed
             .permits(artifact)
             .map_err(|m| Error::NotAllowed(format!("{WHAT}: {m}")))?;
-        let guard = egress::Guard::new(egress::Policy::tenant(
-            admitted_hosts(allowed, params),
-            bounds.ranges.clone(),
-        ))
-        .await?;
         let credentials = bounds
             .credentialed
             .as_ref()
             .is_some_and(|c| c.permits(artifact).is_ok());
+        Tenant::scope(allowed, params, &bounds.ranges, credentials).await
+    }
+
+    /// A pull within `allowed`, behind a guard of its own that admits the
+    /// hosts the class names.
+    async fn scope(
+        allowed: &AllowedSources,
+        params: &std::collections::BTreeMap<String, String>,
+        ranges: &egress::Ranges,
+        credentials: bool,
+    ) -> Result<Arc<Tenant>> {
+        let policy = egress::Policy::tenant(admitted_hosts(allowed, params), ranges.clone());
         Ok(Arc::new(Tenant {
             allowed: allowed.clone(),
-            guard,
+            guard: Arc::new(egress::Guard::new(policy).await?),
             credentials,
         }))
     }
