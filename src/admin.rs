@@ -231,7 +231,7 @@ fn list(roots: &Roots) -> Result<Vec<Entry>> {
 
 fn entry(root: &Root, sid: &str) -> Result<Entry> {
     let seal = cache::read_seal(root, sid)?;
-    let model = evict::is_model(sid);
+    let model = cache::SourceId::parse(sid).is_some_and(|s| s.is_model());
     let volumes = evict::live_refs(root, sid)?
         .iter()
         .map(|uuid| root.volume_id(uuid))
@@ -456,7 +456,7 @@ struct Changed {
 
 async fn set_pinned(roots: &Roots, id: &str, pinned: bool, output: Output) -> Result<()> {
     let root = find(roots, id)?;
-    if !evict::is_model(id) {
+    if !cache::SourceId::parse(id).is_some_and(|s| s.is_model()) {
         return Err(Error::Precondition(format!(
             "{id} is a source volume, never evicted: only pulled models are pinned"
         )));
@@ -486,7 +486,7 @@ struct Evicted {
 }
 
 fn do_evict(root: &Root, sid: &str) -> Result<Evicted> {
-    if !evict::is_model(sid) {
+    if !cache::SourceId::parse(sid).is_some_and(|s| s.is_model()) {
         return Err(Error::Precondition(format!(
             "{sid} is a source volume: it goes with its volume (delete the PVC), never by eviction"
         )));

@@ -14,13 +14,9 @@
 use std::fs;
 use std::time::Duration;
 
-use super::{Root, now_unix, read_seal, read_volume, refs, remove_ref};
+use super::{Root, SourceId, now_unix, read_seal, read_volume, refs, remove_ref};
 use crate::error::{Error, IoContext, Result};
 use crate::state;
-
-pub fn is_model(sid: &str) -> bool {
-    sid.starts_with('m')
-}
 
 /// Records that a model was just used.
 pub fn touch(root: &Root, sid: &str) -> Result<()> {
@@ -123,7 +119,7 @@ pub struct Need {
 pub fn candidates(root: &Root) -> Result<Vec<Candidate>> {
     let mut out = Vec::new();
     for sid in state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())? {
-        if !is_model(&sid) || is_pinned(root, &sid) {
+        if !SourceId::parse(&sid).is_some_and(|s| s.is_model()) || is_pinned(root, &sid) {
             continue;
         }
         let Some(seal) = read_seal(root, &sid)? else {
@@ -148,7 +144,7 @@ pub fn candidates(root: &Root) -> Result<Vec<Candidate>> {
 pub fn usage(root: &Root) -> Result<u64> {
     let mut total = 0u64;
     for sid in state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())? {
-        if is_model(&sid)
+        if SourceId::parse(&sid).is_some_and(|s| s.is_model())
             && let Some(seal) = read_seal(root, &sid)?
         {
             total = total.saturating_add(seal.charged_bytes());
@@ -213,7 +209,7 @@ pub fn evict(root: &Root, sid: &str) -> Result<bool> {
 /// limit, before anything is written when even that is not enough; and
 /// before anything is evicted when evicting every unused model could not
 /// make it fit.
-pub fn make_room(root: &Root, need: Need, capacity: Option<u64>, for_sid: &str) -> Result<()> {
+pub fn make_room(root: &Root, need: Need, capacity: Option<u64>, for_sid: &SourceId) -> Result<()> {
     let fits = || -> Result<bool> {
         Ok(need.bytes <= available(root, capacity)?
             && need.inodes <= super::space(root)?.usable_inodes())
@@ -221,12 +217,12 @@ pub fn make_room(root: &Root, need: Need, capacity: Option<u64>, for_sid: &str) 
     if fits()? {
         return Ok(());
     }
-    if remove_abandoned_pulls(root, for_sid)? > 0 && fits()? {
+    if super::pull::remove_abandoned(root, for_sid)? > 0 && fits()? {
         return Ok(());
     }
     let candidates: Vec<Candidate> = candidates(root)?
         .into_iter()
-        .filter(|c| c.sid != for_sid)
+        .filter(|c| c.sid != for_sid.as_str())
         .collect();
     let sum = |f: fn(&Candidate) -> u64| candidates.iter().map(f).fold(0u64, u64::saturating_add);
     let (evictable, evictable_inodes) = (sum(|c| c.bytes), sum(|c| c.inodes));
@@ -281,46 +277,6 @@ pub fn make_room(root: &Root, need: Need, capacity: Option<u64>, for_sid: &str) 
     )))
 }
 
-/// Removes the work directories (`.pull-<sid>`) of pulls no process is
-/// running: their lock is free. They hold disk space that nothing else
-/// would ever give back. Returns how many went.
-pub fn remove_abandoned_pulls(root: &Root, except_sid: &str) -> Result<usize> {
-    let dir = root.sources_dir();
-    let names = match fs::read_dir(&dir) {
-        Ok(rd) => rd
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with(".pull-") && n != &format!(".pull-{except_sid}"))
-            .collect::<Vec<_>>(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(Error::io("list", &dir, e)),
-    };
-    let mut removed = 0;
-    for name in names {
-        let work = dir.join(&name);
-        let Ok(lock) = fs::OpenOptions::new().write(true).open(work.join("lock")) else {
-            continue;
-        };
-        // Held by a live pull (here or in another process): leave it.
-        let Ok(_held) = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
-        else {
-            continue;
-        };
-        let mnt = work.join("mnt");
-        if crate::mount::is_mount_point(&mnt).unwrap_or(false)
-            && crate::mount::unmount(&mnt).is_err()
-        {
-            continue;
-        }
-        let trash = dir.join(format!(".trash-{}", uuid::Uuid::new_v4().simple()));
-        fs::rename(&work, &trash).ctx("move to trash", &work)?;
-        fs::remove_dir_all(&trash).ctx("remove", &trash)?;
-        tracing::info!(work = %name, "removed an abandoned pull's partial work");
-        removed += 1;
-    }
-    Ok(removed)
-}
-
 /// Evicts every candidate idle for at least `idle`; returns their ids.
 pub fn evict_idle(root: &Root, idle: Duration) -> Result<Vec<String>> {
     let cutoff = now_unix().saturating_sub(idle.as_secs());
@@ -346,7 +302,7 @@ mod tests {
                 name: uuid.into(),
                 backend: root.backend,
                 role: Role::Cache,
-                source: sid.into(),
+                source: SourceId::parse(sid).unwrap(),
                 sub_path: None,
                 verify: Default::default(),
                 capacity_bytes: 1,

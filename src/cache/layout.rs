@@ -155,17 +155,123 @@ impl fmt::Display for Reserve {
     }
 }
 
-/// Whether `sid` has the form of a source id this driver makes: 32
-/// lowercase hex digits (a source volume's uuid), or `m` (a pulled model)
-/// or `x` (another driver's volume) and 31 of them. Anything else, `..` and
-/// `/` included, is refused before it becomes part of a path.
-pub fn is_source_id(sid: &str) -> bool {
-    let hex = |s: &str| s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-    sid.len() == 32
-        && match sid.as_bytes()[0] {
-            b'm' | b'x' => hex(&sid[1..]),
-            _ => hex(sid),
+/// A source's id, and the one place that knows its forms: 32 lowercase
+/// hex digits (a source volume's own uuid), or a kind letter and 31 of
+/// them: `m` for a pulled model (a digest of what it is), `x` for a cache
+/// volume over another driver's bytes (its volume uuid). Anything else,
+/// `..` and `/` included, never parses, so it never becomes part of a path.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct SourceId(String);
+
+/// What a source id stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceKind {
+    /// A source volume's own bytes: the user's data.
+    Volume,
+    /// A model the puller fetched, content-addressed, evictable.
+    Model,
+    /// Another driver's bytes, exposed in place; nothing on disk.
+    External,
+}
+
+impl SourceId {
+    /// `None` for anything that is not one of our ids.
+    pub fn parse(sid: &str) -> Option<SourceId> {
+        let hex = |s: &str| s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        let ok = sid.len() == 32
+            && match sid.as_bytes()[0] {
+                b'm' | b'x' => hex(&sid[1..]),
+                _ => hex(sid),
+            };
+        ok.then(|| SourceId(sid.to_string()))
+    }
+
+    /// The id of a pulled model whose identity hashes to `digest`.
+    pub fn model(digest: &[u8]) -> SourceId {
+        SourceId(format!("m{}", &hex::encode(digest)[..31]))
+    }
+
+    /// The id of the source a source volume of `uuid` owns.
+    pub fn volume(uuid: &str) -> Option<SourceId> {
+        is_volume_uuid(uuid).then(|| SourceId(uuid.to_string()))
+    }
+
+    /// The id of a cache volume of `uuid` over another driver's bytes: a
+    /// name no source of ours can take.
+    pub fn external(uuid: &str) -> Option<SourceId> {
+        is_volume_uuid(uuid).then(|| SourceId(format!("x{}", &uuid[..31])))
+    }
+
+    pub fn kind(&self) -> SourceKind {
+        match self.0.as_bytes()[0] {
+            b'm' => SourceKind::Model,
+            b'x' => SourceKind::External,
+            _ => SourceKind::Volume,
         }
+    }
+
+    /// Whether the puller fetched it (and eviction may take it).
+    pub fn is_model(&self) -> bool {
+        self.kind() == SourceKind::Model
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for SourceId {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for SourceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl TryFrom<String> for SourceId {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<SourceId, String> {
+        SourceId::parse(&s).ok_or_else(|| format!("source id {s:?} is malformed"))
+    }
+}
+
+impl From<SourceId> for String {
+    fn from(s: SourceId) -> String {
+        s.0
+    }
+}
+
+impl PartialEq<str> for SourceId {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<&str> for SourceId {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+impl PartialEq<String> for SourceId {
+    fn eq(&self, other: &String) -> bool {
+        &self.0 == other
+    }
+}
+
+/// The name of a pull's area in `sources/` is this and its source id; a
+/// leading `.` keeps it out of every listing of sources.
+pub const PULL_PREFIX: &str = ".pull-";
+
+/// Whether `sid` has the form of a [`SourceId`].
+pub fn is_source_id(sid: &str) -> bool {
+    SourceId::parse(sid).is_some()
 }
 
 /// Whether `uuid` is a volume uuid (32 lowercase hex digits).
@@ -244,7 +350,16 @@ impl Root {
                 self.describe()
             )));
         }
-        let real = self.source(sid);
+        self.open_beneath(self.source(sid), &format!("source {sid}"))
+    }
+
+    /// A pull's area (`pull::PullArea`), opened as [`open_source`] opens a
+    /// source: its bytes are made immutable through the descriptor.
+    pub fn open_pull_area(&self, sid: &SourceId) -> Result<ConfinedSource> {
+        self.open_beneath(self.pull_area(sid), &format!("the pull area of {sid}"))
+    }
+
+    fn open_beneath(&self, real: SourcePaths, what: &str) -> Result<ConfinedSource> {
         let rel = real.dir.strip_prefix(&self.anchor).map_err(|_| {
             Error::Internal(format!(
                 "{} is not below {}",
@@ -256,10 +371,7 @@ impl Root {
             if e.kind() == std::io::ErrorKind::InvalidInput {
                 Error::Precondition(e.to_string())
             } else if e.kind() == std::io::ErrorKind::NotFound {
-                Error::NotFound(format!(
-                    "source {sid} does not exist in {}",
-                    self.describe()
-                ))
+                Error::NotFound(format!("{what} does not exist in {}", self.describe()))
             } else {
                 Error::io("open source", &real.dir, e)
             }
@@ -294,6 +406,13 @@ impl Root {
     pub fn source(&self, sid: &str) -> SourcePaths {
         SourcePaths {
             dir: self.sources_dir().join(sid),
+        }
+    }
+    /// Where a model is written while it is pulled (`pull::PullArea`):
+    /// beside its final place, so that sealing is one rename.
+    pub fn pull_area(&self, sid: &SourceId) -> SourcePaths {
+        SourcePaths {
+            dir: self.sources_dir().join(format!("{PULL_PREFIX}{sid}")),
         }
     }
     pub fn tmp_dir(&self) -> PathBuf {
@@ -494,6 +613,29 @@ mod tests {
         assert_eq!(uuid_for_name("d", "a"), uuid_for_name("d", "a"));
         assert_ne!(uuid_for_name("d", "a"), uuid_for_name("d", "b"));
         assert_ne!(uuid_for_name("d", "a"), uuid_for_name("e", "a"));
+    }
+
+    #[test]
+    fn source_ids_know_their_kind_and_refuse_other_forms() {
+        let uuid = uuid_for_name("d", "pvc-1");
+        let vol = SourceId::volume(&uuid).unwrap();
+        assert_eq!(
+            (vol.kind(), vol.as_str()),
+            (SourceKind::Volume, uuid.as_str())
+        );
+        let ext = SourceId::external(&uuid).unwrap();
+        assert_eq!(ext.kind(), SourceKind::External);
+        assert_ne!(ext, vol);
+        let model = SourceId::model(&[0xab; 32]);
+        assert!(model.is_model() && !vol.is_model() && !ext.is_model());
+        for id in [&vol, &ext, &model] {
+            assert_eq!(SourceId::parse(id).as_ref(), Some(id));
+            let json = serde_json::to_string(id).unwrap();
+            assert_eq!(&serde_json::from_str::<SourceId>(&json).unwrap(), id);
+        }
+        assert!(SourceId::volume("../../etc").is_none());
+        let forged = serde_json::from_str::<SourceId>("\"../../../etc/passwd-0000000000\"");
+        assert!(forged.unwrap_err().to_string().contains("malformed"));
     }
 
     #[test]

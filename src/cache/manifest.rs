@@ -48,6 +48,22 @@ pub fn charge(sizes: impl IntoIterator<Item = u64>, other_entries: u64) -> u64 {
 }
 
 impl Seal {
+    /// The seal of source `sid` over `tree`, sealed now: the one way a seal
+    /// is made, whether a user filled the source or the puller did.
+    pub fn new(sid: &str, origin: &str, revision: Option<String>, tree: Tree) -> Seal {
+        Seal {
+            format: FORMAT,
+            source: sid.to_string(),
+            origin: origin.to_string(),
+            revision,
+            sealed_unix: super::now_unix(),
+            total_bytes: tree.total_bytes(),
+            files: tree.files,
+            dirs: tree.dirs,
+            symlinks: tree.symlinks,
+        }
+    }
+
     /// What this model costs the cache (see `charge`).
     pub fn charged_bytes(&self) -> u64 {
         charge(

@@ -18,6 +18,7 @@ pub mod evict;
 pub mod layout;
 pub mod lease;
 pub mod manifest;
+pub mod pull;
 pub mod record;
 pub mod store;
 pub mod xfs;
@@ -27,7 +28,9 @@ use std::io;
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-pub use layout::{Backend, Root, Roots, SourcePaths, VolumeId, uuid_for_name};
+pub use layout::{
+    Backend, Root, Roots, SourceId, SourceKind, SourcePaths, VolumeId, uuid_for_name,
+};
 pub use manifest::Seal;
 pub use record::{External, Role, Verify, VolumeRecord};
 
@@ -229,7 +232,7 @@ pub fn sweep(root: &Root) {
             let _ = fs::remove_dir_all(root.sources_dir().join(name));
         }
     }
-    sweep_sealed_pulls(root);
+    pull::tidy_sealed(root);
     if let Ok(entries) = fs::read_dir(root.tmp_dir()) {
         for entry in entries.flatten() {
             let path = entry.path();
@@ -239,34 +242,6 @@ pub fn sweep(root: &Root) {
                 }
             }
             let _ = fs::remove_dir(&path);
-        }
-    }
-}
-
-/// A pull killed between its rename into place and its cleanup leaves its
-/// bookkeeping inside the sealed model (the seal lists only `data/`, so no
-/// reader sees it, but nothing else would ever remove it).
-fn sweep_sealed_pulls(root: &Root) {
-    let Ok(entries) = fs::read_dir(root.sources_dir()) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !evict::is_model(&name) {
-            continue;
-        }
-        let dir = entry.path();
-        if !dir.join("seal.json").is_file() {
-            continue;
-        }
-        for leftover in ["state", "blobs", "partial", "lock"] {
-            let p = dir.join(leftover);
-            let _ = fs::remove_dir_all(&p).or_else(|_| fs::remove_file(&p));
-        }
-        for hidden in list_hidden(&dir) {
-            if hidden.contains(".tmp-") {
-                let _ = fs::remove_file(dir.join(hidden));
-            }
         }
     }
 }
@@ -313,17 +288,7 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
         }
         let store = root.backend.store();
         let tree = store.scan(root, &src, &sp)?;
-        let seal = Seal {
-            format: manifest::FORMAT,
-            source: sid.to_string(),
-            origin: origin.to_string(),
-            revision: None,
-            sealed_unix: now_unix(),
-            total_bytes: tree.total_bytes(),
-            files: tree.files,
-            dirs: tree.dirs,
-            symlinks: tree.symlinks,
-        };
+        let seal = Seal::new(sid, origin, None, tree);
         store.make_immutable(&src, &sp)?;
         state::write_json(&sp.seal(), &seal).ctx("write seal", &sp.seal())?;
         Ok(seal)

@@ -5,7 +5,7 @@ use std::path::{Component, Path};
 use serde::{Deserialize, Serialize};
 
 use super::Backend;
-use super::layout::{Root, VolumeId, is_source_id};
+use super::layout::{Root, SourceId, VolumeId};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -64,7 +64,7 @@ pub struct VolumeRecord {
     pub backend: Backend,
     pub role: Role,
     /// The source this volume exposes (its own, for a source volume).
-    pub source: String,
+    pub source: SourceId,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sub_path: Option<String>,
     #[serde(default)]
@@ -101,7 +101,8 @@ impl VolumeRecord {
     /// and could be forged by anyone who writes that filesystem, so every
     /// field that becomes a path, or picks what is mounted, is checked:
     /// - the id is ours, names this root, and matches the file's name;
-    /// - the source id has the form the driver makes (no `/`, no `..`);
+    /// - the source id has the form the driver makes (no `/`, no `..`),
+    ///   which parsing it as a [`SourceId`] already enforced;
     /// - the subPath is relative and stays inside the source;
     /// - `external` (a host path or device, exposed in place) appears only
     ///   in a node-local `local` root, which only this node's root user
@@ -114,9 +115,6 @@ impl VolumeRecord {
         }
         if id.backend != root.backend || id.root_key != root.key || self.backend != root.backend {
             return Err(format!("id {} belongs to another storage root", self.id));
-        }
-        if !is_source_id(&self.source) {
-            return Err(format!("source id {:?} is malformed", self.source));
         }
         if let Some(sub) = &self.sub_path {
             crate::mount::subpath::validate_syntax(sub)?;

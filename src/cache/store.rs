@@ -15,11 +15,16 @@ use super::xfs;
 use crate::error::{Error, IoContext, Result};
 use crate::mount::{self, MountFlags, Mounter, mountinfo::MountEntry};
 
-/// Where a pull writes a model's files, and the mount to undo after.
-pub struct PullArea {
+/// Where a pull writes a model's files, and the files still arriving:
+/// on one filesystem, so that a finished file is renamed into place.
+pub struct PullDirs {
     pub data: PathBuf,
-    pub mounted: Option<PathBuf>,
+    pub partial: PathBuf,
 }
+
+/// Files still arriving, when they live inside the model's own filesystem
+/// (an image): a listing may never name it (`puller`'s listing check).
+pub const PARTIAL_DIR: &str = ".modelcache-partial";
 
 /// What growing a pull's area for one more layer came to.
 pub enum Growth {
@@ -79,11 +84,14 @@ pub trait SourceStore: Sync {
     /// something.
     fn make_immutable(&self, src: &ConfinedSource, sp: &SourcePaths) -> Result<()>;
 
-    /// A pull's area in its work directory.
-    fn open_pull(&self, work_dir: &Path, need: Option<u64>) -> Result<PullArea>;
-    /// Grows a pull's area (mounted at `mounted`, if it is a filesystem of
-    /// its own) that a layer overflowed.
-    fn grow_pull(&self, work_dir: &Path, mounted: Option<&Path>) -> Result<Growth>;
+    /// Prepares a pull's area (`pull::PullArea`) to be written, for about
+    /// `need` bytes. Idempotent: a resumed pull finds what it left.
+    fn open_pull(&self, area: &SourcePaths, need: Option<u64>) -> Result<PullDirs>;
+    /// Grows a pull's area that a layer overflowed.
+    fn grow_pull(&self, area: &SourcePaths) -> Result<Growth>;
+    /// Undoes what `open_pull` set up to write the area (a mount), before
+    /// it is sealed, discarded or left for a later attempt. Idempotent.
+    fn release_pull(&self, area: &SourcePaths) -> Result<()>;
 
     /// Mounts a source's bytes on `content` through `m`, read-only unless
     /// `writable`.
@@ -131,6 +139,11 @@ pub struct DirStore {
 
 /// An XFS filesystem image, attached through a loop device to stage it.
 pub struct ImageStore;
+
+/// Where a pull's image is mounted to be written.
+fn pull_mount(area: &SourcePaths) -> PathBuf {
+    area.dir.join("mnt")
+}
 
 /// (device, inode) of what a path shows: two mounts of one tree agree.
 pub fn identity(path: &Path) -> Result<(u64, u64)> {
@@ -215,17 +228,20 @@ impl SourceStore for DirStore {
         Ok(())
     }
 
-    fn open_pull(&self, work_dir: &Path, _need: Option<u64>) -> Result<PullArea> {
-        let data = work_dir.join("data");
-        fs::create_dir_all(&data).ctx("create", &data)?;
-        Ok(PullArea {
-            data,
-            mounted: None,
-        })
+    fn open_pull(&self, area: &SourcePaths, _need: Option<u64>) -> Result<PullDirs> {
+        let (data, partial) = (area.data(), area.dir.join("partial"));
+        for d in [&data, &partial] {
+            fs::create_dir_all(d).ctx("create", d)?;
+        }
+        Ok(PullDirs { data, partial })
     }
 
-    fn grow_pull(&self, _work_dir: &Path, _mounted: Option<&Path>) -> Result<Growth> {
+    fn grow_pull(&self, _area: &SourcePaths) -> Result<Growth> {
         Ok(Growth::Fixed)
+    }
+
+    fn release_pull(&self, _area: &SourcePaths) -> Result<()> {
+        Ok(())
     }
 
     fn mount(
@@ -369,33 +385,29 @@ impl SourceStore for ImageStore {
 
     /// The image, sized from what the listing says, attached and mounted in
     /// the work directory: the model's files land in their filesystem.
-    fn open_pull(&self, work_dir: &Path, need: Option<u64>) -> Result<PullArea> {
-        let image = work_dir.join("image.xfs");
+    fn open_pull(&self, area: &SourcePaths, need: Option<u64>) -> Result<PullDirs> {
+        let image = area.image();
         if !image.exists() {
             let need = need.unwrap_or(1 << 30);
             // Room for XFS metadata and layer unpacking on top of the model.
             let size = (need + need / 8 + (64 << 20)).max(xfs::MIN_IMAGE_BYTES);
             xfs::create_image(&image, size)?;
         }
-        let mnt = work_dir.join("mnt");
+        let mnt = pull_mount(area);
         fs::create_dir_all(&mnt).ctx("create", &mnt)?;
         if !mount::is_mount_point(&mnt).ctx("inspect", &mnt)? {
             let lo = mount::loopdev::attach(&image, false).ctx("attach loop device for", &image)?;
             mount::mount_device(lo.path(), &mnt, "xfs", false, "").ctx("mount", &image)?;
         }
-        Ok(PullArea {
-            data: mnt.clone(),
-            mounted: Some(mnt),
-        })
+        let partial = mnt.join(PARTIAL_DIR);
+        fs::create_dir_all(&partial).ctx("create", &partial)?;
+        Ok(PullDirs { data: mnt, partial })
     }
 
     /// Doubles the image, as far as the disk under it allows beyond
     /// [`GROWTH_RESERVE`].
-    fn grow_pull(&self, work_dir: &Path, mounted: Option<&Path>) -> Result<Growth> {
-        let Some(mnt) = mounted else {
-            return Ok(Growth::Fixed);
-        };
-        let image = work_dir.join("image.xfs");
+    fn grow_pull(&self, area: &SourcePaths) -> Result<Growth> {
+        let (work_dir, mnt, image) = (&area.dir, pull_mount(area), area.image());
         let size = fs::metadata(&image).ctx("stat", &image)?.len();
         let vfs = nix::sys::statvfs::statvfs(work_dir)
             .map_err(|e| Error::io("statfs", work_dir, e.into()))?;
@@ -405,11 +417,25 @@ impl SourceStore for ImageStore {
         if growth < GROWTH_RESERVE {
             return Ok(Growth::NoRoom { size, free });
         }
-        xfs::grow_mounted(&image, mnt, size + growth)?;
+        xfs::grow_mounted(&image, &mnt, size + growth)?;
         Ok(Growth::Grew {
             from: size,
             to: size + growth,
         })
+    }
+
+    fn release_pull(&self, area: &SourcePaths) -> Result<()> {
+        let mnt = pull_mount(area);
+        if !mnt.exists() {
+            return Ok(());
+        }
+        while mount::is_mount_point(&mnt).ctx("inspect", &mnt)? {
+            mount::unmount(&mnt).ctx("unmount", &mnt)?;
+        }
+        match fs::remove_dir(&mnt) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io("remove", &mnt, e)),
+            _ => Ok(()),
+        }
     }
 
     fn mount(

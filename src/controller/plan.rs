@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::cache::{self, Backend, External, Role, Root, Roots, Verify, VolumeRecord};
+use crate::cache::{self, Backend, External, Role, Root, Roots, SourceId, Verify, VolumeRecord};
 use crate::capability;
 use crate::config::Config;
 use crate::csi::{CapacityRange, Topology, TopologyRequirement, VolumeCapability};
@@ -165,7 +165,8 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         name: req.name.clone(),
         backend: root.backend,
         role,
-        source: uuid.clone(),
+        source: SourceId::volume(&uuid)
+            .ok_or_else(|| Error::Internal(format!("malformed volume uuid {uuid}")))?,
         sub_path: params.sub_path.clone(),
         model: None,
         revision: None,
@@ -189,7 +190,8 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         }
         (Role::Cache, _, Some(e)) => {
             // Not a source of ours: a name no source id can take.
-            record.source = format!("x{}", &uuid[..31]);
+            record.source = SourceId::external(&uuid)
+                .ok_or_else(|| Error::Internal(format!("malformed volume uuid {uuid}")))?;
             record.capacity_bytes = required.max(1);
             let path = match e {
                 External::Dir { path } => path,
@@ -443,7 +445,7 @@ mod tests {
             name: "the-source".into(),
             backend: root.backend,
             role: Role::Source,
-            source: uuid,
+            source: SourceId::volume(&uuid).unwrap(),
             sub_path: None,
             model: None,
             revision: None,

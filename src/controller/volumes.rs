@@ -398,7 +398,7 @@ impl Provisioner {
                     "source {sid} was evicted while this volume was being created; retry"
                 )));
             }
-            if cache::evict::is_model(&sid) {
+            if sid.is_model() {
                 cache::evict::touch(&root, &sid)?;
             }
             cache::write_volume(&root, &rec)?;
@@ -519,7 +519,7 @@ impl Provisioner {
         }
         let (root, rec) = self.lookup(volume_id).await?;
         if let Some(pin) = m.pinned {
-            if !cache::evict::is_model(&rec.source) {
+            if !rec.source.is_model() {
                 return Err(Error::invalid(
                     "mutable_parameters.pinned",
                     "only volumes of pulled models (parameter source) can pin them; source volumes are never evicted",
@@ -685,7 +685,7 @@ impl Provisioner {
         let mut ctx = HashMap::from([
             ("backend".to_string(), rec.backend.to_string()),
             ("role".to_string(), rec.role.as_str().to_string()),
-            ("source".to_string(), rec.source.clone()),
+            ("source".to_string(), rec.source.to_string()),
             ("verify".to_string(), rec.verify.as_str().to_string()),
             ("root".to_string(), root_dir.display().to_string()),
         ]);
@@ -800,7 +800,7 @@ fn namespace_has_room(root: &Root, ns: &str, uri: &str, max: usize) -> Result<()
     }
     let mut models = std::collections::BTreeSet::new();
     for v in cache::list_volumes(root)? {
-        if v.namespace.as_deref() != Some(ns) || !cache::evict::is_model(&v.source) {
+        if v.namespace.as_deref() != Some(ns) || !v.source.is_model() {
             continue;
         }
         if v.model.as_deref().map(crate::trust::allowed::shown) == Some(uri) {
@@ -1001,7 +1001,7 @@ mod tests {
                 name: format!("v{i}"),
                 backend: root.backend,
                 role: Role::Cache,
-                source: format!("m{:031x}", i % 100),
+                source: cache::SourceId::parse(&format!("m{:031x}", i % 100)).unwrap(),
                 sub_path: None,
                 verify: Default::default(),
                 capacity_bytes: 1,

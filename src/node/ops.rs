@@ -200,7 +200,7 @@ impl NodeOps {
         } else {
             false
         };
-        if cache::evict::is_model(&rec.source) {
+        if rec.source.is_model() {
             // Best effort: a read-only shared root must not block a stage.
             let _ = cache::evict::touch_confined(&src);
         }
@@ -624,7 +624,7 @@ mod tests {
                 name: name.into(),
                 backend: Backend::Local,
                 role,
-                source: sid.into(),
+                source: cache::SourceId::parse(sid).unwrap(),
                 sub_path: sub_path.map(String::from),
                 verify: Verify::Size,
                 capacity_bytes: 1 << 20,

@@ -531,7 +531,7 @@ async fn seal_small(root: &Root, name: &str, cfg: &EngineConfig) -> String {
     let src = Scripted::new(&format!("test://{name}"))
         .file("w.bin", noise(2 << 20, name.len() as u64))
         .arc();
-    pull(root, src, cfg.clone()).await.unwrap().sid
+    pull(root, src, cfg.clone()).await.unwrap().sid.to_string()
 }
 
 /// A model that could not fit even with every unused model gone is

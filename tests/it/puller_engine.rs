@@ -610,7 +610,7 @@ async fn capacity_evicts_least_recently_used_but_never_a_model_in_use() {
     cache::evict::set_pinned(&root, &sids[2], true).unwrap();
     let gone = cache::evict::evict_idle(&root, Duration::from_secs(0)).unwrap();
     assert!(
-        !gone.contains(&sids[2]) && !gone.contains(&sids[0]),
+        !gone.contains(&sids[2].to_string()) && !gone.contains(&sids[0].to_string()),
         "{gone:?}"
     );
     assert_eq!(gone.len(), 1);

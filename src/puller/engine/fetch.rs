@@ -20,7 +20,7 @@ pub(super) enum Fetched {
 /// Fetches and verifies one remote file (or layer blob).
 pub(super) async fn fetch_file(
     ctx: Arc<Ctx>,
-    work: Arc<Work>,
+    work: Arc<PullArea>,
     index: usize,
     file: RemoteFile,
 ) -> Result<Fetched> {
@@ -39,13 +39,13 @@ pub(super) async fn fetch_file(
         .into_owned();
     let (dest, part) = match file.unpack {
         Unpack::None => (
-            work.data.join(&file.path),
-            work.partial.join(format!("{stem}.part")),
+            work.data().join(&file.path),
+            work.partial_dir().join(format!("{stem}.part")),
         ),
         // Blobs are named by digest in a directory of their own.
         Unpack::Tar(_) => (
-            work.blobs.join(format!("{stem}.blob")),
-            work.blobs.join(format!("{stem}.blob.part")),
+            work.blobs_dir().join(format!("{stem}.blob")),
+            work.blobs_dir().join(format!("{stem}.blob.part")),
         ),
     };
     let layer = |extracted: Option<Vec<FileEntry>>, compression| Fetched::Layer {
@@ -79,7 +79,8 @@ pub(super) async fn fetch_file(
                 let (d, w, k) = (dest.clone(), work.clone(), key.clone());
                 let _ = blocking(move || {
                     let _ = fs::remove_file(&d);
-                    state::remove_file(&state_path(&w, &k)).ctx("remove pull state", &w.state)
+                    state::remove_file(&state_path(&w, &k))
+                        .ctx("remove pull state", &w.progress_dir())
                 })
                 .await;
                 return Err(Error::Precondition(format!(
@@ -117,7 +118,7 @@ impl RemoteFile {
 /// Downloads `file` to `dest` through `part`, returning its size and sha256.
 pub(super) async fn download(
     ctx: &Arc<Ctx>,
-    work: &Arc<Work>,
+    work: &Arc<PullArea>,
     file: &RemoteFile,
     dest: &Path,
     part: &Path,
@@ -183,7 +184,7 @@ pub(super) enum Finished {
 /// records them in `state/`; connections never wait for the disk.
 pub(super) async fn ranged_download(
     ctx: &Arc<Ctx>,
-    work: &Arc<Work>,
+    work: &Arc<PullArea>,
     file: &RemoteFile,
     out: &Arc<PartFile>,
     part: &Path,
@@ -289,7 +290,7 @@ pub(super) async fn ranged_download(
 /// range is not recorded per range: its sha256 record follows at once.
 pub(super) async fn commit_ranges(
     ctx: Arc<Ctx>,
-    work: Arc<Work>,
+    work: Arc<PullArea>,
     out: Arc<PartFile>,
     part: PathBuf,
     mut st: FileState,

@@ -290,6 +290,7 @@ pub(super) fn insert_range(ranges: &mut BTreeMap<u64, u64>, mut start: u64, mut 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::OpenOptions;
     #[test]
     fn written_ranges_merge() {
         let mut r = BTreeMap::new();

@@ -7,7 +7,7 @@ use crate::cache::store::{GROWTH_RESERVE, Growth};
 /// Unpacks verified layers one at a time, in manifest order, so later
 /// layers override and white out earlier ones as the image spec says.
 pub(super) fn unpack_layers(
-    work: &Work,
+    work: &PullArea,
     extract: Extract,
     mut layers: Vec<Fetched>,
     mut budget: Budget,
@@ -41,9 +41,9 @@ pub(super) fn unpack_layers(
             continue;
         }
         let target = if subdir.is_empty() {
-            work.data.clone()
+            work.data().to_path_buf()
         } else {
-            work.data.join(&subdir)
+            work.data().join(&subdir)
         };
         fs::create_dir_all(&target).ctx("create", &target)?;
         let mut files = extract_growing(work, extract, &blob, compression, &target, &budget)?;
@@ -59,7 +59,7 @@ pub(super) fn unpack_layers(
         let _ = fs::remove_file(&blob);
         lists.push(files);
     }
-    crate::puller::unpack::merge(&work.data, lists)
+    crate::puller::unpack::merge(work.data(), lists)
 }
 
 /// Times an xfs image may grow for one layer: 2^8 times its first size.
@@ -71,7 +71,7 @@ pub(super) const MAX_GROWTH: u32 = 8;
 /// layer is unpacked again from the start, which replaces every file the
 /// failed attempt wrote.
 pub(super) fn extract_growing(
-    work: &Work,
+    work: &PullArea,
     extract: Extract,
     blob: &Path,
     compression: Compression,
@@ -84,13 +84,13 @@ pub(super) fn extract_growing(
             Err(e) if e.is_no_space() && grown < MAX_GROWTH => e,
             r => return r,
         };
-        match work.store.grow_pull(&work.dir, work.mounted.as_deref())? {
+        match work.grow()? {
             Growth::Fixed => return Err(err),
             Growth::NoRoom { size, free } => {
                 return Err(Error::OverLimit(format!(
                     "layer {} unpacks to more than its {size}-byte image holds, and {} has no room to grow it ({free} bytes free beyond a {GROWTH_RESERVE}-byte reserve): {err}",
                     blob.display(),
-                    work.dir.display()
+                    work.dir().display()
                 )));
             }
             Growth::Grew { from, to } => warn!(

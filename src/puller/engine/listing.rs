@@ -3,9 +3,9 @@
 
 use super::*;
 
-/// Inside the xfs image, which is the model's root, partial files live
-/// in this directory; a source may not list anything under it.
-pub const PARTIAL_DIR: &str = ".modelcache-partial";
+// Where an image area keeps files still arriving: a source may not list
+// anything under it.
+use crate::cache::pull::PARTIAL_DIR;
 
 /// The longest file name and path a model may hold (Linux NAME_MAX and
 /// PATH_MAX): longer ones would fail deep in the pull with ENAMETOOLONG.

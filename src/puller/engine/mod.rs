@@ -3,12 +3,11 @@
 //! - **Content-addressed.** The source id is a digest of the normalized URI
 //!   and its immutable revision, so every volume of one model revision
 //!   shares one copy, and a moved tag becomes a new model, not a changed one.
-//! - **Crash-safe.** Work happens in `sources/.pull-<sid>/`, beside the
-//!   final place, under an flock. Progress is recorded per file in
-//!   `state/`, after the bytes it describes are fsynced. A retry after
-//!   `kill -9` resumes from there. The seal is written last and the
-//!   directory renamed into place, so a half-written model is never visible.
-//!   Losing the rename to another puller is a success.
+//! - **Crash-safe.** Bytes go into the cache's pull area
+//!   (`cache::pull::PullArea`: beside the final place, under an flock,
+//!   committed by one rename, so a half-written model is never visible).
+//!   Progress is recorded per file after the bytes it describes are
+//!   fsynced; a retry after `kill -9` resumes from there.
 //! - **Fast and bounded.** Large files are fetched as parallel ranges,
 //!   largest file first, and written with O_DIRECT positioned writes
 //!   (`direct.rs`), so bytes are copied once, into an aligned buffer, and
@@ -27,14 +26,14 @@
 //!   dropped and its range resumed from the last byte written.
 //!
 //! Here: the engine, one pull's shared context, retry and backoff. Its
-//! parts: `listing` (a listing judged before any fetch), `workdir` (the
-//! locked work directory and per-file progress), `fetch` (one file, as
-//! ranges or a stream), `frontier` (in-order hashing of ranges that arrive
-//! out of order), `layers` (unpacking, growing an XFS image), `seal` (the
-//! seal and the rename into place).
+//! parts: `listing` (a listing judged before any fetch), `resume` (per-file
+//! progress), `fetch` (one file, as ranges or a stream), `frontier`
+//! (in-order hashing of ranges that arrive out of order), `layers`
+//! (unpacking in manifest order, growing an area a layer overflows). What
+//! is on disk, and how it becomes a seal, is the cache's.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,37 +51,34 @@ use tracing::{Instrument, info, info_span, warn};
 use super::direct::{ALIGN, PartFile, Window};
 use super::source::{Compression, PullLimits, RemoteFile, Resolved, Source, Unpack};
 use super::unpack::Budget;
-use crate::cache::manifest::{self, FileEntry, LinkEntry, Tree};
-use crate::cache::{self, Root, Seal};
+use crate::cache::manifest::FileEntry;
+use crate::cache::pull::PullArea;
+use crate::cache::{self, Root, Seal, SourceId};
 pub use crate::config::EngineConfig;
 use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;
 use crate::offload::blocking;
 pub use crate::progress::{NoProgress, Progress, ProgressSink};
-use crate::{mount, state};
+use crate::state;
 
 mod fetch;
 mod frontier;
 mod layers;
 mod listing;
-mod seal;
-mod workdir;
+mod resume;
 
 use fetch::*;
 use frontier::*;
 use layers::*;
 use listing::*;
-use seal::*;
-use workdir::*;
-
-pub use listing::PARTIAL_DIR;
+use resume::*;
 
 /// Unpacks a verified layer blob into a directory within a budget,
 /// returning its files.
 pub type Extract = fn(&Path, Compression, &Path, &Budget) -> Result<Vec<FileEntry>>;
 
 pub struct Pulled {
-    pub sid: String,
+    pub sid: SourceId,
     pub seal: Seal,
     /// True when the model was already sealed and nothing was fetched.
     pub hit: bool,
@@ -103,17 +99,17 @@ pub struct Engine {
 const AUTHORIZED_FOR: Duration = Duration::from_secs(600);
 
 /// The source id of a model revision.
-pub fn model_id(uri: &str, revision: &str) -> String {
+pub fn model_id(uri: &str, revision: &str) -> SourceId {
     let mut h = Sha256::new();
     h.update(uri.as_bytes());
     h.update([0]);
     h.update(revision.as_bytes());
-    format!("m{}", &hex::encode(h.finalize())[..31])
+    SourceId::model(&h.finalize())
 }
 
 /// What one pull is about, once its listing passed [`check_listing`].
 struct Pull<'a> {
-    sid: &'a str,
+    sid: &'a SourceId,
     resolved: &'a Resolved,
     /// The model's size, when every file's size is listed.
     total: Option<u64>,
@@ -439,10 +435,10 @@ impl Engine {
             bytes: pull.charged.unwrap_or(0),
             inodes: pull.inodes,
         };
-        let (r, s) = (root.clone(), sid.to_string());
+        let (r, s) = (root.clone(), sid.clone());
         blocking(move || cache::evict::make_room(&r, room, capacity, &s)).await?;
-        let (r, s) = (root.clone(), sid.to_string());
-        let work = Arc::new(blocking(move || open_work(&r, &s, need)).await?);
+        let (r, s) = (root.clone(), sid.clone());
+        let work = Arc::new(blocking(move || PullArea::open(&r, &s, need)).await?);
         let result = self
             .fetch_into(root, pull, source, sink, &work, capacity)
             .await;
@@ -455,7 +451,7 @@ impl Engine {
             && (e.is_no_space() || matches!(e, Error::OverLimit(_) | Error::SourceFault(_)))
         {
             let w = work.clone();
-            if let Err(d) = blocking(move || discard_work(&w)).await {
+            if let Err(d) = blocking(move || w.discard()).await {
                 warn!(error = %d, "could not remove the failed pull's work directory");
             }
         }
@@ -468,10 +464,10 @@ impl Engine {
         pull: &Pull<'_>,
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
-        work: &Arc<Work>,
+        work: &Arc<PullArea>,
         capacity: Option<u64>,
     ) -> Result<(Seal, u64)> {
-        let (sid, resolved, need) = (pull.sid, pull.resolved, pull.total);
+        let (resolved, need) = (pull.resolved, pull.total);
         let ctx = Arc::new(Ctx {
             source,
             max_bytes: pull.limits.max_bytes,
@@ -553,11 +549,7 @@ impl Engine {
         // Every file is in place: the partial directory must not become
         // part of the model (inside the xfs image it is at its root).
         let w = work.clone();
-        blocking(move || {
-            let _ = fs::remove_dir_all(&w.partial);
-            Ok(())
-        })
-        .await?;
+        blocking(move || w.clear_partial()).await?;
         if !layers.is_empty() {
             // What layers may unpack to: the model's limits less its plain
             // files, and never more than the cache has room for.
@@ -593,14 +585,12 @@ impl Engine {
             );
         }
 
-        let (r, s, uri, rev) = (
-            root.clone(),
-            sid.to_string(),
+        let (uri, rev, w) = (
             resolved.uri.clone(),
             resolved.revision.clone(),
+            work.clone(),
         );
-        let work2 = work.clone();
-        let seal = blocking(move || seal_work(&r, &s, &work2, entries, &uri, &rev)).await?;
+        let seal = blocking(move || w.commit(entries, &uri, &rev)).await?;
         let spilled = ctx.flow.spilled.load(Ordering::Relaxed);
         if spilled > 0 {
             info!(
