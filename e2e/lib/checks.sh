@@ -132,7 +132,7 @@ pvc_events() {
         -o jsonpath='{range .items[*]}{.reason}{"\t"}{.message}{"\n"}{end}'
 }
 
-has_event() { pvc_events "$1" "$2" | cut -f1 | grep -qx "$3"; }
+has_event() { pvc_events "$1" "$2" | cut -f1 | matches -x "$3"; }
 
 # What a reader pod prints: the model's checksums (paths relative to /model),
 # then the outcome of a write.

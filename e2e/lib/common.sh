@@ -24,6 +24,11 @@ POD_CIDR=10.88.0.0/16
 
 log() { echo "$(date +%T) ${0##*/}: $*" >&2; }
 die() { log "error: $*"; exit 1; }
+# `producer | grep -q` is a coin toss under pipefail: grep leaves at its first
+# match and a producer still writing dies of SIGPIPE (141), so the pipeline
+# fails although it matched (3.5% of runs of one storage-suite check).
+# `matches` takes grep's arguments and reads all of its input first.
+matches() { local input; input=$(cat); grep -q "$@" <<<"$input"; }
 
 [[ $(id -u) == 0 ]] || die "run as root"
 
