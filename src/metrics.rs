@@ -6,6 +6,7 @@
 //! they are true after a restart too. Labels never carry a URI or a
 //! credential, only the scheme.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Instant;
@@ -77,10 +78,12 @@ pub struct Metrics {
     registry: Mutex<Registry>,
     /// Roots whose gauges are computed at scrape time.
     roots: Mutex<Vec<Roots>>,
-    /// Bumped by every CSI call that may change a gauge; a scrape
-    /// recomputes them only when it moved (or they are old), so scraping
-    /// costs the disk nothing while nothing happens.
+    /// Bumped by every CSI call that may change a gauge; the gauges are
+    /// recomputed only when it moved (or they are old), so they cost the
+    /// disk nothing while nothing happens.
     changes: std::sync::atomic::AtomicU64,
+    /// Wakes `keep_gauges_fresh` when `changes` moves.
+    changed: tokio::sync::Notify,
     /// The `changes` value and time the gauges were last computed at.
     computed: Mutex<Option<(u64, Instant)>>,
 }
@@ -88,6 +91,9 @@ pub struct Metrics {
 /// Gauges this old are computed again even if no call changed them: other
 /// processes (a shared root's other nodes, an operator) change disks too.
 const GAUGES_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a change waits before the gauges follow it, so a burst of
+/// calls (kubelet publishing for a hundred pods) costs one recomputation.
+const GAUGES_SETTLE: std::time::Duration = std::time::Duration::from_millis(200);
 
 fn duration_buckets() -> impl Iterator<Item = f64> {
     exponential_buckets(0.001, 4.0, 10)
@@ -121,6 +127,7 @@ impl Metrics {
             registry: Mutex::new(Registry::with_prefix("modelcache")),
             roots: Mutex::new(Vec::new()),
             changes: Default::default(),
+            changed: tokio::sync::Notify::new(),
             computed: Mutex::new(None),
         };
         {
@@ -203,9 +210,10 @@ impl Metrics {
     }
 
     pub fn rpc(&self, method: &str, started: Instant, code: Option<tonic::Code>) {
-        if !method.starts_with("Get") && !matches!(method, "Probe" | "ValidateVolumeCapabilities") {
+        if !read_only(method) {
             self.changes
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.changed.notify_one();
         }
         let m = Method {
             method: method.to_string(),
@@ -225,45 +233,62 @@ impl Metrics {
 
     fn refresh_gauges(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) {
         let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let mut staged = 0;
-        let mut published = 0;
+        let roots: Vec<&cache::Root> = roots.iter().flat_map(|rs| &rs.roots).collect();
+        for root in &roots {
+            let label = BackendLabel {
+                backend: root.backend.to_string(),
+            };
+            if let Ok(used) = cache::evict::usage(root) {
+                self.cache_used.get_or_create(&label).set(used as i64);
+            }
+            if let Ok(free) = cache::evict::available(root, capacity(root.backend)) {
+                self.cache_free
+                    .get_or_create(&label)
+                    .set(free.min(i64::MAX as u64) as i64);
+            }
+        }
+        let (mut staged, mut published) = (0, 0);
+        // One pass over the table, whatever the number of roots; a loop
+        // device's backing file is looked up once per device, and only for
+        // loop devices (a bind mount's source is the disk it lives on).
+        let mut backing: HashMap<&str, Option<std::path::PathBuf>> = HashMap::new();
         let table = crate::mount::read_table().unwrap_or_default();
-        for rs in &roots {
-            for root in &rs.roots {
-                let label = BackendLabel {
-                    backend: root.backend.to_string(),
-                };
-                if let Ok(used) = cache::evict::usage(root) {
-                    self.cache_used.get_or_create(&label).set(used as i64);
-                }
-                if let Ok(free) = cache::evict::available(root, capacity(root.backend)) {
-                    self.cache_free
-                        .get_or_create(&label)
-                        .set(free.min(i64::MAX as u64) as i64);
-                }
+        for m in &table {
+            let file = m
+                .source
+                .starts_with("/dev/loop")
+                .then(|| {
+                    backing
+                        .entry(m.source.as_str())
+                        .or_insert_with(|| {
+                            crate::mount::loopdev::backing_file(std::path::Path::new(&m.source))
+                                .ok()
+                                .flatten()
+                        })
+                        .clone()
+                })
+                .flatten();
+            let ours = roots.iter().any(|root| {
                 let sources = root.sources_dir();
-                for m in &table {
-                    let ours = m.root.starts_with(&sources)
-                        || crate::mount::loopdev::backing_file(std::path::Path::new(&m.source))
-                            .ok()
-                            .flatten()
-                            .is_some_and(|b| b.starts_with(&sources));
-                    // kubelet stages at .../globalmount (the volume is
-                    // mounted beneath it) and publishes elsewhere.
-                    let at = m.mount_point.as_path();
-                    let staging = if at.ends_with(crate::mount::STAGING_CONTENT) {
-                        at.parent().unwrap_or(at)
-                    } else {
-                        at
-                    };
-                    if ours && !m.mount_point.starts_with(root.dir.as_path()) {
-                        if staging.ends_with("globalmount") {
-                            staged += 1;
-                        } else {
-                            published += 1;
-                        }
-                    }
-                }
+                (m.root.starts_with(&sources)
+                    || file.as_ref().is_some_and(|b| b.starts_with(&sources)))
+                    && !m.mount_point.starts_with(root.dir.as_path())
+            });
+            if !ours {
+                continue;
+            }
+            // kubelet stages at .../globalmount (the volume is mounted
+            // beneath it) and publishes elsewhere.
+            let at = m.mount_point.as_path();
+            let staging = if at.ends_with(crate::mount::STAGING_CONTENT) {
+                at.parent().unwrap_or(at)
+            } else {
+                at
+            };
+            if staging.ends_with("globalmount") {
+                staged += 1;
+            } else {
+                published += 1;
             }
         }
         self.volumes
@@ -299,9 +324,36 @@ impl Metrics {
         *self.computed.lock().unwrap_or_else(|p| p.into_inner()) = Some((seen, Instant::now()));
     }
 
-    /// The text exposition, with fresh gauges.
+    /// Keeps the gauges following the node, off the scrape's path: a
+    /// scrape costs the same with ten volumes as with thousands, and the
+    /// gauges follow a change within `GAUGES_SETTLE` plus one computation.
+    pub async fn keep_gauges_fresh(self: Arc<Self>, capacity: Capacity) {
+        loop {
+            let (m, c) = (self.clone(), capacity.clone());
+            if tokio::task::spawn_blocking(move || m.refresh_if_stale(&*c))
+                .await
+                .is_err()
+            {
+                tracing::warn!("metrics: computing the gauges panicked");
+            }
+            let waited = tokio::time::timeout(GAUGES_MAX_AGE, self.changed.notified()).await;
+            if waited.is_ok() {
+                tokio::time::sleep(GAUGES_SETTLE).await;
+            }
+        }
+    }
+
+    /// The text exposition. The gauges are as `keep_gauges_fresh` last
+    /// left them, or computed now if nothing has computed them yet.
     pub fn render(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) -> String {
-        self.refresh_if_stale(capacity);
+        let never = self
+            .computed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none();
+        if never {
+            self.refresh_if_stale(capacity);
+        }
         let mut out = String::new();
         let r = self.registry.lock().unwrap_or_else(|p| p.into_inner());
         // Under the registry's lock, so two scrapes never add the same
@@ -313,6 +365,13 @@ impl Metrics {
         let _ = encode(&mut out, &r);
         out
     }
+}
+
+/// Whether a CSI call never changes what the gauges show.
+fn read_only(method: &str) -> bool {
+    method.contains("Get")
+        || method.starts_with("List")
+        || matches!(method, "Probe" | "ValidateVolumeCapabilities")
 }
 
 /// The scheme label of a model URI, never the URI itself.
@@ -420,6 +479,9 @@ where
         checked: SingleFlight::new(HEALTH_TTL),
         scraped: SingleFlight::new(std::time::Duration::ZERO),
     });
+    // Aborted with the server: its set drops when this future does.
+    let mut background = tokio::task::JoinSet::new();
+    background.spawn(global().keep_gauges_fresh(endpoint.capacity.clone()));
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok(slot) = slots.clone().acquire_owned().await else {
@@ -607,10 +669,51 @@ mod burst_tests {
         m.refresh_if_stale(&|_| None);
         assert!(!m.gauges_stale());
         m.rpc("Probe", Instant::now(), None);
-        m.rpc("GetCapacity", Instant::now(), None);
-        assert!(!m.gauges_stale(), "a read-only call made the gauges stale");
+        for call in [
+            "GetCapacity",
+            "NodeGetVolumeStats",
+            "ListVolumes",
+            "NodeGetInfo",
+        ] {
+            m.rpc(call, Instant::now(), None);
+            assert!(
+                !m.gauges_stale(),
+                "{call}, read-only, made the gauges stale"
+            );
+        }
         m.rpc("NodeUnstageVolume", Instant::now(), None);
         assert!(m.gauges_stale());
+    }
+
+    /// The gauges follow a change by themselves, within the settling time
+    /// and one computation: no scrape has to compute them.
+    #[tokio::test]
+    async fn gauges_follow_a_change_without_a_scrape() {
+        let m = Arc::new(Metrics::new());
+        let task = tokio::spawn(m.clone().keep_gauges_fresh(Arc::new(|_| None)));
+        let seen = |m: &Metrics| m.computed.lock().unwrap().map(|(seen, _)| seen);
+        let t0 = Instant::now();
+        while seen(&m).is_none() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        for _ in 0..50 {
+            m.rpc("NodePublishVolume", Instant::now(), None);
+        }
+        let t0 = Instant::now();
+        while seen(&m) != Some(50) {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(5),
+                "gauges computed at {:?} changes, 50 made",
+                seen(&m)
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(
+            t0.elapsed() >= GAUGES_SETTLE,
+            "a burst did not settle first"
+        );
+        task.abort();
     }
 }
 

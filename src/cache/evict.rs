@@ -23,11 +23,25 @@ pub fn touch(root: &Root, sid: &str) -> Result<()> {
     touch_confined(&root.open_source(sid)?)
 }
 
+/// How stale `last-used` may be before a use writes it again. Eviction
+/// orders models by days and hours of disuse; a minute is noise, and a
+/// burst of a hundred stages of one model then costs one durable write,
+/// not a hundred.
+pub const TOUCH_GRANULARITY_SECS: u64 = 60;
+
 /// As `touch`, through a source directory already opened beneath its root:
 /// on a shared root the write cannot be redirected by a link.
 pub fn touch_confined(src: &super::layout::ConfinedSource) -> Result<()> {
     let p = src.via.dir.join("last-used");
-    state::write_atomic(&p, now_unix().to_string().as_bytes())
+    let now = now_unix();
+    let recent = fs::read_to_string(&p)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .is_some_and(|t| t <= now && now - t < TOUCH_GRANULARITY_SECS);
+    if recent {
+        return Ok(());
+    }
+    state::write_atomic(&p, now.to_string().as_bytes())
         .ctx("write", &src.real.dir.join("last-used"))
 }
 
@@ -351,5 +365,34 @@ mod tests {
         crate::cache::remove_volume(&root, &a).unwrap();
         assert!(!is_pinned(&root, &sid));
         assert!(set_volume_pin(&root, &sid, "../x", true).is_err());
+    }
+
+    /// A burst of uses writes `last-used` once; a stale one is renewed.
+    #[test]
+    fn touch_writes_at_most_once_a_minute() {
+        let d = tempfile::tempdir().unwrap();
+        let root = crate::config::Config::for_node("n", d.path())
+            .roots()
+            .roots
+            .remove(0);
+        let sid = format!("m{}", "d".repeat(31));
+        fs::create_dir_all(root.source(&sid).dir.join("data")).unwrap();
+        let p = root.source(&sid).dir.join("last-used");
+        touch(&root, &sid).unwrap();
+        let first = last_used(&root, &sid);
+        assert!(first.abs_diff(now_unix()) <= 1, "{first}");
+        let written = fs::metadata(&p).unwrap().modified().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        touch(&root, &sid).unwrap();
+        assert_eq!(fs::metadata(&p).unwrap().modified().unwrap(), written);
+
+        let stale = now_unix() - TOUCH_GRANULARITY_SECS;
+        fs::write(&p, stale.to_string()).unwrap();
+        touch(&root, &sid).unwrap();
+        assert!(last_used(&root, &sid) > stale);
+        // A clock that went back does not freeze the record in the future.
+        fs::write(&p, (now_unix() + 3600).to_string()).unwrap();
+        touch(&root, &sid).unwrap();
+        assert!(last_used(&root, &sid) <= now_unix());
     }
 }

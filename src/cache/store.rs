@@ -68,6 +68,10 @@ pub trait SourceStore: Sync {
     fn multi_node_writers(&self) -> bool;
     /// The lease a writable stage takes.
     fn share(&self, multi_node_multi_writer: bool) -> Share;
+    /// Whether this node must make one source's mounts one at a time:
+    /// images share a loop device, which two stages attaching at once
+    /// would each attach again. Bind mounts of a directory need no turn.
+    fn one_mount_at_a_time(&self) -> bool;
 
     /// An empty writable source of `capacity` bytes. Idempotent.
     fn create(&self, sp: &SourcePaths, capacity: u64) -> Result<()>;
@@ -178,6 +182,10 @@ impl SourceStore for DirStore {
 
     fn multi_node_writers(&self) -> bool {
         true
+    }
+
+    fn one_mount_at_a_time(&self) -> bool {
+        false
     }
 
     /// A directory on a network filesystem takes several writers, but only
@@ -313,6 +321,10 @@ impl SourceStore for ImageStore {
     /// two nodes or through two loop devices, corrupt it.
     fn multi_node_writers(&self) -> bool {
         false
+    }
+
+    fn one_mount_at_a_time(&self) -> bool {
+        true
     }
 
     fn share(&self, _multi_node_multi_writer: bool) -> Share {

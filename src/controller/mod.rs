@@ -183,7 +183,7 @@ impl ControllerService {
         )
     }
 
-    fn list(&self, req: ListVolumesRequest) -> Result<ListVolumesResponse> {
+    async fn list(&self, req: ListVolumesRequest) -> Result<ListVolumesResponse> {
         if req.max_entries < 0 {
             return Err(Error::invalid("max_entries", "must not be negative"));
         }
@@ -193,26 +193,15 @@ impl ControllerService {
                 req.starting_token
             )));
         }
-        let all = self.provisioner.list()?;
-        let rest: Vec<_> = all
-            .into_iter()
-            .filter(|(r, _)| {
-                req.starting_token.is_empty() || r.id.as_str() > req.starting_token.as_str()
-            })
-            .collect();
-        let take = if req.max_entries == 0 {
-            rest.len()
-        } else {
-            req.max_entries as usize
+        let max = match req.max_entries {
+            0 => usize::MAX,
+            n => n as usize,
         };
-        let next_token = if rest.len() > take {
-            rest[take - 1].0.id.clone()
-        } else {
-            String::new()
-        };
-        let entries = rest
+        let p = self.provisioner.clone();
+        let (page, next_token) =
+            crate::offload::blocking(move || p.list_page(&req.starting_token, max)).await?;
+        let entries = page
             .into_iter()
-            .take(take)
             .map(|(rec, topo)| list_volumes_response::Entry {
                 volume: Some(self.to_volume(&rec, topo)),
                 status: None,
@@ -296,8 +285,9 @@ impl Controller for ControllerService {
         request: Request<ListVolumesRequest>,
     ) -> Result<Response<ListVolumesResponse>, Status> {
         let req = request.into_inner();
-        let _e = info_span!("ListVolumes").entered();
-        respond(self.list(req))
+        async { respond(self.list(req).await) }
+            .instrument(info_span!("ListVolumes"))
+            .await
     }
 
     async fn get_capacity(

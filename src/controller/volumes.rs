@@ -8,11 +8,12 @@ use std::sync::Arc;
 use crate::cache::{self, External, Role, Root, Roots, Seal, VolumeId, VolumeRecord};
 use crate::config::Config;
 use crate::csi::Topology;
-use crate::error::{Error, Result};
+use crate::error::{Error, IoContext, Result};
 use crate::kubeapi::{self, KubeApi};
 use crate::lock::KeyedMutex;
 use crate::puller::engine::{Engine, NoProgress, ProgressSink};
 use crate::puller::jobs::{self, Jobs};
+use crate::state;
 
 use super::wanted;
 use crate::puller::{self, SourceOptions};
@@ -24,6 +25,9 @@ use super::plan::{self, Plan, Resolved, Work};
 use super::plan::{CreateRequest, InlineSource};
 
 pub use super::plan::DEFAULT_CAPACITY;
+
+/// A volume as ListVolumes reports it: its record and where it is reachable.
+pub type Listed = (VolumeRecord, Vec<Topology>);
 
 pub struct Provisioner {
     pub cfg: Arc<Config>,
@@ -583,15 +587,49 @@ impl Provisioner {
     }
 
     /// Every volume this controller serves, ordered by id.
-    pub fn list(&self) -> Result<Vec<(VolumeRecord, Vec<Topology>)>> {
-        let mut all = Vec::new();
+    pub fn list(&self) -> Result<Vec<Listed>> {
+        Ok(self.list_page("", usize::MAX)?.0)
+    }
+
+    /// Up to `max` volumes whose ids sort after `after`, in id order, and
+    /// the token for the next page (empty when none is left). Only the
+    /// page's records are read: a page costs the same with 10 volumes as
+    /// with 10,000, beyond listing the directories' names.
+    pub fn list_page(&self, after: &str, max: usize) -> Result<(Vec<Listed>, String)> {
+        let mut ids = Vec::new();
         for r in &self.roots.roots {
-            for rec in cache::list_volumes(r)? {
-                all.push((rec, plan::topology_of(&self.cfg, r)));
+            let dir = r.volumes_dir();
+            for name in state::list_names(&dir).ctx("list volumes in", &dir)? {
+                if let Some(uuid) = name.strip_suffix(".json") {
+                    let id = r.volume_id(uuid);
+                    if id.as_str() > after {
+                        ids.push((id, r, uuid.to_string()));
+                    }
+                }
             }
         }
-        all.sort_by(|a, b| a.0.id.cmp(&b.0.id));
-        Ok(all)
+        ids.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut page = Vec::new();
+        let mut left = ids.into_iter();
+        for (_, root, uuid) in left.by_ref() {
+            match cache::read_volume(root, &uuid) {
+                Ok(Some(rec)) => page.push((rec, plan::topology_of(&self.cfg, root))),
+                Ok(None) => {}
+                // One forged file in a shared root must not hide every volume.
+                Err(e @ Error::Precondition(_)) => {
+                    tracing::warn!(error = %e, "skipping a volume record")
+                }
+                Err(e) => return Err(e),
+            }
+            if page.len() == max {
+                break;
+            }
+        }
+        let next = match (left.len(), page.last()) {
+            (0, _) | (_, None) => String::new(),
+            (_, Some((rec, _))) => rec.id.clone(),
+        };
+        Ok((page, next))
     }
 
     /// Free bytes where a volume with these parameters would go, or 0 for a

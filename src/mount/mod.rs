@@ -8,6 +8,7 @@
 
 #[cfg(test)]
 pub mod fake;
+pub mod lookup;
 pub mod loopdev;
 pub mod mounter;
 pub mod mountinfo;
@@ -262,14 +263,9 @@ fn unmount_with(dst: &Path, flags: MntFlags) -> io::Result<bool> {
     }
 }
 
-/// Whether `path` is a mount point according to the mount table. A missing path is not.
+/// Whether `path` is a mount point; a missing path is not.
 pub fn is_mount_point(path: &Path) -> io::Result<bool> {
-    let path = match std::fs::canonicalize(path) {
-        Ok(p) => p,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(with_context(e, format_args!("resolve {}", path.display()))),
-    };
-    Ok(mount_at(&read_table()?, &path).is_some())
+    lookup::is_mount_point(path)
 }
 
 /// Keep the error's kind (so callers can still tell NotFound from ReadOnlyFilesystem) and put

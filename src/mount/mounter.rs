@@ -10,6 +10,16 @@ use super::{MountEntry, MountFlags};
 pub trait Mounter: Send + Sync {
     /// The mount table as this process sees it.
     fn table(&self) -> io::Result<Vec<MountEntry>>;
+    /// The topmost mount at `path`; `None` when nothing is mounted there or
+    /// the path is missing.
+    fn entry_at(&self, path: &Path) -> io::Result<Option<MountEntry>> {
+        let canonical = match std::fs::canonicalize(path) {
+            Ok(p) => p,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        Ok(super::mount_at(&self.table()?, &canonical).cloned())
+    }
     /// Binds `src` onto `dst` with `flags`; read-only when asked, and
     /// always when `src` already is.
     fn bind(&self, src: &Path, dst: &Path, readonly: bool, flags: MountFlags) -> io::Result<()>;
@@ -40,6 +50,12 @@ pub struct Kernel;
 impl Mounter for Kernel {
     fn table(&self) -> io::Result<Vec<MountEntry>> {
         super::read_table()
+    }
+
+    /// Asked of the kernel for this one path: the cost does not grow with
+    /// the node's mounts (`super::lookup`).
+    fn entry_at(&self, path: &Path) -> io::Result<Option<MountEntry>> {
+        super::lookup::entry_at(path)
     }
 
     fn bind(&self, src: &Path, dst: &Path, readonly: bool, flags: MountFlags) -> io::Result<()> {

@@ -142,7 +142,8 @@ fn number(field: &[u8], what: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("bad {what} {:?}", String::from_utf8_lossy(field)))
 }
 
-fn options(field: &[u8]) -> Vec<String> {
+/// A comma-separated, escaped option list.
+pub(super) fn options(field: &[u8]) -> Vec<String> {
     text(field)
         .split(',')
         .filter(|o| !o.is_empty())

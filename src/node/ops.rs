@@ -54,20 +54,14 @@ fn node_id(cfg: &Config) -> Result<String> {
 }
 
 fn mount_entry(m: &dyn Mounter, path: &Path) -> Result<Option<mountinfo::MountEntry>> {
-    let table = m.table().ctx("read mount table for", path)?;
-    let canonical = match std::fs::canonicalize(path) {
-        Ok(p) => p,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io("resolve", path, e)),
-    };
-    Ok(mountinfo::mount_at(&table, &canonical).cloned())
+    m.entry_at(path).ctx("look up the mount at", path)
 }
 
 /// Unmounts everything stacked on `path`.
 fn unmount_all(m: &dyn Mounter, path: &Path) -> Result<()> {
-    while mount_entry(m, path)?.is_some() {
-        m.unmount(path).ctx("unmount", path)?;
-    }
+    // The kernel answers "nothing mounted here" itself, and sooner than a
+    // lookup would.
+    while m.unmount(path).ctx("unmount", path)? {}
     Ok(())
 }
 
@@ -120,12 +114,6 @@ fn unmount_staging(m: &dyn Mounter, staging: &Path) -> Result<()> {
     unmount_all(m, staging)
 }
 
-/// A source's seal, read off the runtime.
-async fn seal_of(root: &Root, sid: &str) -> Result<Option<Seal>> {
-    let (r, sid) = (root.clone(), sid.to_string());
-    blocking(move || cache::read_seal(&r, &sid)).await
-}
-
 impl NodeOps {
     pub fn new(cfg: Arc<Config>) -> NodeOps {
         NodeOps::with_mounter(cfg, Arc::new(mount::Kernel))
@@ -151,14 +139,24 @@ impl NodeOps {
         req: MountRequest,
         budget: Option<std::time::Duration>,
     ) -> Result<()> {
-        let (root, rec) = cache::lookup_off_runtime(&self.roots, volume_id).await?;
+        let (root, rec, seal) = {
+            let (roots, id) = (self.roots.clone(), volume_id.to_string());
+            blocking(move || {
+                let (root, rec) = cache::lookup(&roots, &id)?;
+                let seal = match rec.external {
+                    Some(_) => None,
+                    None => cache::read_seal(&root, &rec.source)?,
+                };
+                Ok((root, rec, seal))
+            })
+            .await?
+        };
         let m = self.mounter.clone();
         if let Some(ext) = rec.external.clone() {
             // `lookup` admits external records only from this node's own
             // local root (see VolumeRecord::check).
             return blocking(move || stage_external(&*m, &ext, &staging)).await;
         }
-        let seal = seal_of(&root, &rec.source).await?;
         // Sealed means read-only, for a source volume as for its caches.
         let writable = rec.role == Role::Source && seal.is_none();
         if !writable && seal.is_none() {
@@ -179,57 +177,52 @@ impl NodeOps {
             )));
         }
         let node = node_id(&self.cfg)?;
-        let _g = self.sources.lock(&rec.source).await;
-        let src = {
-            let (r, sid) = (root.clone(), rec.source.clone());
-            Arc::new(blocking(move || r.open_source(&sid)).await?)
+        let store = root.backend.store();
+        // Only stages that share a loop device wait for each other; a burst
+        // of a hundred bind-mount stages of one model runs at once.
+        let _g = match store.one_mount_at_a_time() {
+            true => Some(self.sources.lock(&rec.source).await),
+            false => None,
         };
-        let share = root
-            .backend
-            .store()
-            .share(req.mode == Mode::MultiNodeMultiWriter);
-        let new_lease = if writable {
-            let (r, s, sid, n, st) = (
-                root.clone(),
-                src.clone(),
-                rec.source.clone(),
-                node.clone(),
-                staging.clone(),
-            );
-            blocking(move || lease::acquire(&r, &s, &sid, &n, &st, share)).await?
-        } else {
-            false
-        };
-        if rec.source.is_model() {
-            // Best effort: a read-only shared root must not block a stage.
-            let _ = cache::evict::touch_confined(&src);
-        }
+        let share = store.share(req.mode == Mode::MultiNodeMultiWriter);
         let full = (rec.verify == Verify::Full).then(|| seal.clone()).flatten();
-        let (r, s, st, mm) = (root.clone(), src.clone(), staging.clone(), m.clone());
-        let mut result = blocking(move || stage_blocking(&*mm, &r, &s, &st, writable, seal)).await;
-        if result.is_ok()
-            && let Some(seal) = full
+        // One trip off the runtime for the lease, the use and the mount.
         {
-            result = match self
-                .verifier
-                .verify(&seal, m.view(&staging.join(CONTENT)), budget)
-                .await
-            {
-                // Still hashing: the mount stays for the retry to join.
-                Err(e @ Error::Transient(_)) => Err(e),
-                Err(e) => {
-                    let st = staging.clone();
-                    let _ = blocking(move || unmount_staging(&*m, &st)).await;
-                    Err(e)
+            let (r, sid, st, mm) = (root.clone(), rec.source.clone(), staging.clone(), m.clone());
+            blocking(move || {
+                let src = r.open_source(&sid)?;
+                let new_lease = writable && lease::acquire(&r, &src, &sid, &node, &st, share)?;
+                if sid.is_model() {
+                    // Best effort: a read-only shared root must not block a stage.
+                    let _ = cache::evict::touch_confined(&src);
                 }
-                Ok(()) => Ok(()),
-            };
+                let staged = stage_blocking(&*mm, &r, &src, &st, writable, seal);
+                if staged.is_err() && new_lease {
+                    // Only a lease this call took goes; an earlier staging
+                    // keeps its own.
+                    let _ = lease::release(&r, &src, &node, &st);
+                }
+                staged
+            })
+            .await?;
         }
-        if result.is_err() && new_lease {
-            // Only a lease this call took goes; an earlier staging keeps its own.
-            let _ = lease::release(&root, &src, &node, &staging);
+        // Only a sealed source is rehashed, and a sealed one takes no lease.
+        let Some(seal) = full else {
+            return Ok(());
+        };
+        match self
+            .verifier
+            .verify(&seal, m.view(&staging.join(CONTENT)), budget)
+            .await
+        {
+            // Still hashing: the mount stays for the retry to join.
+            Err(e @ Error::Transient(_)) => Err(e),
+            Err(e) => {
+                let _ = blocking(move || unmount_staging(&*m, &staging)).await;
+                Err(e)
+            }
+            Ok(()) => Ok(()),
         }
-        result
     }
 
     pub async fn unstage(&self, volume_id: &str, staging: PathBuf) -> Result<()> {

@@ -12,6 +12,27 @@ fn value(text: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// A scrape once the volume gauges show `staged` and `published`: they
+/// follow the mount table in the background, a moment after a change.
+async fn scrape_when(port: u16, staged: f64, published: f64) -> String {
+    let t0 = std::time::Instant::now();
+    loop {
+        let text = http_get(port, "/metrics");
+        let now = (
+            value(&text, "modelcache_volumes{state=\"staged\"}"),
+            value(&text, "modelcache_volumes{state=\"published\"}"),
+        );
+        if now == (Some(staged), Some(published)) {
+            return text;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "after 5 s the gauges show (staged, published) = {now:?}, not ({staged}, {published}):\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn metrics_follow_pulls_rpcs_and_mounts() {
     let port = free_port();
@@ -43,7 +64,7 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
         health.starts_with("HTTP/1.1 200") && health.ends_with("ok\n"),
         "{health}"
     );
-    let text = http_get(port, "/metrics");
+    let text = scrape_when(port, 1.0, 1.0).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     let pulled = value(
         &text,
@@ -74,16 +95,6 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
         .unwrap()
             >= 1.0
     );
-    assert_eq!(
-        value(&text, "modelcache_volumes{state=\"staged\"}"),
-        Some(1.0),
-        "{text}"
-    );
-    assert_eq!(
-        value(&text, "modelcache_volumes{state=\"published\"}"),
-        Some(1.0),
-        "{text}"
-    );
     assert!(
         value(&text, "modelcache_cache_used_bytes{backend=\"local\"}").unwrap() >= (1 << 20) as f64
     );
@@ -93,17 +104,7 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
 
     d.unpublish(&v1.volume_id, &target).await.unwrap();
     d.unstage(&v1.volume_id, &staging).await.unwrap();
-    let text = http_get(port, "/metrics");
-    assert_eq!(
-        value(&text, "modelcache_volumes{state=\"staged\"}"),
-        Some(0.0),
-        "{text}"
-    );
-    assert_eq!(
-        value(&text, "modelcache_volumes{state=\"published\"}"),
-        Some(0.0),
-        "{text}"
-    );
+    scrape_when(port, 0.0, 0.0).await;
 }
 
 /// A burst at both paths of the real driver: every answer right, and the
