@@ -3,36 +3,81 @@
 //! An RPC takes an `OpGuard` for its volume (or, for CreateVolume, its name)
 //! before doing anything; a second call for the same key while the first runs
 //! gets `Aborted`, which CSI defines as "operation pending" and COs retry.
+//! Publishing and unpublishing hold their volume only at their own target:
+//! kubelet starts a Deployment's pods, which share one claim, at once, and
+//! an `Aborted` costs each of them a retry after half a second or more.
 //! `KeyedMutex` serialises short critical sections on one source, where
 //! waiting is right (e.g. two clones of one source added concurrently).
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 
-#[derive(Clone, Default)]
-pub struct OpLocks {
-    held: Arc<Mutex<HashSet<String>>>,
+/// How a key is held: whole, or at some paths (publish targets) only.
+enum Held {
+    Whole,
+    At(HashSet<String>),
 }
 
-/// Releases its key on drop, on every return path, including panics.
+type Table = Arc<Mutex<HashMap<String, Held>>>;
+
+#[derive(Clone, Default)]
+pub struct OpLocks {
+    held: Table,
+}
+
+/// Releases its key (or its path of the key) on drop, on every return
+/// path, including panics.
 pub struct OpGuard {
-    held: Arc<Mutex<HashSet<String>>>,
+    held: Table,
     key: String,
+    at: Option<String>,
 }
 
 impl OpLocks {
+    /// The whole key: no other operation on it, at any path, runs meanwhile.
     pub fn try_lock(&self, key: &str) -> Result<OpGuard> {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        if !held.insert(key.to_string()) {
+        if held.contains_key(key) {
             return Err(Error::Busy(format!(
                 "an operation on {key} is already in progress; retry later"
+            )));
+        }
+        held.insert(key.to_string(), Held::Whole);
+        Ok(OpGuard {
+            held: self.held.clone(),
+            key: key.to_string(),
+            at: None,
+        })
+    }
+
+    /// The key at one path: operations at other paths of it run alongside,
+    /// one that takes the whole key does not.
+    pub fn try_lock_at(&self, key: &str, path: &Path) -> Result<OpGuard> {
+        let at = path.to_string_lossy().into_owned();
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let paths = match held
+            .entry(key.to_string())
+            .or_insert_with(|| Held::At(HashSet::new()))
+        {
+            Held::Whole => {
+                return Err(Error::Busy(format!(
+                    "an operation on {key} (a stage or unstage) is in progress; retry later"
+                )));
+            }
+            Held::At(paths) => paths,
+        };
+        if !paths.insert(at.clone()) {
+            return Err(Error::Busy(format!(
+                "an operation on {key} at {at} is already in progress; retry later"
             )));
         }
         Ok(OpGuard {
             held: self.held.clone(),
             key: key.to_string(),
+            at: Some(at),
         })
     }
 }
@@ -40,7 +85,16 @@ impl OpLocks {
 impl Drop for OpGuard {
     fn drop(&mut self) {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        held.remove(&self.key);
+        let last = match (held.get_mut(&self.key), &self.at) {
+            (Some(Held::At(paths)), Some(at)) => {
+                paths.remove(at);
+                paths.is_empty()
+            }
+            _ => true,
+        };
+        if last {
+            held.remove(&self.key);
+        }
     }
 }
 
@@ -95,6 +149,27 @@ mod tests {
         assert!(locks.try_lock("v2").is_ok());
         drop(g);
         assert!(locks.try_lock("v1").is_ok());
+    }
+
+    /// Publishes of one volume at different targets run together; a stage
+    /// or unstage waits for all of them, and they for it.
+    #[test]
+    fn paths_of_one_key_run_together_and_exclude_the_whole() {
+        let locks = OpLocks::default();
+        let (a, b) = (Path::new("/pods/a"), Path::new("/pods/b"));
+        let ga = locks.try_lock_at("v1", a).unwrap();
+        let gb = locks.try_lock_at("v1", b).unwrap();
+        assert!(matches!(locks.try_lock_at("v1", a), Err(Error::Busy(_))));
+        assert!(matches!(locks.try_lock("v1"), Err(Error::Busy(_))));
+        assert!(locks.try_lock_at("v2", a).is_ok());
+        drop(ga);
+        assert!(matches!(locks.try_lock("v1"), Err(Error::Busy(_))));
+        let ga = locks.try_lock_at("v1", a).unwrap();
+        drop((ga, gb));
+        let whole = locks.try_lock("v1").unwrap();
+        assert!(matches!(locks.try_lock_at("v1", a), Err(Error::Busy(_))));
+        drop(whole);
+        assert!(locks.held.lock().unwrap().is_empty());
     }
 
     #[tokio::test]

@@ -254,6 +254,71 @@ flow_bench() {
     kctl delete namespace $BENCH_NS --wait=false >/dev/null 2>&1
 }
 
+# The driver's share of pod start-up (`e2e/run startup`, docs/benchmarks.md):
+# a Deployment of BENCH_STARTUP_REPLICAS (default 50) busybox replicas on the
+# one node, all reading one model already cached on it (a PVC, pulled and
+# read once before, not timed), against the same Deployment with an emptyDir
+# and no volume driver at all. Alternated BENCH_STARTUP_ROUNDS times (default
+# 2), each timed from `kubectl apply` to every replica Ready. Figures:
+# RESULTS/bench-startup.tsv.
+flow_startup() {
+    local n=${BENCH_STARTUP_REPLICAS:-50} rounds=${BENCH_STARTUP_ROUNDS:-2} prefix round method t0 secs
+    tenant_ns $BENCH_NS
+    prefix=bench-startup-$(date +%s)
+    bench_copy_objects minilm "$prefix" || { check "copy the model for the run" false; return 1; }
+    pvc $BENCH_NS model e2e-s3 ReadWriteOnce \
+        "\"modelcache.csi.io/source\": \"s3://models/$prefix\", \"modelcache.csi.io/source-secret\": \"minio\""
+    # Cached: pulled, and read once by a pod that is gone before the runs.
+    bench_startup_apply cached 1
+    one_ready() { [[ $(bench_ready) == 1 ]]; }
+    check "the model is pulled and read once (not timed)" wait_until 600 "the first replica" one_ready || return 1
+    bench_startup_clear
+    printf 'method\treplicas\tround\tseconds\n' > "$RESULTS/bench-startup.tsv"
+    note "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB; kubelet, containerd, the driver and the pods share them"
+    for round in $(seq "$rounds"); do
+        for method in emptydir cached; do
+            sync
+            t0=$(date +%s.%N)
+            bench_startup_apply $method "$n"
+            until [[ $(bench_ready) == "$n" ]]; do
+                if (($(date +%s) - ${t0%.*} > 900)); then
+                    check "$method: $n replicas Ready within 900 s" false
+                    kctl get pods -n $BENCH_NS -o wide >&2
+                    return 1
+                fi
+                sleep 0.2
+            done
+            secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.2f", b - a}')
+            check "$method, round $round: $n replicas Ready in ${secs}s" true
+            printf '%s\t%s\t%s\t%s\n' $method "$n" "$round" "$secs" >> "$RESULTS/bench-startup.tsv"
+            bench_startup_clear
+        done
+    done
+    column -t -s $'\t' "$RESULTS/bench-startup.tsv" | sed 's/^/        /' >&2
+    awk -F'\t' 'NR > 1 {s[$1] += $4; c[$1]++} END {
+        e = s["emptydir"] / c["emptydir"]; m = s["cached"] / c["cached"]
+        printf "mean: emptyDir %.2f s, cached model %.2f s; cached / emptyDir = %.2f\n", e, m, m / e }' \
+        "$RESULTS/bench-startup.tsv" | tee -a "$SUMMARY" >&2
+    kctl delete namespace $BENCH_NS --wait=false >/dev/null 2>&1
+    bench_delete_objects minilm "$prefix"
+}
+
+# bench_startup_apply METHOD N: the Deployment of one startup run.
+bench_startup_apply() {
+    case $1 in
+    emptydir) bench_workload Deployment "$2" "" "      volumes: [{name: model, emptyDir: {}}]" ;;
+    cached) bench_workload Deployment "$2" "" \
+        "      volumes: [{name: model, persistentVolumeClaim: {claimName: model, readOnly: true}}]" ;;
+    esac
+}
+
+# The Deployment and its pods go; the PVC, and the model on the node, stay.
+bench_startup_clear() {
+    kctl delete deployment -n $BENCH_NS --all --wait=true --timeout=300s >/dev/null 2>&1
+    no_pods() { [[ -z $(kctl get pods -n $BENCH_NS -o name) ]]; }
+    wait_until 300 "bench pods to go" no_pods
+}
+
 # bench_plot TSV OUT: time to Ready against replicas, per model and method.
 bench_plot() {
     local venv=$TOOLS/matplotlib-$MATPLOTLIB_VERSION

@@ -116,7 +116,7 @@ impl NodeService {
             return Ok(NodePublishVolumeResponse {});
         }
         let staging = path(&req.staging_target_path, "staging_target_path")?;
-        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let _guard = self.locks.try_lock_at(&req.volume_id, &target)?;
         self.ops
             .publish(&req.volume_id, staging, target, cap, req.readonly)
             .await?;
@@ -130,7 +130,7 @@ impl NodeService {
     ) -> Result<NodeUnpublishVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
         let target = path(&req.target_path, "target_path")?;
-        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let _guard = self.locks.try_lock_at(&req.volume_id, &target)?;
         if let Some(inline) = &self.inline
             && inline.unpublish(&req.volume_id, target.clone()).await?
         {

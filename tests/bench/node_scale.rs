@@ -8,9 +8,14 @@
 //!    model (each staged), then K concurrent NodeUnpublish, then K
 //!    concurrent NodeStage of K fresh volumes of one model; against K
 //!    concurrent Probe calls, the floor of the socket and the runtime.
+//!    1b: publish bursts of 1 to K calls, each against a Probe burst.
+//!    1c: one volume published at K targets at once and unpublished (a
+//!    Deployment's replicas sharing a claim), Aborted retried as kubelet
+//!    does.
 //! 2. **Mount table.** NodePublish one at a time with the table as it is,
-//!    then with M extra tmpfs mounts in the namespace (each pod adds
-//!    several on a real node: secrets, tokens, its volumes).
+//!    then with up to M extra tmpfs mounts in the namespace (each pod adds
+//!    several on a real node: secrets, tokens, its volumes), beside the
+//!    kernel's own bind mount, which grows with the table too.
 //! 3. **Volumes.** NodePublish, NodeGetVolumeStats, GetCapacity, ListVolumes
 //!    (pages of 100, per volume listed), a `/metrics` scrape right after a
 //!    change and how long its gauges take to show it, with 10 cache volumes,
@@ -24,6 +29,8 @@
 //!   BENCH_ITERS        calls per one-at-a-time figure, default 50
 //!   BENCH_DIR          scratch directory parent, default /var/tmp
 //!   BENCH_VERBOSE      set: each round's figures on stderr
+//!   BENCH_CSV          a file for the points of 1b and 2, which
+//!                      tests/bench/plot_node_scale.py plots
 //! Prints a Markdown report; every mount and file is removed at the end.
 
 use std::collections::HashMap;
@@ -42,6 +49,7 @@ struct Settings {
     volumes: usize,
     iters: usize,
     dir: PathBuf,
+    csv: Option<PathBuf>,
 }
 
 fn env(name: &str, default: usize) -> anyhow::Result<usize> {
@@ -62,6 +70,7 @@ impl Settings {
             dir: std::env::var_os("BENCH_DIR")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| "/var/tmp".into()),
+            csv: std::env::var_os("BENCH_CSV").map(PathBuf::from),
         })
     }
 }
@@ -84,6 +93,24 @@ fn quantile(mut v: Vec<Duration>, q: f64) -> Duration {
 
 fn ms(d: Duration) -> String {
     format!("{:.3}", d.as_secs_f64() * 1e3)
+}
+
+fn ms_f(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Figures for the plot (`BENCH_CSV`): one line per point, its series
+/// first.
+struct Csv(Option<std::fs::File>);
+
+impl Csv {
+    fn row(&mut self, series: &str, values: &[f64]) {
+        use std::io::Write;
+        if let Some(f) = &mut self.0 {
+            let values: Vec<String> = values.iter().map(|v| format!("{v:.4}")).collect();
+            let _ = writeln!(f, "{series},{}", values.join(","));
+        }
+    }
 }
 
 /// What one burst of K concurrent calls came to.
@@ -122,6 +149,30 @@ where
     })
 }
 
+/// Calls `call` until it is not Aborted, waiting as kubelet does between
+/// tries (0.5 s, doubling); counts the Aborted answers.
+async fn as_kubelet<F, Fut>(
+    aborted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    call: F,
+) -> anyhow::Result<()>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<(), tonic::Status>>,
+{
+    let mut wait = Duration::from_millis(500);
+    loop {
+        match call().await {
+            Ok(()) => return Ok(()),
+            Err(s) if s.code() == tonic::Code::Aborted => {
+                aborted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(wait).await;
+                wait *= 2;
+            }
+            Err(s) => return Err(s.into()),
+        }
+    }
+}
+
 /// Medians over rounds of wall time, p50 and p99.
 fn summary(rounds: &[Burst]) -> (Duration, Duration, Duration) {
     (
@@ -149,7 +200,11 @@ struct Node<'a> {
 
 impl Node<'_> {
     fn staging(&self, vol: &Volume) -> PathBuf {
-        self.dir.join("staging").join(&vol.volume_id)
+        // kubelet's layout, which the volume gauges go by.
+        self.dir
+            .join("staging")
+            .join(&vol.volume_id)
+            .join("globalmount")
     }
     fn target(&self, tag: &str, i: usize) -> PathBuf {
         self.dir.join("pods").join(format!("{tag}-{i}"))
@@ -327,6 +382,12 @@ async fn scenarios_on(
         dir: dir.to_path_buf(),
     };
     let k = s.burst;
+    let mut csv = Csv(match &s.csv {
+        Some(p) => {
+            Some(std::fs::File::create(p).with_context(|| format!("BENCH_CSV={}", p.display()))?)
+        }
+        None => None,
+    });
     println!("# The node plugin at scale\n");
     println!(
         "- {} cores; kernel {}; K = {k} concurrent calls, {} rounds (medians); M = {} extra mounts; V = {} volumes over 100 models",
@@ -422,6 +483,11 @@ async fn scenarios_on(
                 ..Default::default()
             })
             .collect();
+        // kubelet makes the staging directory before NodeStage (and
+        // writes its vol_data.json beside it): its cost, not the driver's.
+        for v in &fresh {
+            std::fs::create_dir_all(n.staging(v))?;
+        }
         let floor3 = probe().await?;
         let stage = burst(k, |i| {
             let (mut c, req) = (c.node.clone(), stage_reqs[i].clone());
@@ -481,38 +547,201 @@ async fn scenarios_on(
         );
     }
 
-    // 2. Mount table.
-    let quiet = median(n.publish_each(&vols, s.iters).await?);
-    let table_before = modelcache_csi::mount::read_table()?.len();
+    // 1b. Publish bursts against concurrency.
+    println!(
+        "\n## 1b. NodePublish bursts against concurrency (medians of {} rounds)\n",
+        s.rounds
+    );
+    println!(
+        "| concurrent calls | Probe burst, all done (ms) | NodePublish burst, all done (ms) | p50 per call (ms) | p99 per call (ms) | ÷ Probe |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let mut levels: Vec<usize> = [1, 10, 25, 50, 100, 200]
+        .into_iter()
+        .filter(|l| *l < k)
+        .collect();
+    levels.push(k);
+    for &level in &levels {
+        let mut rounds = vec![];
+        for round in 0..=s.rounds {
+            let c = d.client();
+            let reqs: Vec<_> = vols[..level]
+                .iter()
+                .enumerate()
+                .map(|(i, v)| n.publish_req(v, &n.target(&format!("level{level}-{round}"), i)))
+                .collect();
+            nix::unistd::sync();
+            let floor = burst(level, |_| {
+                let mut c = c.identity.clone();
+                async move {
+                    c.probe(ProbeRequest {}).await?;
+                    Ok(())
+                }
+            })
+            .await?;
+            let publish = burst(level, |i| {
+                let (mut c, req) = (c.node.clone(), reqs[i].clone());
+                async move {
+                    c.node_publish_volume(req).await?;
+                    Ok(())
+                }
+            })
+            .await?;
+            for r in &reqs {
+                d.unpublish(&r.volume_id, Path::new(&r.target_path)).await?;
+            }
+            if round > 0 {
+                rounds.push((publish, floor.wall));
+            }
+        }
+        let bursts: Vec<Burst> = rounds.iter().map(|(b, _)| *b).collect();
+        let (w, p50, p99) = summary(&bursts);
+        let floor = median(rounds.iter().map(|(_, f)| *f).collect());
+        let ratio = median_f(
+            rounds
+                .iter()
+                .map(|(b, f)| b.wall.as_secs_f64() / f.as_secs_f64())
+                .collect(),
+        );
+        println!(
+            "| {level} | {} | {} | {} | {} | {ratio:.2} |",
+            ms(floor),
+            ms(w),
+            ms(p50),
+            ms(p99)
+        );
+        csv.row(
+            "concurrency",
+            &[level as f64, ms_f(floor), ms_f(w), ms_f(p50), ms_f(p99)],
+        );
+    }
+
+    // 1c. One claim, K pods: a Deployment's replicas share a PVC.
+    println!(
+        "\n## 1c. One volume published at {k} targets at once, then unpublished (kubelet's retry of Aborted: 0.5 s, doubling)\n"
+    );
+    println!("| calls | all done (ms) | p50 per call (ms) | p99 per call (ms) | Aborted answers |");
+    println!("|---|---:|---:|---:|---:|");
+    let shared = &vols[0];
+    let aborted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (mut pubs, mut unpubs, mut aborts) = (vec![], vec![], [0, 0]);
+    for round in 0..=s.rounds.min(3) {
+        let c = d.client();
+        let reqs: Vec<_> = (0..k)
+            .map(|i| n.publish_req(shared, &n.target(&format!("claim{round}"), i)))
+            .collect();
+        let before = aborted.load(std::sync::atomic::Ordering::Relaxed);
+        let publish = burst(k, |i| {
+            let (c, req, aborted) = (c.node.clone(), reqs[i].clone(), aborted.clone());
+            as_kubelet(aborted, move || {
+                let (mut c, req) = (c.clone(), req.clone());
+                async move { c.node_publish_volume(req).await.map(|_| ()) }
+            })
+        })
+        .await?;
+        let between = aborted.load(std::sync::atomic::Ordering::Relaxed);
+        let unpublish = burst(k, |i| {
+            let (c, aborted) = (c.node.clone(), aborted.clone());
+            let req = NodeUnpublishVolumeRequest {
+                volume_id: reqs[i].volume_id.clone(),
+                target_path: reqs[i].target_path.clone(),
+            };
+            as_kubelet(aborted, move || {
+                let (mut c, req) = (c.clone(), req.clone());
+                async move { c.node_unpublish_volume(req).await.map(|_| ()) }
+            })
+        })
+        .await?;
+        let after = aborted.load(std::sync::atomic::Ordering::Relaxed);
+        if round > 0 {
+            pubs.push(publish);
+            unpubs.push(unpublish);
+            aborts[0] += between - before;
+            aborts[1] += after - between;
+        }
+    }
+    let counted = s.rounds.min(3);
+    for (name, b, a) in [
+        ("NodePublish", &pubs, aborts[0]),
+        ("NodeUnpublish", &unpubs, aborts[1]),
+    ] {
+        let (w, p50, p99) = summary(b);
+        println!(
+            "| {name} | {} | {} | {} | {:.0} per round |",
+            ms(w),
+            ms(p50),
+            ms(p99),
+            a as f64 / counted as f64
+        );
+        csv.row(
+            &format!("claim-{name}"),
+            &[ms_f(w), a as f64 / counted as f64],
+        );
+    }
+
+    // 2. Mount table: steps up to M extra mounts; at each, a publish and
+    // the kernel's own bind mount, which grows with the table too.
+    println!("\n## 2. One at a time, against the mount table (p50, ms)\n");
+    println!(
+        "| mount table | NodePublish | ÷ quiet | the kernel's bind + remount ro + unmount | NodePublish minus that |"
+    );
+    println!("|---|---:|---:|---:|---:|");
     let filler = dir.join("filler");
     std::fs::create_dir_all(&filler)?;
-    let t = Instant::now();
-    for i in 0..s.mounts {
-        let p = filler.join(i.to_string());
-        std::fs::create_dir(&p)?;
-        nix::mount::mount(
-            Some("tmpfs"),
-            &p,
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            Some("size=4k"),
-        )
-        .with_context(|| format!("mount tmpfs on {}", p.display()))?;
+    let (bind_src, bind_dst) = (dir.join("bind-src"), dir.join("bind-dst"));
+    std::fs::create_dir_all(&bind_src)?;
+    std::fs::create_dir_all(&bind_dst)?;
+    let kernel_bind = || -> anyhow::Result<Duration> {
+        let mut lat = Vec::with_capacity(s.iters);
+        for _ in 0..s.iters {
+            let t = Instant::now();
+            modelcache_csi::mount::bind_readonly(&bind_src, &bind_dst, Default::default())?;
+            modelcache_csi::mount::unmount(&bind_dst)?;
+            lat.push(t.elapsed());
+        }
+        Ok(median(lat))
+    };
+    let mut quiet = None;
+    let mut mounted = 0;
+    let steps: Vec<usize> = [0, s.mounts / 5, s.mounts / 2, s.mounts]
+        .into_iter()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    for step in steps {
+        while mounted < step {
+            let p = filler.join(mounted.to_string());
+            std::fs::create_dir(&p)?;
+            nix::mount::mount(
+                Some("tmpfs"),
+                &p,
+                Some("tmpfs"),
+                nix::mount::MsFlags::empty(),
+                Some("size=4k"),
+            )
+            .with_context(|| format!("mount tmpfs on {}", p.display()))?;
+            mounted += 1;
+        }
+        let publish = median(n.publish_each(&vols, s.iters).await?);
+        let kernel = kernel_bind()?;
+        let entries = modelcache_csi::mount::read_table()?.len();
+        let base = *quiet.get_or_insert(publish);
+        let what = match step {
+            0 => format!("{entries} entries"),
+            _ => format!("{entries} entries (+{step} tmpfs)"),
+        };
+        println!(
+            "| {what} | {} | {:.2} | {} | {} |",
+            ms(publish),
+            publish.as_secs_f64() / base.as_secs_f64(),
+            ms(kernel),
+            ms(publish.saturating_sub(kernel))
+        );
+        csv.row(
+            "mounts",
+            &[step as f64, entries as f64, ms_f(publish), ms_f(kernel)],
+        );
     }
-    let filled = t.elapsed();
-    let busy = median(n.publish_each(&vols, s.iters).await?);
-    let table_after = modelcache_csi::mount::read_table()?.len();
-    println!("\n## 2. NodePublish p50, one at a time, against the mount table\n");
-    println!("| mount table | p50 (ms) | ÷ quiet |");
-    println!("|---|---:|---:|");
-    println!("| {table_before} entries | {} | 1.00 |", ms(quiet));
-    println!(
-        "| {table_after} entries (+{} tmpfs, mounted in {:.1} s) | {} | {:.2} |",
-        s.mounts,
-        filled.as_secs_f64(),
-        ms(busy),
-        busy.as_secs_f64() / quiet.as_secs_f64()
-    );
     let swept = harness::sweep_mounts(&filler)?;
     anyhow::ensure!(
         swept == s.mounts,
@@ -584,6 +813,8 @@ async fn scenarios_on(
         // after it, and how long the gauges take to show it.
         let (mut scrapes, mut follows) = (vec![], vec![]);
         let (t, v) = (n.target("scrape", 0), &all[0]);
+        // Past the settling time of the changes before.
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let mut shown = scrape(metrics).await?;
         for i in 0..s.iters.min(20) {
             let publish = i % 2 == 0;

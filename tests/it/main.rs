@@ -18,6 +18,7 @@ mod idempotency;
 mod informers;
 mod kube_sources;
 mod metrics;
+mod node_scale;
 mod node_trust;
 mod pull_s3;
 mod pull_sources;
