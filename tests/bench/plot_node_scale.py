@@ -26,6 +26,15 @@ def load(path):
     return series
 
 
+def finish(ax, title, xlabel):
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("ms (log scale)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 now = load(sys.argv[1])
 out = sys.argv[2]
 before = load(sys.argv[3]) if len(sys.argv) > 3 else None
@@ -40,11 +49,7 @@ left.plot(n, [r[1] for r in conc], "o-", color="grey", label="Probe burst (the f
 if before and before.get("concurrency"):
     b = sorted(before["concurrency"])
     left.plot([r[0] for r in b], [r[2] for r in b], "s--", color="tab:red", label="NodePublish burst, before")
-left.set_title("Concurrent calls on one node")
-left.set_xlabel("concurrent calls")
-left.set_ylabel("ms")
-left.legend(fontsize=8)
-left.grid(alpha=0.3)
+finish(left, "Concurrent calls on one node", "concurrent calls")
 
 mounts = sorted(now["mounts"])
 m = [r[0] for r in mounts]
@@ -53,11 +58,7 @@ right.plot(m, [r[3] for r in mounts], "o-", color="grey", label="kernel: bind + 
 if before and before.get("mounts"):
     b = sorted(before["mounts"])
     right.plot([r[0] for r in b], [r[2] for r in b], "s--", color="tab:red", label="NodePublish p50, before")
-right.set_title("One publish against the mount table")
-right.set_xlabel("extra mounts on the node")
-right.set_ylabel("ms")
-right.legend(fontsize=8)
-right.grid(alpha=0.3)
+finish(right, "One publish against the mount table", "extra mounts on the node")
 
 fig.tight_layout()
 fig.savefig(out)
