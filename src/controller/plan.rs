@@ -260,6 +260,23 @@ fn new_source_capacity(backend: Backend, required: i64, limit: i64) -> Result<i6
 /// The root a new volume without a content source goes to.
 pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
     let backend = p.backend.unwrap_or(Backend::Local);
+    // `imageLocation` is accepted for xfs only (`params`).
+    let node_local =
+        backend.store().placement().on_node && p.image_location != Some(ImageLocation::Shared);
+    if node_local && cfg.node_id.is_none() {
+        // A claim of a node-local class reached the central controller:
+        // enabling the backend here would be the wrong fix.
+        return Err(Error::Precondition(format!(
+            "parameters.backend: {backend} keeps each volume on one node, and only that \
+             node's driver provisions it (the DaemonSet's external-provisioner, \
+             --node-deployment), for a claim the scheduler has placed on the node. This is \
+             the central controller, which holds no node's disk: a claim placed on a node is \
+             that node's driver's to provision (if it stays Pending, that node's driver pod is \
+             not running), and a claim of a class with Immediate binding is placed nowhere: \
+             give the StorageClass volumeBindingMode: WaitForFirstConsumer, or use backend: \
+             shared, or xfs with imageLocation: shared, for a volume every node reaches"
+        )));
+    }
     if !cfg.backend_enabled(backend) {
         return Err(Error::invalid(
             "parameters.backend",
@@ -274,9 +291,6 @@ pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
             ),
         ));
     }
-    // `imageLocation` is accepted for xfs only (`params`).
-    let node_local =
-        backend.store().placement().on_node && p.image_location != Some(ImageLocation::Shared);
     if node_local {
         if p.shared_path.is_some() {
             return Err(Error::invalid(
@@ -730,18 +744,31 @@ mod tests {
             state_dir: d.path().join("state"),
             ..Config::default()
         };
-        let e = run(&central, case("a node-local volume", request(&[]))).unwrap_err();
-        assert!(
-            matches!(e, Error::Precondition(ref m) if m.contains("--node-id")),
-            "{e}"
-        );
+        // A node-local class's claim at the central controller: the fix
+        // is the class's binding mode, never a backend enabled here,
+        // whether or not this controller runs that backend.
+        for params in [&[][..], &[("backend", "xfs")], &[("backend", "local")]] {
+            let e = run(&central, case("a node-local volume", request(params))).unwrap_err();
+            assert!(
+                matches!(e, Error::Precondition(ref m)
+                    if m.contains("volumeBindingMode: WaitForFirstConsumer")
+                        && m.contains("central controller")
+                        && !m.contains("--backends")),
+                "{params:?}: {e}"
+            );
+        }
+        let node_local_only = Config {
+            node_id: Some("n1".into()),
+            ..central.clone()
+        };
         let e = run(
-            &central,
+            &node_local_only,
             case("a backend not enabled", request(&[("backend", "xfs")])),
         )
         .unwrap_err();
         assert!(
-            matches!(e, Error::Invalid { ref field, .. } if field == "parameters.backend"),
+            matches!(e, Error::Invalid { ref field, ref message }
+                if field == "parameters.backend" && message.contains("--backends")),
             "{e}"
         );
         let shared_only = Config {
