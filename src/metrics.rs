@@ -76,7 +76,7 @@ pub struct Metrics {
     pub pulls_in_flight: Gauge,
     pub pull_bytes_in_flight: Gauge,
     registry: Mutex<Registry>,
-    /// Roots whose gauges are computed at scrape time.
+    /// Roots whose disk and mount gauges `refresh_gauges` computes.
     roots: Mutex<Vec<Roots>>,
     /// Bumped by every CSI call that may change a gauge; the gauges are
     /// recomputed only when it moved (or they are old), so they cost the

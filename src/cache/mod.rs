@@ -108,23 +108,34 @@ pub fn remove_volume(root: &Root, uuid: &str) -> Result<()> {
 }
 
 pub fn list_volumes(root: &Root) -> Result<Vec<VolumeRecord>> {
-    let dir = root.volumes_dir();
     let mut out = Vec::new();
-    for name in state::list_names(&dir).ctx("list volumes in", &dir)? {
-        let Some(uuid) = name.strip_suffix(".json") else {
-            continue;
-        };
-        match read_volume(root, uuid) {
-            Ok(Some(rec)) => out.push(rec),
-            Ok(None) => {}
-            // One forged file in a shared root must not hide every volume.
-            Err(e @ Error::Precondition(_)) => {
-                tracing::warn!(error = %e, "skipping a volume record")
-            }
-            Err(e) => return Err(e),
-        }
+    for uuid in volume_uuids(root)? {
+        out.extend(read_listed(root, &uuid)?);
     }
     Ok(out)
+}
+
+/// The uuids of the volume records in a root, unread and unordered.
+pub fn volume_uuids(root: &Root) -> Result<Vec<String>> {
+    let dir = root.volumes_dir();
+    Ok(state::list_names(&dir)
+        .ctx("list volumes in", &dir)?
+        .into_iter()
+        .filter_map(|name| name.strip_suffix(".json").map(str::to_string))
+        .collect())
+}
+
+/// A volume record as a listing reads it: a record gone meanwhile, or one
+/// forged into a shared root, is skipped, so one bad file never hides
+/// every volume.
+pub fn read_listed(root: &Root, uuid: &str) -> Result<Option<VolumeRecord>> {
+    match read_volume(root, uuid) {
+        Err(e @ Error::Precondition(_)) => {
+            tracing::warn!(error = %e, "skipping a volume record");
+            Ok(None)
+        }
+        r => r,
+    }
 }
 
 /// Reads a source's seal, refusing a malformed source id and a seal whose

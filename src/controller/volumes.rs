@@ -8,12 +8,11 @@ use std::sync::Arc;
 use crate::cache::{self, External, Role, Root, Roots, Seal, VolumeId, VolumeRecord};
 use crate::config::Config;
 use crate::csi::Topology;
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Result};
 use crate::kubeapi::{self, KubeApi};
 use crate::lock::KeyedMutex;
 use crate::puller::engine::{Engine, NoProgress, ProgressSink};
 use crate::puller::jobs::{self, Jobs};
-use crate::state;
 
 use super::wanted;
 use crate::puller::{self, SourceOptions};
@@ -598,13 +597,10 @@ impl Provisioner {
     pub fn list_page(&self, after: &str, max: usize) -> Result<(Vec<Listed>, String)> {
         let mut ids = Vec::new();
         for r in &self.roots.roots {
-            let dir = r.volumes_dir();
-            for name in state::list_names(&dir).ctx("list volumes in", &dir)? {
-                if let Some(uuid) = name.strip_suffix(".json") {
-                    let id = r.volume_id(uuid);
-                    if id.as_str() > after {
-                        ids.push((id, r, uuid.to_string()));
-                    }
+            for uuid in cache::volume_uuids(r)? {
+                let id = r.volume_id(&uuid);
+                if id.as_str() > after {
+                    ids.push((id, r, uuid));
                 }
             }
         }
@@ -612,14 +608,8 @@ impl Provisioner {
         let mut page = Vec::new();
         let mut left = ids.into_iter();
         for (_, root, uuid) in left.by_ref() {
-            match cache::read_volume(root, &uuid) {
-                Ok(Some(rec)) => page.push((rec, plan::topology_of(&self.cfg, root))),
-                Ok(None) => {}
-                // One forged file in a shared root must not hide every volume.
-                Err(e @ Error::Precondition(_)) => {
-                    tracing::warn!(error = %e, "skipping a volume record")
-                }
-                Err(e) => return Err(e),
+            if let Some(rec) = cache::read_listed(root, &uuid)? {
+                page.push((rec, plan::topology_of(&self.cfg, root)));
             }
             if page.len() == max {
                 break;

@@ -114,10 +114,19 @@ fn canonical(path: &Path) -> io::Result<Option<PathBuf>> {
 
 /// The slow, always-available answer: the whole table.
 fn from_table(path: &Path) -> io::Result<Option<MountEntry>> {
+    in_table(path, mountinfo::read_table)
+}
+
+/// The topmost mount at `path` in the table `table` gives, read only if
+/// the path exists.
+pub(super) fn in_table(
+    path: &Path,
+    table: impl FnOnce() -> io::Result<Vec<MountEntry>>,
+) -> io::Result<Option<MountEntry>> {
     let Some(canonical) = canonical(path)? else {
         return Ok(None);
     };
-    Ok(mountinfo::mount_at(&mountinfo::read_table()?, &canonical).cloned())
+    Ok(mountinfo::mount_at(&table()?, &canonical).cloned())
 }
 
 /// Whether this kernel's `statmount` can describe a mount as fully as the

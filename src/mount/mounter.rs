@@ -13,12 +13,7 @@ pub trait Mounter: Send + Sync {
     /// The topmost mount at `path`; `None` when nothing is mounted there or
     /// the path is missing.
     fn entry_at(&self, path: &Path) -> io::Result<Option<MountEntry>> {
-        let canonical = match std::fs::canonicalize(path) {
-            Ok(p) => p,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        Ok(super::mount_at(&self.table()?, &canonical).cloned())
+        super::lookup::in_table(path, || self.table())
     }
     /// Binds `src` onto `dst` with `flags`; read-only when asked, and
     /// always when `src` already is.
