@@ -16,6 +16,12 @@ use crate::error::{Error, IoContext, Result};
 
 pub const FORMAT: u32 = 1;
 
+/// The fixed chunk of a seal's chunk table: small enough that a peer's
+/// bad chunk costs little to fetch again and that a chunk is verified
+/// before it is handed on (held in memory whole), large enough that a
+/// 140 GB model's table stays near a megabyte.
+pub const CHUNK_BYTES: u64 = 8 << 20;
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Seal {
     pub format: u32,
@@ -26,6 +32,10 @@ pub struct Seal {
     pub revision: Option<String>,
     pub sealed_unix: u64,
     pub total_bytes: u64,
+    /// The chunk of every file's chunk table; 0 in seals made before
+    /// chunk tables were recorded.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub chunk_bytes: u64,
     pub files: Vec<FileEntry>,
     pub dirs: Vec<String>,
     pub symlinks: Vec<LinkEntry>,
@@ -58,10 +68,19 @@ impl Seal {
             revision,
             sealed_unix: super::now_unix(),
             total_bytes: tree.total_bytes(),
+            chunk_bytes: CHUNK_BYTES,
             files: tree.files,
             dirs: tree.dirs,
             symlinks: tree.symlinks,
         }
+    }
+
+    /// The chunk table of `path`, when the seal recorded one at this
+    /// chunk size.
+    pub fn chunks_of(&self, path: &str) -> Option<&FileEntry> {
+        self.files.iter().find(|f| f.path == path).filter(|f| {
+            self.chunk_bytes == CHUNK_BYTES && f.chunks.len() as u64 == f.size.div_ceil(CHUNK_BYTES)
+        })
     }
 
     /// What this model costs the cache (see `charge`).
@@ -83,6 +102,67 @@ pub struct FileEntry {
     pub path: String,
     pub size: u64,
     pub sha256: String,
+    /// The sha256 of each `CHUNK_BYTES` of the file, in order: what a node
+    /// filling from a peer checks each chunk against as it arrives.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// A file's sha256 and its chunk table, from one in-order pass over its
+/// bytes in pieces of any size.
+#[derive(Clone)]
+pub struct FileHasher {
+    whole: Sha256,
+    chunk: Sha256,
+    /// Bytes of the current chunk hashed so far.
+    in_chunk: u64,
+    chunks: Vec<String>,
+}
+
+impl Default for FileHasher {
+    fn default() -> Self {
+        FileHasher {
+            whole: Sha256::new(),
+            chunk: Sha256::new(),
+            in_chunk: 0,
+            chunks: Vec::new(),
+        }
+    }
+}
+
+impl FileHasher {
+    pub fn update(&mut self, mut data: &[u8]) {
+        self.whole.update(data);
+        while !data.is_empty() {
+            let room = (CHUNK_BYTES - self.in_chunk) as usize;
+            let (now, rest) = data.split_at(room.min(data.len()));
+            self.chunk.update(now);
+            self.in_chunk += now.len() as u64;
+            if self.in_chunk == CHUNK_BYTES {
+                let done = std::mem::replace(&mut self.chunk, Sha256::new());
+                self.chunks.push(hex::encode(done.finalize()));
+                self.in_chunk = 0;
+            }
+            data = rest;
+        }
+    }
+
+    /// The file's sha256 and its chunk table.
+    pub fn finish(mut self) -> (String, Vec<String>) {
+        if self.in_chunk > 0 {
+            self.chunks.push(hex::encode(self.chunk.finalize()));
+        }
+        (hex::encode(self.whole.finalize()), self.chunks)
+    }
+}
+
+/// The sha256 of one chunk's bytes, as a chunk table records it.
+pub fn chunk_digest(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,11 +251,12 @@ pub fn scan(root: &Path) -> Result<Tree> {
                         "source file {rel_str} has a setuid or setgid bit; models must not carry them"
                     )));
                 }
-                let (size, sha256) = hash_file(&path)?;
+                let (size, sha256, chunks) = hash_file_chunked(&path)?;
                 tree.files.push(FileEntry {
                     path: rel_str,
                     size,
                     sha256,
+                    chunks,
                 });
             } else {
                 let kind = if ft.is_block_device() || ft.is_char_device() {
@@ -200,8 +281,13 @@ pub fn scan(root: &Path) -> Result<Tree> {
 /// Streams a file through sha256 with a fixed buffer: memory stays flat
 /// whatever the file's size.
 pub fn hash_file(path: &Path) -> Result<(u64, String)> {
+    hash_file_chunked(path).map(|(size, sha, _)| (size, sha))
+}
+
+/// `hash_file` with the file's chunk table.
+pub fn hash_file_chunked(path: &Path) -> Result<(u64, String, Vec<String>)> {
     let mut f = File::open(path).ctx("open", path)?;
-    let mut h = Sha256::new();
+    let mut h = FileHasher::default();
     let mut buf = vec![0u8; 1 << 20];
     let mut size = 0u64;
     loop {
@@ -212,7 +298,8 @@ pub fn hash_file(path: &Path) -> Result<(u64, String)> {
         h.update(&buf[..n]);
         size += n as u64;
     }
-    Ok((size, hex::encode(h.finalize())))
+    let (sha, chunks) = h.finish();
+    Ok((size, sha, chunks))
 }
 
 /// Checks a sealed tree still matches its seal. `full` also recomputes
@@ -272,10 +359,37 @@ mod tests {
             revision: None,
             sealed_unix: 0,
             total_bytes: tree.total_bytes(),
+            chunk_bytes: CHUNK_BYTES,
             files: tree.files,
             dirs: tree.dirs,
             symlinks: tree.symlinks,
         }
+    }
+
+    /// Pieces of any size give the table of fixed chunks, and the last
+    /// chunk is the file's tail.
+    #[test]
+    fn a_chunk_table_does_not_depend_on_how_bytes_arrive() {
+        let data: Vec<u8> = (0..(2 * CHUNK_BYTES + 5))
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let mut one = FileHasher::default();
+        one.update(&data);
+        let mut many = FileHasher::default();
+        for piece in data.chunks(1_000_003) {
+            many.update(piece);
+        }
+        let (sha, chunks) = one.finish();
+        assert_eq!(many.finish(), (sha.clone(), chunks.clone()));
+        assert_eq!(sha, hex::encode(Sha256::digest(&data)));
+        let c = CHUNK_BYTES as usize;
+        assert_eq!(
+            chunks,
+            [&data[..c], &data[c..2 * c], &data[2 * c..]].map(chunk_digest)
+        );
+        let (empty_sha, empty) = FileHasher::default().finish();
+        assert!(empty.is_empty());
+        assert_eq!(empty_sha, hex::encode(Sha256::digest(b"")));
     }
 
     #[test]

@@ -314,7 +314,7 @@ fn walk_dirs(base: &Path, rel: &Path, tree: &mut Tree) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::manifest::hash_file;
+    use crate::cache::manifest::hash_file_chunked;
     use crate::config::Config;
 
     fn root(dir: &Path) -> Root {
@@ -334,11 +334,12 @@ mod tests {
         let at = area.data().join(path);
         fs::create_dir_all(at.parent().unwrap()).unwrap();
         fs::write(&at, bytes).unwrap();
-        let (size, sha256) = hash_file(&at).unwrap();
+        let (size, sha256, chunks) = hash_file_chunked(&at).unwrap();
         FileEntry {
             path: path.into(),
             size,
             sha256,
+            chunks,
         }
     }
 

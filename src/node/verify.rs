@@ -142,6 +142,7 @@ mod tests {
             revision: None,
             sealed_unix: 1,
             total_bytes: tree.total_bytes(),
+            chunk_bytes: crate::cache::manifest::CHUNK_BYTES,
             files: tree.files,
             dirs: tree.dirs,
             symlinks: tree.symlinks,

@@ -132,6 +132,14 @@ pub trait Source: Send + Sync {
         len: Option<u64>,
     ) -> Result<BoxStream<'static, Result<Bytes>>>;
 
+    /// Bytes of `file` failed the origin's digest. A source that took any
+    /// of them from somewhere other than the origin (a peer) stops doing
+    /// so for this file and returns true: the engine fetches the file
+    /// again. The origin's own bytes are final: false.
+    fn distrust(&self, _file: &RemoteFile) -> bool {
+        false
+    }
+
     /// Whether `read` can start anywhere but 0. Sources that cannot are
     /// fetched whole, restarting from 0 after a failure.
     fn ranges(&self) -> bool {

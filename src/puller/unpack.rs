@@ -30,7 +30,6 @@ use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat};
 use nix::sys::stat::{Mode, SFlag, fstatat, mkdirat};
 use nix::unistd::{UnlinkatFlags, linkat, symlinkat, unlinkat};
-use sha2::{Digest, Sha256};
 use tar::EntryType;
 
 use crate::cache::manifest::FileEntry;
@@ -457,7 +456,7 @@ impl Layer<'_> {
         )
         .map_err(|e| Error::io("create", &abs, e.into()))?;
         let mut out = File::from(fd);
-        let mut h = Sha256::new();
+        let mut h = crate::cache::manifest::FileHasher::default();
         let mut size = 0u64;
         loop {
             let n = data.read(&mut self.buf).map_err(|e| {
@@ -486,14 +485,15 @@ impl Layer<'_> {
             .ctx("set mode of", &abs)?;
         out.sync_all().ctx("sync", &abs)?;
         self.touched.insert(rel.clone());
-        self.files.insert(
-            rel.clone(),
+        self.files.insert(rel.clone(), {
+            let (sha256, chunks) = h.finish();
             FileEntry {
                 path: rel,
                 size,
-                sha256: hex::encode(h.finalize()),
-            },
-        );
+                sha256,
+                chunks,
+            }
+        });
         Ok(())
     }
 
@@ -656,6 +656,7 @@ fn set_mode(fd: &OwnedFd, mode: u32, path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sha2::{Digest, Sha256};
     use std::os::unix::fs::MetadataExt;
 
     /// Builds a layer entry by entry; `raw_name` writes header name bytes

@@ -64,15 +64,15 @@ pub(super) async fn fetch_file(
     }
     // A finished file is kept only at the size the listing gives now.
     let same_size = file.size.is_none_or(|s| st.size == Some(s));
-    let (size, sha) = match (&st.sha256, dest.exists() && same_size) {
+    let (size, sha, chunks) = match (&st.sha256, dest.exists() && same_size) {
         (Some(sha), true) => {
             let size = st.size.unwrap_or(0);
             ctx.bytes.fetch_add(size, Ordering::Relaxed);
-            (size, sha.clone())
+            (size, sha.clone(), st.chunks.clone())
         }
-        _ => {
+        _ => loop {
             st.path = key.clone();
-            let (size, sha) = download(&ctx, &work, &file, &dest, &part, &mut st).await?;
+            let (size, sha, chunks) = download(&ctx, &work, &file, &dest, &part, &mut st).await?;
             if let Some(expected) = &file.sha256
                 && !expected.eq_ignore_ascii_case(&sha)
             {
@@ -83,6 +83,20 @@ pub(super) async fn fetch_file(
                         .ctx("remove pull state", &w.progress_dir())
                 })
                 .await;
+                // Bytes from a peer that add up to another file: the
+                // peers are dropped for it and the origin serves it anew.
+                if ctx.source.distrust(&file) {
+                    warn!(file = %file.path_or_locator(), "bytes from peers failed the origin's sha256; fetching the file from the origin");
+                    ctx.bytes.fetch_sub(
+                        size.min(ctx.bytes.load(Ordering::Relaxed)),
+                        Ordering::Relaxed,
+                    );
+                    st = FileState {
+                        path: key.clone(),
+                        ..FileState::default()
+                    };
+                    continue;
+                }
                 return Err(Error::Precondition(format!(
                     "{} failed verification: the source promised sha256 {expected}, the bytes hash to {sha}; nothing was sealed",
                     file.path_or_locator()
@@ -90,16 +104,18 @@ pub(super) async fn fetch_file(
             }
             st.sha256 = Some(sha.clone());
             st.size = Some(size);
+            st.chunks = chunks.clone();
             let (w, s) = (work.clone(), st.clone());
             blocking(move || save_state(&w, &s)).await?;
-            (size, sha)
-        }
+            break (size, sha, chunks);
+        },
     };
     Ok(match file.unpack {
         Unpack::None => Fetched::File(FileEntry {
             path: file.path.clone(),
             size,
             sha256: sha,
+            chunks,
         }),
         Unpack::Tar(c) => layer(None, c),
     })
@@ -115,7 +131,8 @@ impl RemoteFile {
     }
 }
 
-/// Downloads `file` to `dest` through `part`, returning its size and sha256.
+/// Downloads `file` to `dest` through `part`, returning its size, sha256
+/// and chunk table.
 pub(super) async fn download(
     ctx: &Arc<Ctx>,
     work: &Arc<PullArea>,
@@ -123,7 +140,7 @@ pub(super) async fn download(
     dest: &Path,
     part: &Path,
     st: &mut FileState,
-) -> Result<(u64, String)> {
+) -> Result<(u64, String, Vec<String>)> {
     if let Some(parent) = dest.parent() {
         fs::create_dir_all(parent).ctx("create", parent)?;
     }
@@ -138,7 +155,7 @@ pub(super) async fn download(
     // cost a second descriptor.
     let direct = ranged && file.size.is_some_and(|s| s >= ctx.flush_at as u64);
     let out = Arc::new(PartFile::open(part, !ranged, direct)?);
-    let (size, sha) = if let (true, Some(size)) = (ranged, file.size) {
+    let (size, (sha, chunks)) = if let (true, Some(size)) = (ranged, file.size) {
         out.reserve(size, part)?;
         ranged_download(ctx, work, file, &out, part, size, st).await?
     } else {
@@ -151,7 +168,7 @@ pub(super) async fn download(
         Ok(())
     })
     .await?;
-    Ok((size, sha))
+    Ok((size, sha, chunks))
 }
 
 pub(super) fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
@@ -190,7 +207,7 @@ pub(super) async fn ranged_download(
     part: &Path,
     size: u64,
     st: &mut FileState,
-) -> Result<(u64, String)> {
+) -> Result<(u64, (String, Vec<String>))> {
     let chunk = ctx.cfg.chunk_bytes.max(1);
     // Chunk indexes mean nothing under another chunk size, nor for a file
     // the server now lists at another size.
@@ -387,7 +404,7 @@ pub(super) async fn whole_download(
     file: &RemoteFile,
     out: &Arc<PartFile>,
     part: &Path,
-) -> Result<(u64, String)> {
+) -> Result<(u64, (String, Vec<String>))> {
     let mut attempt = 0u32;
     loop {
         out.set_len(0).ctx("truncate", part)?;

@@ -70,7 +70,7 @@ pub(super) struct Frontier {
 
 pub(super) struct FrontierState {
     /// None while a writer or the read-back is hashing outside the lock.
-    pub(super) sha: Option<Sha256>,
+    pub(super) sha: Option<FileHasher>,
     /// Bytes `[0, hashed)` are in `sha`.
     pub(super) hashed: u64,
     /// Ahead of the frontier, in memory: offset -> window.
@@ -88,7 +88,7 @@ impl Frontier {
     pub(super) fn new(window: usize, spares: usize, flow: Arc<Flow>) -> Frontier {
         Frontier {
             state: Mutex::new(FrontierState {
-                sha: Some(Sha256::new()),
+                sha: Some(FileHasher::default()),
                 hashed: 0,
                 held: BTreeMap::new(),
                 written: BTreeMap::new(),
@@ -193,8 +193,14 @@ impl Frontier {
     }
 
     /// Hashes held windows, and resumed ranges from `out`, as the frontier
-    /// reaches them, until closed; then the sha256 of `[0, size)`.
-    pub(super) fn read_back(&self, out: &File, part: &Path, size: u64) -> Result<String> {
+    /// reaches them, until closed; then the sha256 of `[0, size)` and its
+    /// chunk table.
+    pub(super) fn read_back(
+        &self,
+        out: &File,
+        part: &Path,
+        size: u64,
+    ) -> Result<(String, Vec<String>)> {
         let mut buf = Vec::new();
         let mut s = self.lock();
         loop {
@@ -250,7 +256,7 @@ impl Frontier {
         }
         match s.sha.take() {
             Some(h) if s.hashed == size && s.written.is_empty() && s.held.is_empty() => {
-                Ok(hex::encode(h.finalize()))
+                Ok(h.finish())
             }
             _ => Err(Error::Internal(format!(
                 "download of {} ended with {} of {size} bytes hashed",
@@ -318,7 +324,11 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         let path = t.path().join("f.part");
         let data: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + i / 13) as u8).collect();
-        let want = hex::encode(Sha256::digest(&data));
+        let want = {
+            let mut h = FileHasher::default();
+            h.update(&data);
+            h.finish()
+        };
         let out = Arc::new(
             OpenOptions::new()
                 .create(true)

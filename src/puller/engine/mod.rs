@@ -51,7 +51,7 @@ use tracing::{Instrument, info, info_span, warn};
 use super::direct::{ALIGN, PartFile, Window};
 use super::source::{Compression, PullLimits, RemoteFile, Resolved, Source, Unpack};
 use super::unpack::Budget;
-use crate::cache::manifest::FileEntry;
+use crate::cache::manifest::{FileEntry, FileHasher};
 use crate::cache::pull::PullArea;
 use crate::cache::{self, Root, Seal, SourceId};
 pub use crate::config::EngineConfig;

@@ -25,6 +25,9 @@ pub(super) struct FileState {
     pub(super) size_listed: Option<u64>,
     /// Set once the whole file is verified and in place.
     pub(super) sha256: Option<String>,
+    /// Its chunk table, recorded with `sha256`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) chunks: Vec<String>,
     pub(super) size: Option<u64>,
     /// For layers: the files they unpacked to.
     pub(super) extracted: Option<Vec<FileEntry>>,
