@@ -45,6 +45,8 @@ pub struct Config {
     pub inline_class: Option<String>,
     /// Pull what ModelPrefetch objects ask of this node (`prefetch`).
     pub prefetch: bool,
+    /// Serve sealed models to other nodes and fill from them (`peer`).
+    pub peer: Option<PeerConfig>,
 }
 
 impl Config {
@@ -125,6 +127,7 @@ impl Default for Config {
             modify_node_local: false,
             inline_class: None,
             prefetch: false,
+            peer: None,
         }
     }
 }
@@ -227,3 +230,21 @@ impl PullLimits {
 pub const DEFAULT_MAX_MODEL_BYTES: u64 = 1 << 40;
 /// `--max-model-files` by default.
 pub const DEFAULT_MAX_MODEL_FILES: u64 = 100_000;
+
+/// Peer fill's settings (`--peer-*`).
+#[derive(Clone, Debug)]
+pub struct PeerConfig {
+    /// Where this node serves peers.
+    pub listen: std::net::SocketAddr,
+    /// What other nodes dial.
+    pub advertise: std::net::SocketAddr,
+    /// The cluster's peer credential: one token a line; the first is sent,
+    /// any is accepted (rotation: add a line, roll out, drop the old one).
+    pub token_file: PathBuf,
+    /// Uploads served at once; more are refused with 503 at once.
+    pub max_uploads: usize,
+    /// Upload bandwidth of the whole node, bytes per second; 0: unbounded.
+    pub upload_bytes_per_sec: u64,
+    /// The namespace of the Leases; None: the client's default.
+    pub namespace: Option<String>,
+}

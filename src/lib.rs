@@ -19,6 +19,7 @@ pub mod mount; // mounts, the mount table, loop devices, safe subpaths
 pub mod node; // CSI Node service: stage, publish, stats
 pub mod offload; // blocking filesystem work, off the async runtime's threads
 pub mod outcome; // one result of work that outlives its callers, awaited within each deadline
+pub mod peer; // peer fill: serving sealed models to other nodes, filling from them first
 pub mod prefetch; // on a node: ModelPrefetch models pulled before any pod asks
 pub mod progress; // a pull's progress, and where it is reported
 pub mod puller; // model URIs fetched and sealed by the driver

@@ -216,9 +216,71 @@ struct ServeArgs {
     /// controller service and Kubernetes API access.
     #[arg(long)]
     prefetch: bool,
+    /// Peer fill: serve this node's sealed models to other nodes' drivers
+    /// here, and fill models from them before the origin (e.g.
+    /// 0.0.0.0:7420); needs --node-id, the controller service, Kubernetes
+    /// API access and --peer-token-file.
+    #[arg(long)]
+    peer_listen: Option<std::net::SocketAddr>,
+    /// The address other nodes dial [default: $POD_IP, else --peer-listen's
+    /// address, with --peer-listen's port].
+    #[arg(long)]
+    peer_advertise: Option<std::net::SocketAddr>,
+    /// The cluster's peer credential: one token a line, at least 16
+    /// characters; the first is presented, any is accepted.
+    #[arg(long)]
+    peer_token_file: Option<PathBuf>,
+    /// Uploads to peers served at once; more are told to go elsewhere.
+    #[arg(long, default_value_t = 8)]
+    peer_max_uploads: usize,
+    /// Upload bandwidth to peers, shared by every upload (MiB/s; 0: unbounded).
+    #[arg(long, default_value_t = 250)]
+    peer_upload_mib_per_second: u64,
+    /// The namespace of the peer Leases [default: the kubeconfig's, or the
+    /// pod's own namespace].
+    #[arg(long)]
+    peer_namespace: Option<String>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
+}
+
+/// Peer fill's settings from the flags, or None without --peer-listen.
+fn peer_config(a: &ServeArgs) -> anyhow::Result<Option<modelcache_csi::peer::PeerConfig>> {
+    let Some(listen) = a.peer_listen else {
+        anyhow::ensure!(
+            a.peer_advertise.is_none() && a.peer_token_file.is_none(),
+            "--peer-advertise and --peer-token-file need --peer-listen"
+        );
+        return Ok(None);
+    };
+    let token_file = a.peer_token_file.clone().ok_or_else(|| {
+        anyhow::anyhow!("--peer-listen needs --peer-token-file (the cluster's peer credential)")
+    })?;
+    let advertise = match a.peer_advertise {
+        Some(a) => a,
+        None => {
+            let ip = match std::env::var("POD_IP") {
+                Ok(ip) => ip.parse().map_err(|e| {
+                    anyhow::anyhow!("$POD_IP {ip:?} is not an address ({e}); set --peer-advertise")
+                })?,
+                Err(_) => listen.ip(),
+            };
+            anyhow::ensure!(
+                !ip.is_unspecified(),
+                "--peer-listen {listen} names no address other nodes can dial: set --peer-advertise or $POD_IP"
+            );
+            std::net::SocketAddr::new(ip, listen.port())
+        }
+    };
+    Ok(Some(modelcache_csi::peer::PeerConfig {
+        listen,
+        advertise,
+        token_file,
+        max_uploads: a.peer_max_uploads.max(1),
+        upload_bytes_per_sec: a.peer_upload_mib_per_second.saturating_mul(1 << 20),
+        namespace: a.peer_namespace.clone().filter(|n| !n.is_empty()),
+    }))
 }
 
 fn config(a: &ServeArgs) -> anyhow::Result<Config> {
@@ -321,6 +383,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         modify_node_local: a.modify_node_local_volumes,
         inline_class: a.inline_storage_class.clone().filter(|c| !c.is_empty()),
         prefetch: a.prefetch,
+        peer: peer_config(a)?,
         evict_idle: a
             .evict_idle_minutes
             .map(|m| std::time::Duration::from_secs(m * 60)),

@@ -33,6 +33,13 @@ pub struct PullOutcome {
     pub outcome: String,
 }
 
+/// Where a pull's bytes came from (`peer` or `origin`), per model.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FillFrom {
+    pub model: String,
+    pub from: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Method {
     pub method: String,
@@ -75,6 +82,12 @@ pub struct Metrics {
     /// Pull jobs running now, and the bytes they have fetched so far.
     pub pulls_in_flight: Gauge,
     pub pull_bytes_in_flight: Gauge,
+    /// Bytes of pulls that had peers, by model and where they came from.
+    pub fill_bytes: Family<FillFrom, Counter>,
+    /// Bytes this node served to other nodes' pulls.
+    pub peer_served_bytes: Counter,
+    /// Peer requests refused, by reason (unauthorized, busy, not_held).
+    pub peer_refused: Family<Reason, Counter>,
     registry: Mutex<Registry>,
     /// Roots whose disk and mount gauges `refresh_gauges` computes.
     roots: Mutex<Vec<Roots>>,
@@ -124,6 +137,9 @@ impl Metrics {
             rescheduler_actions: Family::default(),
             pulls_in_flight: Gauge::default(),
             pull_bytes_in_flight: Gauge::default(),
+            fill_bytes: Family::default(),
+            peer_served_bytes: Counter::default(),
+            peer_refused: Family::default(),
             registry: Mutex::new(Registry::with_prefix("modelcache")),
             roots: Mutex::new(Vec::new()),
             changes: Default::default(),
@@ -156,6 +172,21 @@ impl Metrics {
                 "pull_bytes_in_flight",
                 "Bytes fetched so far by the pull jobs running now",
                 m.pull_bytes_in_flight.clone(),
+            );
+            r.register(
+                "fill_bytes",
+                "Bytes of pulls that had peers, by model and source (peer, origin)",
+                m.fill_bytes.clone(),
+            );
+            r.register(
+                "peer_served_bytes",
+                "Bytes this node served to other nodes' pulls",
+                m.peer_served_bytes.clone(),
+            );
+            r.register(
+                "peer_refused",
+                "Peer requests refused, by reason (unauthorized, busy, not_held, bad_request)",
+                m.peer_refused.clone(),
             );
             r.register(
                 "cache_hits",

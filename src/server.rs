@@ -56,6 +56,10 @@ pub async fn serve_on(
     let controller = matches!(mode, Mode::Controller | Mode::All);
     let node = matches!(mode, Mode::Node | Mode::All);
     anyhow::ensure!(
+        cfg.peer.is_none() || controller,
+        "--peer-listen fills models this process pulls: it needs the controller service (--mode all, or --node-deployment)"
+    );
+    anyhow::ensure!(
         !node || cfg.node_id.is_some(),
         "--node-id is required to serve the node service"
     );
@@ -65,9 +69,21 @@ pub async fn serve_on(
             let mut p = Provisioner::new(cfg.clone());
             if cfg.kube_api {
                 let client = kube_client(cfg.kubeconfig.as_deref()).await?;
-                p = p.with_kube(crate::kubeapi::KubeApi::new(client, &cfg.driver_name));
+                p = p.with_kube(crate::kubeapi::KubeApi::new(
+                    client.clone(),
+                    &cfg.driver_name,
+                ));
                 tracing::info!("using the Kubernetes API for per-PVC sources, pvc:// and events");
+                if let (Some(peer), Some(node)) = (cfg.peer.clone(), cfg.node_id.clone()) {
+                    let fill =
+                        crate::peer::start(peer, node, &cfg.driver_name, p.roots(), client).await?;
+                    p = p.with_fill(fill);
+                }
             }
+            anyhow::ensure!(
+                cfg.peer.is_none() || (cfg.kube_api && cfg.node_id.is_some()),
+                "--peer-listen needs --node-id and Kubernetes API access (--kube-api, --kubeconfig)"
+            );
             Some(Arc::new(p))
         }
     };

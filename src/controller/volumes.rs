@@ -81,6 +81,19 @@ impl Provisioner {
         }
     }
 
+    /// Pulls fill from `fill` (peers) before the origin.
+    pub fn with_fill(mut self, fill: Arc<dyn crate::puller::source::Fill>) -> Provisioner {
+        self.engine = Arc::new(
+            Engine::new(self.cfg.pull.clone(), crate::puller::extract_layer).with_fill(fill),
+        );
+        self
+    }
+
+    /// The roots this provisioner serves.
+    pub fn roots(&self) -> &crate::cache::Roots {
+        &self.roots
+    }
+
     /// A volume's root and record, read off the runtime.
     pub async fn lookup(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
         cache::lookup_off_runtime(&self.roots, volume_id).await

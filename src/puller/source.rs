@@ -9,6 +9,8 @@
 //! server rejected, `InvalidArgument` for a malformed URI. A source never
 //! puts a credential into an error, a log line or a `Resolved`.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use futures::stream::BoxStream;
 
@@ -190,4 +192,24 @@ pub trait Source: Send + Sync {
             _ => Ok(()),
         }
     }
+}
+
+/// Where a pull's bytes may come from besides its origin (peer fill):
+/// given to the engine at start-up, asked once per pull.
+#[async_trait::async_trait]
+pub trait Fill: Send + Sync {
+    /// A source for model `sid` in `root` that takes bytes from elsewhere
+    /// first and from `origin` for the rest, or None when nothing else
+    /// holds the model. Every byte it serves must be checked against a
+    /// digest `resolved` (the origin) vouches for.
+    async fn around(
+        &self,
+        root: &crate::cache::Root,
+        sid: &crate::cache::SourceId,
+        resolved: &Resolved,
+        origin: Arc<dyn Source>,
+    ) -> Option<Arc<dyn Source>>;
+
+    /// Model `sid` was just sealed in `root`: others may fill from it.
+    fn sealed(&self, root: &crate::cache::Root, sid: &crate::cache::SourceId);
 }

@@ -20,6 +20,7 @@ mod kube_sources;
 mod metrics;
 mod node_scale;
 mod node_trust;
+mod peer_fill;
 mod pull_s3;
 mod pull_sources;
 mod puller_engine;

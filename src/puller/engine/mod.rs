@@ -49,7 +49,7 @@ use super::slots::{Slot, Slots};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::direct::{ALIGN, PartFile, Window};
-use super::source::{Compression, PullLimits, RemoteFile, Resolved, Source, Unpack};
+use super::source::{Compression, Fill, PullLimits, RemoteFile, Resolved, Source, Unpack};
 use super::unpack::Budget;
 use crate::cache::manifest::{FileEntry, FileHasher};
 use crate::cache::pull::PullArea;
@@ -92,6 +92,8 @@ pub struct Engine {
     /// (model, requester) pairs whose access was proven lately: by their
     /// own pull, or an authorised hit.
     authorized: Mutex<HashMap<(String, String), Instant>>,
+    /// Where bytes may come from besides the origin (peer fill).
+    fill: Option<Arc<dyn Fill>>,
 }
 
 /// How long a requester's proven access to a model is trusted for cache
@@ -166,6 +168,35 @@ impl Engine {
             inflight: KeyedMutex::default(),
             slots,
             authorized: Mutex::new(HashMap::new()),
+            fill: None,
+        }
+    }
+
+    /// Pulls take bytes from `fill` first (peers), the origin for the rest.
+    pub fn with_fill(mut self, fill: Arc<dyn Fill>) -> Engine {
+        self.fill = Some(fill);
+        self
+    }
+
+    /// The source a pull reads: `origin`, or peers in front of it. Peers
+    /// hand over bytes the origin never sees asked for, so the requester
+    /// proves access to the origin first, as for a cache hit.
+    async fn filled(
+        &self,
+        root: &Root,
+        sid: &SourceId,
+        resolved: &Resolved,
+        origin: Arc<dyn Source>,
+    ) -> Result<Arc<dyn Source>> {
+        let Some(fill) = &self.fill else {
+            return Ok(origin);
+        };
+        match fill.around(root, sid, resolved, origin.clone()).await {
+            Some(filled) => {
+                self.authorize_hit(sid, origin.as_ref(), resolved).await?;
+                Ok(filled)
+            }
+            None => Ok(origin),
         }
     }
 
@@ -238,15 +269,20 @@ impl Engine {
                 bytes: AtomicU64::new(0),
             };
             let requester = source.requester();
+            let source = self.filled(root, &sid, &resolved, source).await?;
             let fetched = self.fetch_within_deadline(root, &pull, source, &counted);
             match self
                 .give_up_slot_when_slow(slot, &counted.bytes, fetched)
                 .await
             {
                 Ok((seal, fetched)) => {
-                    // It read every byte with its own credentials.
+                    // It read every byte with its own credentials, or proved
+                    // its access before peers served them.
                     if let Some(r) = requester {
                         self.remember_access(&sid, r);
+                    }
+                    if let Some(fill) = &self.fill {
+                        fill.sealed(root, &sid);
                     }
                     m.pull_bytes
                         .get_or_create(&crate::metrics::Scheme {

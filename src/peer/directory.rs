@@ -1,0 +1,263 @@
+//! Who holds which model: one Lease per node in the driver's namespace,
+//! renewed while the driver runs, listing the node's peer address and the
+//! models it has sealed. A node that stops renewing (gone, or its driver
+//! down) drops out when its Lease expires; an evicted model drops out at
+//! the next renewal.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams};
+use tracing::{debug, warn};
+
+use crate::cache::Root;
+
+/// The Lease annotations: where the node serves peers, what it holds.
+pub const ADDRESS: &str = "modelcache.csi.io/peer-address";
+pub const MODELS: &str = "modelcache.csi.io/models";
+/// The label every driver's peer Lease carries: the driver's name.
+pub const LABEL: &str = "modelcache.csi.io/peer-of";
+
+/// How long a Lease stands without renewal; renewed at a third of it.
+const LEASE_SECONDS: i32 = 45;
+const RENEW_EVERY: Duration = Duration::from_secs(15);
+/// A listing is reused this long: a burst of pulls asks the API once.
+const LIST_FRESH_FOR: Duration = Duration::from_secs(2);
+/// At most this many models are advertised (the annotation's size bound).
+const MAX_ADVERTISED: usize = 2000;
+
+/// Another node's driver, as its Lease says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub node: String,
+    pub addr: String,
+    pub models: BTreeSet<String>,
+}
+
+pub struct Directory {
+    api: Api<Lease>,
+    node: String,
+    driver: String,
+    advertise: String,
+    roots: Vec<Root>,
+    listed: Mutex<Option<(Instant, Arc<Vec<Peer>>)>>,
+    wake: tokio::sync::Notify,
+}
+
+/// The Lease name of `node`: DNS-1123, with a digest when the node id had
+/// to be changed to fit.
+pub fn lease_name(node: &str) -> String {
+    let clean: String = node
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let clean = clean.trim_matches(|c| c == '-' || c == '.').to_string();
+    if clean == node && clean.len() <= 200 {
+        return format!("modelcache-peer-{clean}");
+    }
+    use sha2::Digest;
+    let h = hex::encode(sha2::Sha256::digest(node.as_bytes()));
+    let head: String = clean.chars().take(100).collect();
+    format!("modelcache-peer-{head}-{}", &h[..10]).replace("--", "-")
+}
+
+impl Directory {
+    pub fn new(
+        client: kube::Client,
+        namespace: &str,
+        node: String,
+        driver: &str,
+        advertise: String,
+        roots: Vec<Root>,
+    ) -> Directory {
+        Directory {
+            api: Api::namespaced(client, namespace),
+            node,
+            driver: driver.to_string(),
+            advertise,
+            roots,
+            listed: Mutex::new(None),
+            wake: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Renews this node's Lease every `RENEW_EVERY`, and soon after a seal.
+    pub async fn run(self: Arc<Self>) {
+        loop {
+            if let Err(e) = self.publish().await {
+                warn!(error = %e, "could not publish this node's models to peers");
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(RENEW_EVERY) => {}
+                _ = self.wake.notified() => {}
+            }
+        }
+    }
+
+    /// A model was sealed (or evicted): publish again now.
+    pub fn changed(&self) {
+        self.wake.notify_one();
+    }
+
+    async fn publish(&self) -> anyhow::Result<()> {
+        let roots = self.roots.clone();
+        let held = crate::offload::blocking(move || Ok(held_models(&roots))).await?;
+        let models = held
+            .into_iter()
+            .take(MAX_ADVERTISED)
+            .collect::<Vec<_>>()
+            .join(" ");
+        let name = lease_name(&self.node);
+        let lease = serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": name,
+                "labels": {LABEL: self.driver},
+                "annotations": {ADDRESS: self.advertise, MODELS: models},
+            },
+            "spec": {
+                "holderIdentity": self.node,
+                "leaseDurationSeconds": LEASE_SECONDS,
+                "renewTime": MicroTime(Timestamp::now()),
+            }
+        });
+        self.api
+            .patch(
+                &name,
+                &PatchParams::apply("modelcache-peer").force(),
+                &Patch::Apply(&lease),
+            )
+            .await?;
+        debug!(lease = %name, "published this node's models");
+        Ok(())
+    }
+
+    /// Live peers (not this node) that hold `sid` sealed.
+    pub async fn holders(&self, sid: &str) -> Vec<Peer> {
+        match self.peers().await {
+            Ok(all) => all
+                .iter()
+                .filter(|p| p.models.contains(sid))
+                .cloned()
+                .collect(),
+            Err(e) => {
+                warn!(error = %e, "could not list peers; pulling from the origin");
+                Vec::new()
+            }
+        }
+    }
+
+    async fn peers(&self) -> anyhow::Result<Arc<Vec<Peer>>> {
+        if let Some((at, peers)) = &*self.listed.lock().unwrap_or_else(|p| p.into_inner())
+            && at.elapsed() < LIST_FRESH_FOR
+        {
+            return Ok(peers.clone());
+        }
+        let leases = self
+            .api
+            .list(&ListParams::default().labels(&format!("{LABEL}={}", self.driver)))
+            .await?;
+        let now = Timestamp::now();
+        let peers: Vec<Peer> = leases
+            .items
+            .into_iter()
+            .filter_map(|l| live_peer(&l, now))
+            .filter(|p| p.node != self.node)
+            .collect();
+        let peers = Arc::new(peers);
+        *self.listed.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((Instant::now(), peers.clone()));
+        Ok(peers)
+    }
+}
+
+/// The peer a Lease describes, unless it expired or is malformed.
+fn live_peer(l: &Lease, now: Timestamp) -> Option<Peer> {
+    let spec = l.spec.as_ref()?;
+    let renewed = spec.renew_time.as_ref()?.0;
+    let lasts = i64::from(spec.lease_duration_seconds?);
+    if renewed.as_second().saturating_add(lasts) < now.as_second() {
+        return None;
+    }
+    let ann = l.metadata.annotations.as_ref()?;
+    let addr = ann.get(ADDRESS)?.clone();
+    addr.parse::<std::net::SocketAddr>().ok()?;
+    let models = ann
+        .get(MODELS)
+        .map(|m| {
+            m.split_whitespace()
+                .filter(|s| super::is_model(s))
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(Peer {
+        node: spec.holder_identity.clone()?,
+        addr,
+        models,
+    })
+}
+
+/// The sealed models in `roots`, sorted.
+pub fn held_models(roots: &[Root]) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for r in roots {
+        let Ok(entries) = std::fs::read_dir(r.sources_dir()) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if super::is_model(&name) && e.path().join("seal.json").is_file() {
+                out.insert(name);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_names_are_dns_names() {
+        assert_eq!(lease_name("node-1"), "modelcache-peer-node-1");
+        let odd = lease_name("Node_1");
+        assert!(odd.starts_with("modelcache-peer-node-1-"), "{odd}");
+        assert_ne!(odd, lease_name("node_1"));
+        assert!(lease_name(&"x".repeat(400)).len() < 253);
+    }
+
+    fn lease(renewed: Timestamp, addr: &str, models: &str) -> Lease {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "l", "annotations": {ADDRESS: addr, MODELS: models}},
+            "spec": {"holderIdentity": "n2", "leaseDurationSeconds": 45, "renewTime": MicroTime(renewed)}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn expired_or_malformed_leases_are_no_peers() {
+        let now = Timestamp::now();
+        let m = "m0123456789abcdef0123456789abcde";
+        let p = live_peer(&lease(now, "10.0.0.2:7420", &format!("{m} junk")), now).unwrap();
+        assert_eq!(p.node, "n2");
+        assert_eq!(p.models.iter().collect::<Vec<_>>(), [m]);
+        let old = now - k8s_openapi::jiff::SignedDuration::from_secs(60);
+        assert!(live_peer(&lease(old, "10.0.0.2:7420", m), now).is_none());
+        assert!(live_peer(&lease(now, "not an address", m), now).is_none());
+    }
+}

@@ -1,0 +1,448 @@
+//! Filling a model from peers: a `Source` in front of the origin.
+//!
+//! The origin still resolves the model (its listing and sha256s are what
+//! every byte is checked against). A file is taken from peers only when
+//! the origin vouches for its sha256 and a peer's seal lists the same file
+//! with that sha256 and a chunk table. Chunks come whole, striped over the
+//! peers that hold the file, and each is checked against the chunk table
+//! before a byte of it is handed on: a peer whose disk rotted is caught at
+//! the chunk, dropped for the model, and the chunk fetched elsewhere. A
+//! peer that lies consistently (a forged table) is caught by the origin's
+//! sha256 of the whole file; the engine then asks this source to distrust
+//! the file, and the origin serves it. A range no peer can serve at once
+//! (all busy, slow, gone or dropped) comes from the origin.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use tokio::sync::Semaphore;
+use tracing::{info, warn};
+
+use super::Tokens;
+use super::directory::{Directory, Peer};
+use crate::cache::manifest::{CHUNK_BYTES, Seal, chunk_digest};
+use crate::cache::{Root, SourceId};
+use crate::error::Result;
+use crate::puller::source::{Fill, RemoteFile, Resolved, Source, Unpack};
+
+/// Chunks held in memory at once, across every pull of this node, while
+/// they are checked: 96 MiB.
+const CHUNKS_IN_FLIGHT: usize = 12;
+/// A peer slower than this for a chunk is left for the next one.
+const MIN_PEER_BYTES_PER_SEC: u64 = 8 << 20;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub struct PeerFill {
+    dir: Arc<Directory>,
+    tokens: Arc<Tokens>,
+    http: reqwest::Client,
+    buffers: Arc<Semaphore>,
+}
+
+impl PeerFill {
+    pub fn new(dir: Arc<Directory>, tokens: Arc<Tokens>, _node: String) -> PeerFill {
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .build()
+            .expect("a plain HTTP client builds");
+        PeerFill {
+            dir,
+            tokens,
+            http,
+            buffers: Arc::new(Semaphore::new(CHUNKS_IN_FLIGHT)),
+        }
+    }
+
+    async fn seal_of(&self, peer: &Peer, sid: &str) -> Option<Seal> {
+        let url = format!("http://{}/v1/models/{sid}/seal", peer.addr);
+        let resp = self
+            .http
+            .get(&url)
+            .bearer_auth(self.tokens.presented())
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .ok()?;
+        if !resp.status().is_success() {
+            warn!(peer = %peer.node, status = %resp.status(), "peer did not give its seal");
+            return None;
+        }
+        let seal: Seal = resp.json().await.ok()?;
+        (seal.source == sid).then_some(seal)
+    }
+}
+
+#[async_trait::async_trait]
+impl Fill for PeerFill {
+    async fn around(
+        &self,
+        root: &Root,
+        sid: &SourceId,
+        resolved: &Resolved,
+        origin: Arc<dyn Source>,
+    ) -> Option<Arc<dyn Source>> {
+        if !super::fillable(root) {
+            return None;
+        }
+        let holders = self.dir.holders(sid.as_str()).await;
+        if holders.is_empty() {
+            return None;
+        }
+        let seals =
+            futures::future::join_all(holders.iter().map(|p| self.seal_of(p, sid.as_str()))).await;
+        let copies: Vec<Copy> = holders
+            .into_iter()
+            .zip(seals)
+            .filter_map(|(peer, seal)| seal.map(|seal| Copy { peer, seal }))
+            .collect();
+        let mut plan: HashMap<String, Vec<usize>> = HashMap::new();
+        for f in &resolved.files {
+            let (Unpack::None, Some(size), Some(sha)) = (&f.unpack, f.size, &f.sha256) else {
+                continue;
+            };
+            let holders: Vec<usize> = copies
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| {
+                    c.seal
+                        .chunks_of(&f.path)
+                        .is_some_and(|e| e.size == size && e.sha256.eq_ignore_ascii_case(sha))
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if !holders.is_empty() && size > 0 {
+                plan.insert(f.path.clone(), holders);
+            }
+        }
+        if plan.is_empty() {
+            return None;
+        }
+        let bytes: u64 = resolved
+            .files
+            .iter()
+            .filter(|f| plan.contains_key(&f.path))
+            .filter_map(|f| f.size)
+            .sum();
+        info!(
+            peers = copies.len(),
+            files = plan.len(),
+            bytes,
+            "filling from peers; the origin serves the rest"
+        );
+        Some(Arc::new(PeerSource {
+            inner: Arc::new(Inner {
+                origin,
+                sid: sid.to_string(),
+                http: self.http.clone(),
+                tokens: self.tokens.clone(),
+                buffers: self.buffers.clone(),
+                copies,
+                plan,
+                dropped: Mutex::new(HashSet::new()),
+                distrusted: Mutex::new(HashSet::new()),
+                served_by: Mutex::new(HashMap::new()),
+                from_peers: AtomicU64::new(0),
+                from_origin: AtomicU64::new(0),
+            }),
+        }))
+    }
+
+    fn sealed(&self, _root: &Root, _sid: &SourceId) {
+        self.dir.changed();
+    }
+}
+
+/// A peer and the seal it gave.
+struct Copy {
+    peer: Peer,
+    seal: Seal,
+}
+
+struct PeerSource {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    origin: Arc<dyn Source>,
+    sid: String,
+    http: reqwest::Client,
+    tokens: Arc<Tokens>,
+    buffers: Arc<Semaphore>,
+    copies: Vec<Copy>,
+    /// File path -> the copies that hold it as the origin describes it.
+    plan: HashMap<String, Vec<usize>>,
+    /// Copies that served a wrong chunk: never asked again for this model.
+    dropped: Mutex<HashSet<usize>>,
+    /// Files whose peer bytes failed the origin's sha256: origin only.
+    distrusted: Mutex<HashSet<String>>,
+    /// File path -> the copies that served bytes of it.
+    served_by: Mutex<HashMap<String, BTreeSet<usize>>>,
+    from_peers: AtomicU64,
+    from_origin: AtomicU64,
+}
+
+/// Why a chunk did not come from a peer.
+enum Miss {
+    /// It served bytes that are not the chunk: drop it for the model.
+    Wrong(String),
+    /// Busy, slow, gone: ask the next one.
+    Unavailable(String),
+}
+
+impl Inner {
+    fn candidates(&self, path: &str) -> Vec<usize> {
+        if self
+            .distrusted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(path)
+        {
+            return Vec::new();
+        }
+        let dropped = self.dropped.lock().unwrap_or_else(|p| p.into_inner());
+        self.plan
+            .get(path)
+            .map(|c| c.iter().copied().filter(|i| !dropped.contains(i)).collect())
+            .unwrap_or_default()
+    }
+
+    fn count(&self, from: &str, n: u64) {
+        let total = if from == "peer" {
+            &self.from_peers
+        } else {
+            &self.from_origin
+        };
+        total.fetch_add(n, Ordering::Relaxed);
+        crate::metrics::global()
+            .fill_bytes
+            .get_or_create(&crate::metrics::FillFrom {
+                model: self.sid.clone(),
+                from: from.into(),
+            })
+            .inc_by(n);
+    }
+
+    /// Chunk `idx` of `file` (`[start, end)`) from copy `c`, checked
+    /// against that copy's chunk table.
+    async fn chunk(
+        &self,
+        c: usize,
+        file: &RemoteFile,
+        idx: u64,
+        start: u64,
+        end: u64,
+    ) -> std::result::Result<Bytes, Miss> {
+        let copy = &self.copies[c];
+        let want = copy
+            .seal
+            .chunks_of(&file.path)
+            .and_then(|e| e.chunks.get(idx as usize))
+            .ok_or_else(|| Miss::Wrong("its chunk table has no such chunk".into()))?;
+        let _buffer = self
+            .buffers
+            .acquire()
+            .await
+            .map_err(|_| Miss::Unavailable("shutting down".into()))?;
+        let url = format!("http://{}/v1/models/{}/file", copy.peer.addr, self.sid);
+        let len = end - start;
+        let within =
+            CONNECT_TIMEOUT + Duration::from_secs_f64(len as f64 / MIN_PEER_BYTES_PER_SEC as f64);
+        let fetch = async {
+            let resp = self
+                .http
+                .get(&url)
+                .query(&[("path", file.path.as_str())])
+                .bearer_auth(self.tokens.presented())
+                .header(reqwest::header::RANGE, format!("bytes={start}-{}", end - 1))
+                .send()
+                .await
+                .map_err(|e| Miss::Unavailable(e.to_string()))?;
+            if resp.status() != reqwest::StatusCode::PARTIAL_CONTENT {
+                return Err(Miss::Unavailable(format!("answered {}", resp.status())));
+            }
+            resp.bytes()
+                .await
+                .map_err(|e| Miss::Unavailable(e.to_string()))
+        };
+        let body = tokio::time::timeout(within, fetch).await.map_err(|_| {
+            Miss::Unavailable(format!(
+                "slower than {} MiB/s",
+                MIN_PEER_BYTES_PER_SEC >> 20
+            ))
+        })??;
+        if body.len() as u64 != len {
+            return Err(Miss::Wrong(format!(
+                "sent {} bytes of a {len}-byte chunk",
+                body.len()
+            )));
+        }
+        let got = crate::offload::blocking({
+            let b = body.clone();
+            move || Ok(chunk_digest(&b))
+        })
+        .await
+        .map_err(|e| Miss::Unavailable(e.to_string()))?;
+        if !got.eq_ignore_ascii_case(want) {
+            return Err(Miss::Wrong(format!(
+                "chunk {idx} of {} hashes to {got}, its chunk table says {want}",
+                file.path
+            )));
+        }
+        Ok(body)
+    }
+
+    /// Sends `[offset, end)` of `file` to `tx`: chunk by chunk from peers,
+    /// then from the origin once no peer can serve a chunk.
+    async fn fill_range(
+        self: Arc<Self>,
+        file: RemoteFile,
+        offset: u64,
+        end: u64,
+        tx: tokio::sync::mpsc::Sender<Result<Bytes>>,
+    ) {
+        let mut pos = offset;
+        while pos < end {
+            let idx = pos / CHUNK_BYTES;
+            let (cs, ce) = (
+                idx * CHUNK_BYTES,
+                ((idx + 1) * CHUNK_BYTES).min(file.size.unwrap_or(end)),
+            );
+            let cands = self.candidates(&file.path);
+            let mut got = None;
+            for k in 0..cands.len() {
+                let c = cands[(idx as usize + k) % cands.len()];
+                match self.chunk(c, &file, idx, cs, ce).await {
+                    Ok(b) => {
+                        got = Some((c, b));
+                        break;
+                    }
+                    Err(Miss::Wrong(why)) => {
+                        warn!(peer = %self.copies[c].peer.node, model = %self.sid, %why, "peer served a wrong chunk; it is dropped for this model");
+                        self.dropped
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(c);
+                    }
+                    Err(Miss::Unavailable(why)) => {
+                        tracing::debug!(peer = %self.copies[c].peer.node, %why, "peer could not serve a chunk");
+                    }
+                }
+            }
+            let Some((c, chunk)) = got else {
+                break;
+            };
+            let until = end.min(ce);
+            let piece = chunk.slice((pos - cs) as usize..(until - cs) as usize);
+            self.served_by
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(file.path.clone())
+                .or_default()
+                .insert(c);
+            self.count("peer", piece.len() as u64);
+            if tx.send(Ok(piece)).await.is_err() {
+                return;
+            }
+            pos = until;
+        }
+        if pos >= end {
+            return;
+        }
+        // The rest of the range from the origin.
+        match self.origin.read(&file, pos, Some(end - pos)).await {
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+            }
+            Ok(mut s) => {
+                while let Some(item) = s.next().await {
+                    if let Ok(b) = &item {
+                        self.count("origin", b.len() as u64);
+                    }
+                    if tx.send(item).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Source for PeerSource {
+    async fn resolve(&self) -> Result<Resolved> {
+        self.inner.origin.resolve().await
+    }
+
+    async fn read(
+        &self,
+        file: &RemoteFile,
+        offset: u64,
+        len: Option<u64>,
+    ) -> Result<BoxStream<'static, Result<Bytes>>> {
+        let inner = self.inner.clone();
+        let size = file.size.unwrap_or(0);
+        if inner.candidates(&file.path).is_empty() || offset >= size {
+            let stream = inner.origin.read(file, offset, len).await?;
+            return Ok(stream
+                .inspect(move |item| {
+                    if let Ok(b) = item {
+                        inner.count("origin", b.len() as u64);
+                    }
+                })
+                .boxed());
+        }
+        let end = len.map_or(size, |l| offset.saturating_add(l).min(size));
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        tokio::spawn(inner.fill_range(file.clone(), offset, end, tx));
+        Ok(tokio_stream::wrappers::ReceiverStream::new(rx).boxed())
+    }
+
+    fn distrust(&self, file: &RemoteFile) -> bool {
+        let served = self
+            .inner
+            .served_by
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&file.path);
+        let Some(served) = served else {
+            return false;
+        };
+        let mut dropped = self.inner.dropped.lock().unwrap_or_else(|p| p.into_inner());
+        for c in served {
+            warn!(peer = %self.inner.copies[c].peer.node, model = %self.inner.sid, file = %file.path, "peer bytes failed the origin's sha256; it is dropped for this model");
+            dropped.insert(c);
+        }
+        self.inner
+            .distrusted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(file.path.clone());
+        true
+    }
+
+    fn ranges(&self) -> bool {
+        self.inner.origin.ranges()
+    }
+
+    fn key_scope(&self) -> String {
+        self.inner.origin.key_scope()
+    }
+
+    fn limits(&self) -> Option<crate::puller::source::PullLimits> {
+        self.inner.origin.limits()
+    }
+
+    fn requester(&self) -> Option<String> {
+        self.inner.origin.requester()
+    }
+
+    async fn authorize(&self, resolved: &Resolved) -> Result<()> {
+        self.inner.origin.authorize(resolved).await
+    }
+}

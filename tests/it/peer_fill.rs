@@ -1,0 +1,268 @@
+//! Peer fill across driver processes on loopback: each its own node, state
+//! dir and peer address, one real apiserver for discovery (Leases), and a
+//! counting origin. A node that needs a model another node holds takes its
+//! bytes from that node, checked chunk by chunk and against the origin's
+//! sha256; a rotten peer copy is caught and the model still seals exactly;
+//! a request without the peer token gets 401 and no byte.
+
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::support::apiserver::ApiServer;
+use crate::support::fixtures::{self, FileServer};
+use crate::support::harness::*;
+use modelcache_csi::csi::Volume;
+
+const TOKEN: &str = "peer-token-for-the-tests-0123456789";
+
+/// A model of files across chunk boundaries (none aligned), plus a small
+/// one: (path, size).
+const FILES: [(&str, u64); 3] = [
+    ("weights/a.safetensors", 40 * MIB as u64 + 3),
+    ("weights/b.safetensors", 20 * MIB as u64 + 4097),
+    ("config.json", 512),
+];
+
+fn write_model(dir: &Path) -> u64 {
+    let mut total = 0;
+    for (i, (path, size)) in FILES.iter().enumerate() {
+        let at = dir.join(path);
+        fs::create_dir_all(at.parent().unwrap()).unwrap();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ (i as u64 + 1);
+        let bytes: Vec<u8> = (0..*size)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect();
+        fs::write(&at, bytes).unwrap();
+        total += size;
+    }
+    total
+}
+
+/// Bytes of model files the origin sent: each GET's range, or the file.
+fn origin_bytes(origin: &FileServer) -> u64 {
+    origin
+        .requests()
+        .iter()
+        .filter(|r| r.method == "GET")
+        .filter_map(|r| {
+            let path = r.segments.join("/");
+            let size = FILES.iter().find(|(p, _)| *p == path)?.1;
+            let Some(range) = r.header("range").and_then(|v| v.strip_prefix("bytes=")) else {
+                return Some(size);
+            };
+            let (a, b) = range.split_once('-')?;
+            let a: u64 = a.parse().ok()?;
+            let b: u64 = b.parse::<u64>().map_or(size, |b| (b + 1).min(size));
+            Some(b.saturating_sub(a))
+        })
+        .sum()
+}
+
+async fn node(name: &str, api: &ApiServer, tokens: &Path) -> (Driver, String) {
+    let port = free_port().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let kubeconfig = api.kubeconfig_path();
+    let d = Driver::start_node(
+        name,
+        None,
+        &[
+            "--kube-api",
+            "on",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+            "--peer-listen",
+            &listen,
+            "--peer-token-file",
+            tokens.to_str().unwrap(),
+            "--pull-chunk-mib",
+            "8",
+        ],
+    )
+    .await;
+    (d, listen)
+}
+
+async fn pull(d: &Driver, name: &str, uri: &str) -> Volume {
+    let req = create_req(name, &[("backend", "local"), ("source", uri)], READER);
+    d.create(req)
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume on {name}: {:?}: {}", s.code(), s.message()))
+}
+
+/// Waits until `node`'s Lease advertises `sid`.
+async fn advertised(api: &ApiServer, node: &str, sid: &str) {
+    let lease = format!("modelcache-peer-{node}");
+    for _ in 0..100 {
+        let out = api.kubectl(&[
+            "get",
+            "lease",
+            &lease,
+            "-o",
+            "jsonpath={.metadata.annotations.modelcache\\.csi\\.io/models}",
+        ]);
+        if String::from_utf8_lossy(&out.stdout).contains(sid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{node} never advertised {sid}");
+}
+
+fn assert_exact(d: &Driver, sid: &str, model: &Path) {
+    for (path, size) in FILES {
+        let got = d.source_dir("local", sid).join("data").join(path);
+        assert_eq!(fs::metadata(&got).unwrap().len(), size, "{path}");
+        assert_eq!(
+            fixtures::sha256_file(&got),
+            fixtures::sha256_file(&model.join(path)),
+            "{path} differs from the origin's"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    let total = write_model(&model);
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, format!("{TOKEN}\n")).unwrap();
+    let origin = FileServer::start(&model).await;
+    origin.put("manifest.json", fixtures::manifest_for(&model, true));
+    let uri = format!("{}#manifest", origin.url("manifest.json"));
+
+    // Node A: nobody holds the model, the origin serves it all.
+    let (a, a_addr) = node("node-a", &api, &tokens).await;
+    let va = pull(&a, "pvc-a", &uri).await;
+    let sid = va.volume_context["source"].clone();
+    let from_origin_a = origin_bytes(&origin);
+    assert!(
+        from_origin_a >= total,
+        "A fetched {from_origin_a} of {total} bytes from the origin"
+    );
+    assert_exact(&a, &sid, &model);
+    advertised(&api, "node-a", &sid).await;
+
+    // Node B fills from A: at most 2% of the model from the origin.
+    let (b, _) = node("node-b", &api, &tokens).await;
+    let vb = pull(&b, "pvc-b", &uri).await;
+    assert_eq!(vb.volume_context["source"], sid);
+    let from_origin_b = origin_bytes(&origin) - from_origin_a;
+    assert!(
+        from_origin_b * 50 <= total,
+        "B fetched {from_origin_b} of {total} bytes from the origin with a peer holding the model"
+    );
+    assert_exact(&b, &sid, &model);
+    let seal: serde_json::Value =
+        serde_json::from_slice(&fs::read(b.source_dir("local", &sid).join("seal.json")).unwrap())
+            .unwrap();
+    let a_table = &seal["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["path"] == FILES[0].0)
+        .unwrap()["chunks"];
+    assert_eq!(
+        a_table.as_array().unwrap().len(),
+        6,
+        "40 MiB + 3 is six 8 MiB chunks"
+    );
+    advertised(&api, "node-b", &sid).await;
+
+    // A's copy rots on disk (a byte in every chunk of a file, so whichever
+    // chunks C stripes to A are bad). C asks A and B; A's chunk fails its
+    // table, A is dropped, and the model still seals exactly, from B.
+    let rotten = a.source_dir("local", &sid).join("data").join(FILES[0].0);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&rotten)
+            .unwrap();
+        for k in 0..6u64 {
+            let at = (k * (8 << 20) + 1000).min(FILES[0].1 - 1);
+            let mut byte = [0u8; 1];
+            f.read_exact_at(&mut byte, at).unwrap();
+            f.write_all_at(&[!byte[0]], at).unwrap();
+        }
+    }
+    let (c, _) = node("node-c", &api, &tokens).await;
+    let before_c = origin_bytes(&origin);
+    pull(&c, "pvc-c", &uri).await;
+    let from_origin_c = origin_bytes(&origin) - before_c;
+    assert_exact(&c, &sid, &model);
+    assert!(
+        from_origin_c * 50 <= total,
+        "C fetched {from_origin_c} bytes from the origin with a good peer left"
+    );
+    let log = fs::read_to_string(c.dir.join("driver.log")).unwrap();
+    assert!(
+        log.contains("peer served a wrong chunk"),
+        "C never noticed A's rotten chunk:\n{log}"
+    );
+
+    // A lies consistently: its seal's chunk table now describes its rotten
+    // bytes, so every chunk check passes. The origin's sha256 of the whole
+    // file catches it; the file is fetched again from the origin, and the
+    // model seals exactly.
+    let seal_path = a.source_dir("local", &sid).join("seal.json");
+    let mut forged: serde_json::Value =
+        serde_json::from_slice(&fs::read(&seal_path).unwrap()).unwrap();
+    let (_, _, lying_table) = modelcache_csi::cache::manifest::hash_file_chunked(&rotten).unwrap();
+    for f in forged["files"].as_array_mut().unwrap() {
+        if f["path"] == FILES[0].0 {
+            f["chunks"] = serde_json::json!(lying_table);
+        }
+    }
+    fs::write(&seal_path, serde_json::to_vec(&forged).unwrap()).unwrap();
+    drop(b);
+    drop(c);
+    let (d, _) = node("node-d", &api, &tokens).await;
+    let before_d = origin_bytes(&origin);
+    pull(&d, "pvc-d", &uri).await;
+    let from_origin_d = origin_bytes(&origin) - before_d;
+    assert_exact(&d, &sid, &model);
+    let log = fs::read_to_string(d.dir.join("driver.log")).unwrap();
+    assert!(
+        log.contains("failed the origin's sha256"),
+        "D never noticed A's consistent lie:\n{log}"
+    );
+    assert!(
+        from_origin_d >= FILES[0].1,
+        "the lied-about file came from the origin again ({from_origin_d} bytes)"
+    );
+    eprintln!(
+        "origin bytes of a {total}-byte model: A {from_origin_a}, B {from_origin_b}, C {from_origin_c}, D {from_origin_d}"
+    );
+
+    // The peer endpoint serves drivers only: no token, a wrong token: 401
+    // and not one byte of the model.
+    let url = format!("http://{a_addr}/v1/models/{sid}/file?path={}", FILES[2].0);
+    let http = reqwest::Client::new();
+    for auth in [None, Some("Bearer not-the-peer-token-at-all")] {
+        let mut req = http.get(&url);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{auth:?}");
+        let body = resp.bytes().await.unwrap();
+        let config = fs::read(model.join(FILES[2].0)).unwrap();
+        assert!(!body.windows(16).any(|w| config.windows(16).any(|c| c == w)));
+    }
+    let ok = http.get(&url).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(ok.status(), 200);
+    assert_eq!(
+        ok.bytes().await.unwrap(),
+        fs::read(model.join(FILES[2].0)).unwrap()
+    );
+    drop((a, d));
+}
