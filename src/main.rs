@@ -231,7 +231,7 @@ struct ServeArgs {
     #[arg(long)]
     peer_token_file: Option<PathBuf>,
     /// Uploads to peers served at once; more are told to go elsewhere.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 16)]
     peer_max_uploads: usize,
     /// Upload bandwidth to peers, shared by every upload (MiB/s; 0: unbounded).
     #[arg(long, default_value_t = 250)]

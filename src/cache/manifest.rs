@@ -151,6 +151,11 @@ impl FileHasher {
         }
     }
 
+    /// The digests of the whole chunks hashed so far.
+    pub fn chunks(&self) -> &[String] {
+        &self.chunks
+    }
+
     /// The file's sha256 and its chunk table.
     pub fn finish(mut self) -> (String, Vec<String>) {
         if self.in_chunk > 0 {

@@ -18,6 +18,7 @@ pub mod evict;
 pub mod layout;
 pub mod lease;
 pub mod manifest;
+pub mod partial;
 pub mod pull;
 pub mod record;
 pub mod store;

@@ -11,11 +11,13 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use nix::fcntl::{Flock, FlockArg};
 
 use super::layout::{PULL_PREFIX, Root, SourceId, SourcePaths};
 use super::manifest::{FileEntry, LinkEntry, Seal, Tree};
+use super::partial::Partial;
 use super::store::{Growth, SourceStore};
 use crate::error::{Error, IoContext, Result};
 use crate::state;
@@ -39,6 +41,8 @@ pub struct PullArea {
     /// Released on drop, after the area's mount is undone, or by the
     /// kernel when the process dies.
     lock: Option<Flock<File>>,
+    /// What has arrived so far, for peers (`partial`).
+    view: Arc<Partial>,
 }
 
 impl PullArea {
@@ -74,7 +78,13 @@ impl PullArea {
             paths,
             store,
             lock: Some(lock),
+            view: super::partial::register(sid.as_str()),
         })
+    }
+
+    /// What has arrived so far, file by file.
+    pub fn partial(&self) -> &Arc<Partial> {
+        &self.view
     }
 
     /// The area itself, for messages.

@@ -4,7 +4,7 @@
 //! down) drops out when its Lease expires; an evicted model drops out at
 //! the next renewal.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,10 @@ use crate::cache::Root;
 /// The Lease annotations: where the node serves peers, what it holds.
 pub const ADDRESS: &str = "modelcache.csi.io/peer-address";
 pub const MODELS: &str = "modelcache.csi.io/models";
+/// Models the node is pulling now, each with when it started
+/// (`<sid>@<unix ms>`): the first to start pulls from the origin, and
+/// those starting after it fill from it as its bytes arrive.
+pub const PULLING: &str = "modelcache.csi.io/pulling";
 /// The label every driver's peer Lease carries: the driver's name.
 pub const LABEL: &str = "modelcache.csi.io/peer-of";
 
@@ -37,6 +41,8 @@ pub struct Peer {
     pub node: String,
     pub addr: String,
     pub models: BTreeSet<String>,
+    /// Models being pulled there, and when each started (unix ms).
+    pub pulling: BTreeMap<String, u64>,
 }
 
 pub struct Directory {
@@ -47,6 +53,10 @@ pub struct Directory {
     roots: Vec<Root>,
     listed: Mutex<Option<(Instant, Arc<Vec<Peer>>)>>,
     wake: tokio::sync::Notify,
+    /// This node's pulls in progress: sid -> start (unix ms).
+    pulling: Mutex<BTreeMap<String, u64>>,
+    /// One publish at a time, so an older one never lands last.
+    publishing: tokio::sync::Mutex<()>,
 }
 
 /// The Lease name of `node`: DNS-1123, with a digest when the node id had
@@ -90,6 +100,8 @@ impl Directory {
             roots,
             listed: Mutex::new(None),
             wake: tokio::sync::Notify::new(),
+            pulling: Mutex::new(BTreeMap::new()),
+            publishing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -111,7 +123,35 @@ impl Directory {
         self.wake.notify_one();
     }
 
+    /// This node starts pulling `sid` (at `started`, unix ms): published
+    /// before it returns, so that a node listing after it sees it.
+    pub async fn begin(&self, sid: &str, started: u64) -> anyhow::Result<()> {
+        self.pulling
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(sid.to_string(), started);
+        self.publish().await
+    }
+
+    /// This node's pull of `sid` ended (sealed or failed).
+    pub fn end(&self, sid: &str) {
+        self.pulling
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(sid);
+        self.changed();
+    }
+
     async fn publish(&self) -> anyhow::Result<()> {
+        let _one = self.publishing.lock().await;
+        let pulling = self
+            .pulling
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(sid, at)| format!("{sid}@{at}"))
+            .collect::<Vec<_>>()
+            .join(" ");
         let roots = self.roots.clone();
         let held = crate::offload::blocking(move || Ok(held_models(&roots))).await?;
         let models = held
@@ -126,7 +166,7 @@ impl Directory {
             "metadata": {
                 "name": name,
                 "labels": {LABEL: self.driver},
-                "annotations": {ADDRESS: self.advertise, MODELS: models},
+                "annotations": {ADDRESS: self.advertise, MODELS: models, PULLING: pulling},
             },
             "spec": {
                 "holderIdentity": self.node,
@@ -145,12 +185,16 @@ impl Directory {
         Ok(())
     }
 
-    /// Live peers (not this node) that hold `sid` sealed.
-    pub async fn holders(&self, sid: &str) -> Vec<Peer> {
+    /// Live peers (not this node) that hold `sid` sealed or are pulling
+    /// it; `fresh` asks the API now rather than reuse a recent answer.
+    pub async fn holders(&self, sid: &str, fresh: bool) -> Vec<Peer> {
+        if fresh {
+            *self.listed.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
         match self.peers().await {
             Ok(all) => all
                 .iter()
-                .filter(|p| p.models.contains(sid))
+                .filter(|p| p.models.contains(sid) || p.pulling.contains_key(sid))
                 .cloned()
                 .collect(),
             Err(e) => {
@@ -204,10 +248,21 @@ fn live_peer(l: &Lease, now: Timestamp) -> Option<Peer> {
                 .collect()
         })
         .unwrap_or_default();
+    let pulling = ann
+        .get(PULLING)
+        .map(|m| {
+            m.split_whitespace()
+                .filter_map(|e| e.split_once('@'))
+                .filter(|(s, _)| super::is_model(s))
+                .filter_map(|(s, at)| Some((s.to_string(), at.parse().ok()?)))
+                .collect()
+        })
+        .unwrap_or_default();
     Some(Peer {
         node: spec.holder_identity.clone()?,
         addr,
         models,
+        pulling,
     })
 }
 

@@ -23,8 +23,8 @@ use futures::stream::BoxStream;
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use super::Tokens;
 use super::directory::{Directory, Peer};
+use super::{CHUNK_DIGEST, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::{CHUNK_BYTES, Seal, chunk_digest};
 use crate::cache::{Root, SourceId};
 use crate::error::Result;
@@ -42,10 +42,11 @@ pub struct PeerFill {
     tokens: Arc<Tokens>,
     http: reqwest::Client,
     buffers: Arc<Semaphore>,
+    node: String,
 }
 
 impl PeerFill {
-    pub fn new(dir: Arc<Directory>, tokens: Arc<Tokens>, _node: String) -> PeerFill {
+    pub fn new(dir: Arc<Directory>, tokens: Arc<Tokens>, node: String) -> PeerFill {
         let http = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(CONNECT_TIMEOUT)
@@ -56,6 +57,7 @@ impl PeerFill {
             tokens,
             http,
             buffers: Arc::new(Semaphore::new(CHUNKS_IN_FLIGHT)),
+            node,
         }
     }
 
@@ -80,6 +82,10 @@ impl PeerFill {
 
 #[async_trait::async_trait]
 impl Fill for PeerFill {
+    /// Says that this node pulls `sid` (so that nodes starting after it
+    /// follow it), then looks for peers: sealed copies, and pulls started
+    /// before this one. The first node to start, with no sealed copy
+    /// anywhere, pulls from the origin.
     async fn around(
         &self,
         root: &Root,
@@ -90,17 +96,45 @@ impl Fill for PeerFill {
         if !super::fillable(root) {
             return None;
         }
-        let holders = self.dir.holders(sid.as_str()).await;
-        if holders.is_empty() {
+        let started = now_ms();
+        if let Err(e) = self.dir.begin(sid.as_str(), started).await {
+            warn!(error = %e, "could not tell peers about this pull");
+        }
+        let holders = self.dir.holders(sid.as_str(), true).await;
+        let ahead = |p: &Peer| {
+            p.pulling
+                .get(sid.as_str())
+                .is_some_and(|at| (*at, p.node.as_str()) < (started, self.node.as_str()))
+        };
+        let (sealed, pulling): (Vec<Peer>, Vec<Peer>) = holders
+            .into_iter()
+            .partition(|p| p.models.contains(sid.as_str()));
+        let pulling: Vec<Peer> = pulling.into_iter().filter(|p| ahead(p)).collect();
+        if sealed.is_empty() && pulling.is_empty() {
             return None;
         }
         let seals =
-            futures::future::join_all(holders.iter().map(|p| self.seal_of(p, sid.as_str()))).await;
-        let copies: Vec<Copy> = holders
+            futures::future::join_all(sealed.iter().map(|p| self.seal_of(p, sid.as_str()))).await;
+        let leader = pulling
+            .iter()
+            .min_by_key(|p| (p.pulling.get(sid.as_str()).copied(), p.node.clone()))
+            .map(|p| p.node.clone());
+        let mut copies: Vec<Copy> = sealed
             .into_iter()
             .zip(seals)
-            .filter_map(|(peer, seal)| seal.map(|seal| Copy { peer, seal }))
+            .filter_map(|(peer, seal)| {
+                seal.map(|seal| Copy {
+                    peer,
+                    held: Held::Sealed(seal),
+                })
+            })
             .collect();
+        copies.extend(pulling.into_iter().map(|peer| Copy {
+            held: Held::Pulling {
+                leads: leader.as_deref() == Some(peer.node.as_str()),
+            },
+            peer,
+        }));
         let mut plan: HashMap<String, Vec<usize>> = HashMap::new();
         for f in &resolved.files {
             let (Unpack::None, Some(size), Some(sha)) = (&f.unpack, f.size, &f.sha256) else {
@@ -109,10 +143,12 @@ impl Fill for PeerFill {
             let holders: Vec<usize> = copies
                 .iter()
                 .enumerate()
-                .filter(|(_, c)| {
-                    c.seal
+                .filter(|(_, c)| match &c.held {
+                    Held::Sealed(seal) => seal
                         .chunks_of(&f.path)
-                        .is_some_and(|e| e.size == size && e.sha256.eq_ignore_ascii_case(sha))
+                        .is_some_and(|e| e.size == size && e.sha256.eq_ignore_ascii_case(sha)),
+                    // The same model id is the same listing: it pulls this file.
+                    Held::Pulling { .. } => true,
                 })
                 .map(|(i, _)| i)
                 .collect();
@@ -129,8 +165,9 @@ impl Fill for PeerFill {
             .filter(|f| plan.contains_key(&f.path))
             .filter_map(|f| f.size)
             .sum();
+        let names: Vec<String> = copies.iter().map(|c| c.describe()).collect();
         info!(
-            peers = copies.len(),
+            peers = ?names,
             files = plan.len(),
             bytes,
             "filling from peers; the origin serves the rest"
@@ -153,16 +190,49 @@ impl Fill for PeerFill {
         }))
     }
 
-    fn sealed(&self, _root: &Root, _sid: &SourceId) {
-        self.dir.changed();
+    fn ended(&self, _root: &Root, sid: &SourceId, _sealed: bool) {
+        self.dir.end(sid.as_str());
     }
 }
 
-/// A peer and the seal it gave.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What a peer holds of the model.
+enum Held {
+    /// Sealed: its seal, with a chunk table per file.
+    Sealed(Seal),
+    /// Still pulling it, started before this node: it serves the chunks
+    /// it has hashed, each with its digest. The one that started first
+    /// (`leads`, it pulls from the origin) is waited for; the others are
+    /// asked only for what they already have.
+    Pulling { leads: bool },
+}
+
+/// A peer and what it holds.
 struct Copy {
     peer: Peer,
-    seal: Seal,
+    held: Held,
 }
+
+impl Copy {
+    fn describe(&self) -> String {
+        match self.held {
+            Held::Sealed(_) => format!("{} (sealed)", self.peer.node),
+            Held::Pulling { leads: true } => {
+                format!("{} (pulling from the origin)", self.peer.node)
+            }
+            Held::Pulling { leads: false } => format!("{} (pulling)", self.peer.node),
+        }
+    }
+}
+
+/// How long a chunk is asked of peers that are only busy before the
+/// origin serves it.
+const BUSY_PATIENCE: Duration = Duration::from_secs(10);
 
 struct PeerSource {
     inner: Arc<Inner>,
@@ -191,6 +261,10 @@ struct Inner {
 enum Miss {
     /// It served bytes that are not the chunk: drop it for the model.
     Wrong(String),
+    /// It no longer holds or pulls the model: drop it for the model.
+    Gone(String),
+    /// Every upload slot of it is taken: ask again in a moment.
+    Busy,
     /// Busy, slow, gone: ask the next one.
     Unavailable(String),
 }
@@ -228,8 +302,42 @@ impl Inner {
             .inc_by(n);
     }
 
+    /// The copies to ask for chunk `idx` of `path`, in order: sealed ones
+    /// striped by chunk, then one follower that may already have it, then
+    /// the pull that leads (waited for).
+    fn order(&self, path: &str, idx: u64) -> Vec<usize> {
+        let cands = self.candidates(path);
+        let of = |want: fn(&Held) -> bool| -> Vec<usize> {
+            cands
+                .iter()
+                .copied()
+                .filter(|c| want(&self.copies[*c].held))
+                .collect()
+        };
+        let sealed = of(|h| matches!(h, Held::Sealed(_)));
+        let followers = of(|h| matches!(h, Held::Pulling { leads: false }));
+        let leaders = of(|h| matches!(h, Held::Pulling { leads: true }));
+        let mut order: Vec<usize> = (0..sealed.len())
+            .map(|k| sealed[(idx as usize + k) % sealed.len()])
+            .collect();
+        // One follower first (spreading the load), then the leader, which
+        // waits for the chunk, then the other followers.
+        let first = (!followers.is_empty()).then(|| idx as usize % followers.len());
+        if let Some(k) = first {
+            order.push(followers[k]);
+        }
+        order.extend(leaders);
+        order.extend(
+            (0..followers.len())
+                .filter(|k| Some(*k) != first)
+                .map(|k| followers[k]),
+        );
+        order
+    }
+
     /// Chunk `idx` of `file` (`[start, end)`) from copy `c`, checked
-    /// against that copy's chunk table.
+    /// against that copy's chunk table (sealed) or the digest it sends
+    /// with the chunk (still pulling).
     async fn chunk(
         &self,
         c: usize,
@@ -239,11 +347,18 @@ impl Inner {
         end: u64,
     ) -> std::result::Result<Bytes, Miss> {
         let copy = &self.copies[c];
-        let want = copy
-            .seal
-            .chunks_of(&file.path)
-            .and_then(|e| e.chunks.get(idx as usize))
-            .ok_or_else(|| Miss::Wrong("its chunk table has no such chunk".into()))?;
+        let (table, wait) = match &copy.held {
+            Held::Sealed(seal) => (
+                Some(
+                    seal.chunks_of(&file.path)
+                        .and_then(|e| e.chunks.get(idx as usize))
+                        .ok_or_else(|| Miss::Wrong("its chunk table has no such chunk".into()))?
+                        .clone(),
+                ),
+                None,
+            ),
+            Held::Pulling { leads } => (None, Some(*leads)),
+        };
         let _buffer = self
             .buffers
             .acquire()
@@ -251,31 +366,62 @@ impl Inner {
             .map_err(|_| Miss::Unavailable("shutting down".into()))?;
         let url = format!("http://{}/v1/models/{}/file", copy.peer.addr, self.sid);
         let len = end - start;
-        let within =
+        let mut within =
             CONNECT_TIMEOUT + Duration::from_secs_f64(len as f64 / MIN_PEER_BYTES_PER_SEC as f64);
+        if wait == Some(true) {
+            within += WAIT_FOR_CHUNK;
+        }
         let fetch = async {
-            let resp = self
+            let mut req = self
                 .http
                 .get(&url)
                 .query(&[("path", file.path.as_str())])
                 .bearer_auth(self.tokens.presented())
-                .header(reqwest::header::RANGE, format!("bytes={start}-{}", end - 1))
+                .header(reqwest::header::RANGE, format!("bytes={start}-{}", end - 1));
+            if let Some(w) = wait {
+                req = req.query(&[("wait", if w { "1" } else { "0" })]);
+            }
+            let resp = req
                 .send()
                 .await
                 .map_err(|e| Miss::Unavailable(e.to_string()))?;
-            if resp.status() != reqwest::StatusCode::PARTIAL_CONTENT {
-                return Err(Miss::Unavailable(format!("answered {}", resp.status())));
+            match resp.status() {
+                reqwest::StatusCode::PARTIAL_CONTENT => {}
+                reqwest::StatusCode::NOT_FOUND => {
+                    return Err(Miss::Gone(format!("answered {}", resp.status())));
+                }
+                s => {
+                    let reason = resp
+                        .headers()
+                        .get(super::REFUSED)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("");
+                    if reason == "busy" {
+                        return Err(Miss::Busy);
+                    }
+                    return Err(Miss::Unavailable(format!("answered {s} {reason}")));
+                }
             }
-            resp.bytes()
+            let sent = resp
+                .headers()
+                .get(CHUNK_DIGEST)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let body = resp
+                .bytes()
                 .await
-                .map_err(|e| Miss::Unavailable(e.to_string()))
+                .map_err(|e| Miss::Unavailable(e.to_string()))?;
+            Ok((body, sent))
         };
-        let body = tokio::time::timeout(within, fetch).await.map_err(|_| {
+        let (body, sent) = tokio::time::timeout(within, fetch).await.map_err(|_| {
             Miss::Unavailable(format!(
                 "slower than {} MiB/s",
                 MIN_PEER_BYTES_PER_SEC >> 20
             ))
         })??;
+        let want = table
+            .or(sent)
+            .ok_or_else(|| Miss::Wrong("it sent a chunk without its digest".into()))?;
         if body.len() as u64 != len {
             return Err(Miss::Wrong(format!(
                 "sent {} bytes of a {len}-byte chunk",
@@ -288,9 +434,9 @@ impl Inner {
         })
         .await
         .map_err(|e| Miss::Unavailable(e.to_string()))?;
-        if !got.eq_ignore_ascii_case(want) {
+        if !got.eq_ignore_ascii_case(&want) {
             return Err(Miss::Wrong(format!(
-                "chunk {idx} of {} hashes to {got}, its chunk table says {want}",
+                "chunk {idx} of {} hashes to {got}, the peer says {want}",
                 file.path
             )));
         }
@@ -309,44 +455,30 @@ impl Inner {
         let mut pos = offset;
         while pos < end {
             let idx = pos / CHUNK_BYTES;
-            let (cs, ce) = (
-                idx * CHUNK_BYTES,
-                ((idx + 1) * CHUNK_BYTES).min(file.size.unwrap_or(end)),
-            );
-            let cands = self.candidates(&file.path);
-            let mut got = None;
-            for k in 0..cands.len() {
-                let c = cands[(idx as usize + k) % cands.len()];
-                match self.chunk(c, &file, idx, cs, ce).await {
-                    Ok(b) => {
-                        got = Some((c, b));
-                        break;
-                    }
-                    Err(Miss::Wrong(why)) => {
-                        warn!(peer = %self.copies[c].peer.node, model = %self.sid, %why, "peer served a wrong chunk; it is dropped for this model");
-                        self.dropped
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(c);
-                    }
-                    Err(Miss::Unavailable(why)) => {
-                        tracing::debug!(peer = %self.copies[c].peer.node, %why, "peer could not serve a chunk");
-                    }
-                }
-            }
-            let Some((c, chunk)) = got else {
+            let size = file.size.unwrap_or(end);
+            let (cs, ce) = (idx * CHUNK_BYTES, ((idx + 1) * CHUNK_BYTES).min(size));
+            if self.order(&file.path, idx).is_empty() {
                 break;
-            };
+            }
+            let got = self.chunk_from_peers(&file, idx, cs, ce).await;
             let until = end.min(ce);
-            let piece = chunk.slice((pos - cs) as usize..(until - cs) as usize);
-            self.served_by
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(file.path.clone())
-                .or_default()
-                .insert(c);
-            self.count("peer", piece.len() as u64);
-            if tx.send(Ok(piece)).await.is_err() {
+            let piece = match got {
+                Some((c, chunk)) => {
+                    self.served_by
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .entry(file.path.clone())
+                        .or_default()
+                        .insert(c);
+                    self.count("peer", until - pos);
+                    Ok(chunk.slice((pos - cs) as usize..(until - cs) as usize))
+                }
+                // No peer could serve this chunk now: the origin does, and
+                // peers are asked again for the next.
+                None => self.origin_range(&file, pos, until).await,
+            };
+            let failed = piece.is_err();
+            if tx.send(piece).await.is_err() || failed {
                 return;
             }
             pos = until;
@@ -354,7 +486,7 @@ impl Inner {
         if pos >= end {
             return;
         }
-        // The rest of the range from the origin.
+        // No peer left for this file: the rest of the range from the origin.
         match self.origin.read(&file, pos, Some(end - pos)).await {
             Err(e) => {
                 let _ = tx.send(Err(e)).await;
@@ -370,6 +502,67 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Chunk `idx` from the first peer in `order` that serves it right.
+    /// Peers that are only busy are asked again, round after round, for a
+    /// while: their slots free up in moments, and the origin is the last
+    /// resort, not the next one.
+    async fn chunk_from_peers(
+        &self,
+        file: &RemoteFile,
+        idx: u64,
+        cs: u64,
+        ce: u64,
+    ) -> Option<(usize, Bytes)> {
+        let patience = tokio::time::Instant::now() + BUSY_PATIENCE;
+        let mut round = 0u32;
+        loop {
+            let mut busy = false;
+            for c in self.order(&file.path, idx) {
+                match self.chunk(c, file, idx, cs, ce).await {
+                    Ok(b) => return Some((c, b)),
+                    Err(Miss::Wrong(why)) => {
+                        warn!(peer = %self.copies[c].peer.node, model = %self.sid, %why, "peer served a wrong chunk; it is dropped for this model");
+                        self.drop_copy(c);
+                    }
+                    Err(Miss::Gone(why)) => {
+                        tracing::debug!(peer = %self.copies[c].peer.node, %why, "peer no longer holds the model");
+                        self.drop_copy(c);
+                    }
+                    Err(Miss::Busy) => busy = true,
+                    Err(Miss::Unavailable(why)) => {
+                        tracing::debug!(peer = %self.copies[c].peer.node, %why, "peer could not serve a chunk");
+                    }
+                }
+            }
+            if !busy || tokio::time::Instant::now() >= patience {
+                return None;
+            }
+            round += 1;
+            let pause = Duration::from_millis(20u64 << round.min(4));
+            tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64() * 0.5)).await;
+        }
+    }
+
+    fn drop_copy(&self, c: usize) {
+        self.dropped
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(c);
+    }
+
+    /// `[start, end)` of `file` from the origin, whole, in memory (at
+    /// most a chunk).
+    async fn origin_range(&self, file: &RemoteFile, start: u64, end: u64) -> Result<Bytes> {
+        let mut s = self.origin.read(file, start, Some(end - start)).await?;
+        let mut buf = bytes::BytesMut::with_capacity((end - start) as usize);
+        while let Some(b) = s.next().await {
+            let b = b?;
+            self.count("origin", b.len() as u64);
+            buf.extend_from_slice(&b);
+        }
+        Ok(buf.freeze())
     }
 }
 

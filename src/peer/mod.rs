@@ -21,6 +21,17 @@ use crate::cache::{Root, Roots, SourceId};
 pub use crate::config::PeerConfig;
 use crate::error::{Error, Result};
 
+// The protocol between peers, shared by `server` and `fill`.
+
+/// How long a peer still pulling holds a request for a chunk it has not
+/// got yet, while its pull moves; under the engine's stall window, so a
+/// stream waiting on it is never taken for a stalled one.
+pub const WAIT_FOR_CHUNK: Duration = Duration::from_secs(15);
+/// The header naming why a request was refused (`busy`, `not_yet`, ...).
+pub const REFUSED: &str = "x-modelcache-refused";
+/// The header a peer sends its chunk's digest in.
+pub const CHUNK_DIGEST: &str = "x-modelcache-chunk-sha256";
+
 /// The roots whose sealed models this node serves to peers and fills from
 /// them: node-local directory trees. A shared root is one copy for every
 /// node already; an XFS image is read only through a mount.

@@ -24,11 +24,14 @@ use hyper_util::rt::TokioIo;
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
-use super::Tokens;
+use super::{CHUNK_DIGEST, REFUSED, Tokens, WAIT_FOR_CHUNK};
+use crate::cache::manifest::CHUNK_BYTES;
 use crate::cache::{self, Root, Seal};
 
 type Body = BoxBody<Bytes, Infallible>;
 
+/// How long a request waits for an upload slot before it is turned away.
+const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// Bytes read and sent at a time.
 const PIECE: usize = 1 << 20;
 
@@ -82,14 +85,17 @@ impl PeerServer {
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
-        let refused = |reason: &str, status: StatusCode, msg: String| {
+        let refused = |reason: &'static str, status: StatusCode, msg: String| {
             crate::metrics::global()
                 .peer_refused
                 .get_or_create(&crate::metrics::Reason {
                     reason: reason.into(),
                 })
                 .inc();
-            text(status, msg)
+            let mut r = text(status, msg);
+            r.headers_mut()
+                .insert(REFUSED, header::HeaderValue::from_static(reason));
+            r
         };
         let token = req
             .headers()
@@ -131,9 +137,27 @@ impl PeerServer {
             );
         }
         let (sid, what) = (sid.to_string(), what.to_string());
-        let roots = self.roots.clone();
-        let s = sid.clone();
-        let found = crate::offload::blocking(move || find(&roots, &s)).await;
+        // A pull announced here may not have opened its area yet, or may
+        // be sealing right now: an asker that waits looks again a moment.
+        let waits = req.uri().query().is_some_and(|q| q.contains("wait=1"));
+        let until = tokio::time::Instant::now() + Duration::from_secs(5);
+        let found = loop {
+            let (roots, s) = (self.roots.clone(), sid.clone());
+            let found = crate::offload::blocking(move || find(&roots, &s)).await;
+            if matches!(found, Ok(Some(_))) || what != "file" {
+                break found;
+            }
+            if let Some(view) = cache::partial::lookup(&sid) {
+                return match self.clone().partial(view, &req).await {
+                    Ok(r) => r,
+                    Err((reason, status, msg)) => refused(reason, status, msg),
+                };
+            }
+            if !waits || tokio::time::Instant::now() >= until {
+                break found;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
         let Ok(Some((root, seal))) = found else {
             return refused(
                 "not_held",
@@ -180,7 +204,7 @@ impl PeerServer {
                         );
                     }
                 };
-                let Ok(slot) = self.uploads.clone().try_acquire_owned() else {
+                let Some(slot) = self.slot().await else {
                     return refused(
                         "busy",
                         StatusCode::SERVICE_UNAVAILABLE,
@@ -211,6 +235,15 @@ impl PeerServer {
                 let mut resp = Response::builder()
                     .header(header::CONTENT_LENGTH, end - start)
                     .header(header::CONTENT_TYPE, "application/octet-stream");
+                // A whole chunk carries its digest, as from a pull still
+                // running: a node that began filling from this one's pull
+                // goes on reading the same way once it is sealed.
+                let idx = start / CHUNK_BYTES;
+                let whole_chunk =
+                    start % CHUNK_BYTES == 0 && end == (start + CHUNK_BYTES).min(entry.size);
+                if whole_chunk && let Some(d) = entry.chunks.get(idx as usize) {
+                    resp = resp.header(CHUNK_DIGEST, d.as_str());
+                }
                 resp = if range.is_some() {
                     resp.status(StatusCode::PARTIAL_CONTENT).header(
                         header::CONTENT_RANGE,
@@ -227,6 +260,93 @@ impl PeerServer {
                 "no such endpoint".into(),
             ),
         }
+    }
+
+    /// An upload slot, waiting a moment for one: an asker turned away
+    /// tries other peers, then comes back.
+    async fn slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        tokio::time::timeout(SLOT_WAIT, self.uploads.clone().acquire_owned())
+            .await
+            .ok()?
+            .ok()
+    }
+
+    /// One chunk of a model this node is still pulling, once its hasher
+    /// has passed it (waiting for it while the pull moves, when asked to),
+    /// with the chunk's digest in a header.
+    async fn partial(
+        self: Arc<Self>,
+        view: Arc<cache::partial::Partial>,
+        req: &Request<Incoming>,
+    ) -> Result<Response<Body>, (&'static str, StatusCode, String)> {
+        let bad = |m: &str| ("bad_request", StatusCode::BAD_REQUEST, m.to_string());
+        let mut path = None;
+        let mut wait = false;
+        for (k, v) in url::form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
+            match &*k {
+                "path" => path = Some(v.into_owned()),
+                "wait" => wait = v == "1",
+                _ => {}
+            }
+        }
+        let path = path.ok_or_else(|| bad("no path"))?;
+        let (start, end) = req
+            .headers()
+            .get(header::RANGE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|r| parse_range(r, u64::MAX))
+            .ok_or_else(|| bad("a model still arriving is served one chunk at a time, by Range"))?;
+        let idx = start / CHUNK_BYTES;
+        let ready = |f: &cache::partial::FileView| f.has_chunk(idx);
+        let f = match view.file(&path).filter(ready) {
+            Some(f) => f,
+            None if wait => view
+                .wait_for(
+                    &path,
+                    ready,
+                    1 << 20,
+                    Duration::from_secs(5),
+                    WAIT_FOR_CHUNK,
+                )
+                .await
+                .ok_or((
+                    "not_yet",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "not yet: the pull here has not reached that chunk".to_string(),
+                ))?,
+            None => {
+                return Err(("not_yet", StatusCode::SERVICE_UNAVAILABLE, "not yet".into()));
+            }
+        };
+        if (start, end) != f.chunk_range(idx) {
+            return Err(bad("the range must be one whole chunk"));
+        }
+        let digest = f.chunks[idx as usize].clone();
+        let slot = self.slot().await.ok_or((
+            "busy",
+            StatusCode::SERVICE_UNAVAILABLE,
+            "every upload slot is taken".to_string(),
+        ))?;
+        // The partial file may have just been renamed into place.
+        let file = open_regular(&f.at)
+            .or_else(|| view.file(&path).and_then(|g| open_regular(&g.at)))
+            .ok_or((
+                "busy",
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the file is moving into place; ask again".to_string(),
+            ))?;
+        let body = self.stream(file, start, end, slot);
+        Ok(Response::builder()
+            .status(StatusCode::PARTIAL_CONTENT)
+            .header(header::CONTENT_LENGTH, end - start)
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .header(CHUNK_DIGEST, digest)
+            .header(
+                header::CONTENT_RANGE,
+                format!("bytes {start}-{}/{}", end - 1, f.size),
+            )
+            .body(body)
+            .expect("valid response"))
     }
 
     /// Streams `[start, end)` of `file`, paced, holding the upload slot
@@ -268,6 +388,15 @@ impl PeerServer {
         });
         StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed()
     }
+}
+
+fn open_regular(at: &std::path::Path) -> Option<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(at)
+        .ok()
+        .filter(|f| f.metadata().is_ok_and(|m| m.is_file()))
 }
 
 /// The root holding `sid` sealed, and its seal.

@@ -210,6 +210,6 @@ pub trait Fill: Send + Sync {
         origin: Arc<dyn Source>,
     ) -> Option<Arc<dyn Source>>;
 
-    /// Model `sid` was just sealed in `root`: others may fill from it.
-    fn sealed(&self, root: &crate::cache::Root, sid: &crate::cache::SourceId);
+    /// The pull `around` was asked about ended, `sealed` or not.
+    fn ended(&self, root: &crate::cache::Root, sid: &crate::cache::SourceId, sealed: bool);
 }

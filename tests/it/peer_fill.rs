@@ -65,26 +65,27 @@ fn origin_bytes(origin: &FileServer) -> u64 {
 }
 
 async fn node(name: &str, api: &ApiServer, tokens: &Path) -> (Driver, String) {
+    node_with(name, api, tokens, &[]).await
+}
+
+async fn node_with(name: &str, api: &ApiServer, tokens: &Path, extra: &[&str]) -> (Driver, String) {
     let port = free_port().to_string();
     let listen = format!("127.0.0.1:{port}");
     let kubeconfig = api.kubeconfig_path();
-    let d = Driver::start_node(
-        name,
-        None,
-        &[
-            "--kube-api",
-            "on",
-            "--kubeconfig",
-            kubeconfig.to_str().unwrap(),
-            "--peer-listen",
-            &listen,
-            "--peer-token-file",
-            tokens.to_str().unwrap(),
-            "--pull-chunk-mib",
-            "8",
-        ],
-    )
-    .await;
+    let mut args = vec![
+        "--kube-api",
+        "on",
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--peer-listen",
+        &listen,
+        "--peer-token-file",
+        tokens.to_str().unwrap(),
+        "--pull-chunk-mib",
+        "8",
+    ];
+    args.extend_from_slice(extra);
+    let d = Driver::start_node(name, None, &args).await;
     (d, listen)
 }
 
@@ -265,4 +266,129 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
         fs::read(model.join(FILES[2].0)).unwrap()
     );
     drop((a, d));
+}
+
+/// Writes `files` files of `mib` MiB each: one random MiB, salted by its
+/// position so that no two chunks are alike.
+fn write_large_model(dir: &Path, files: usize, mib: usize) -> u64 {
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let block: Vec<u8> = (0..1 << 20)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed as u8
+        })
+        .collect();
+    for f in 0..files {
+        let mut out = Vec::with_capacity(mib << 20);
+        for m in 0..mib {
+            let start = out.len();
+            out.extend_from_slice(&block);
+            out[start..start + 8].copy_from_slice(&((f * mib + m) as u64).to_le_bytes());
+        }
+        fs::write(dir.join(format!("shard-{f}.bin")), out).unwrap();
+    }
+    (files * (mib << 20)) as u64
+}
+
+/// Bytes of any file the origin sent (ranges, else the file's size).
+fn origin_bytes_under(origin: &FileServer, dir: &Path) -> u64 {
+    origin
+        .requests()
+        .iter()
+        .filter(|r| r.method == "GET")
+        .filter_map(|r| {
+            let size = fs::metadata(dir.join(r.segments.join("/"))).ok()?.len();
+            if r.segments.last().is_some_and(|s| s.ends_with(".json")) {
+                return None;
+            }
+            let Some(range) = r.header("range").and_then(|v| v.strip_prefix("bytes=")) else {
+                return Some(size);
+            };
+            let (a, b) = range.split_once('-')?;
+            let a: u64 = a.parse().ok()?;
+            let b: u64 = b.parse::<u64>().map_or(size, |b| (b + 1).min(size));
+            Some(b.saturating_sub(a))
+        })
+        .sum()
+}
+
+/// Eight nodes fill one 1 GiB model at once from an origin paced to a
+/// known rate: the first to start pulls it, the others fill from its pull
+/// as it arrives (and from each other). The origin sends about one copy,
+/// and the last node is done soon after one node alone would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_nodes_filling_at_once_cost_the_origin_one_copy() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    fs::create_dir_all(&model).unwrap();
+    let total = write_large_model(&model, 4, 256);
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, format!("{TOKEN}\n")).unwrap();
+    let origin = FileServer::start(&model).await;
+    let manifest = fixtures::manifest_for(&model, true);
+    // Two names for the same bytes: two models, so the one pulled alone
+    // is nobody's peer in the fan-out.
+    origin.put("alone.json", manifest.clone());
+    origin.put("fanout.json", manifest);
+    // Per connection; a pull runs 4 files x 2 connections: about 24 s for
+    // one node alone. Eight node processes share this machine's 2 cores
+    // and one disk (about 20 s of hashing and writing for eight copies);
+    // a faster origin would measure the machine, not the fan-out.
+    origin.throttle(3 << 20);
+
+    let solo = node("node-solo", &api, &tokens).await;
+    let started = std::time::Instant::now();
+    pull(
+        &solo.0,
+        "pvc-solo",
+        &format!("{}#manifest", origin.url("alone.json")),
+    )
+    .await;
+    let alone = started.elapsed();
+    drop(solo);
+    let before = origin_bytes_under(&origin, &model);
+
+    let mut nodes = Vec::new();
+    // Loopback is no pod network: the upload bound (250 MiB/s by default,
+    // there so that serving peers never starves a node's pods) would be
+    // the only limit measured here.
+    for i in 0..8 {
+        let unbounded = ["--peer-upload-mib-per-second", "0"];
+        nodes.push(node_with(&format!("node-{i}"), &api, &tokens, &unbounded).await);
+    }
+    let uri = format!("{}#manifest", origin.url("fanout.json"));
+    let started = std::time::Instant::now();
+    let took: Vec<Duration> =
+        futures::future::join_all(nodes.iter().enumerate().map(|(i, (d, _))| {
+            let uri = uri.clone();
+            async move {
+                pull(d, &format!("pvc-fan-{i}"), &uri).await;
+                started.elapsed()
+            }
+        }))
+        .await;
+    let from_origin = origin_bytes_under(&origin, &model) - before;
+    let last = took.iter().max().copied().unwrap();
+    eprintln!(
+        "fan-out of a {total}-byte model: one node alone {:.1}s; 8 at once: last {:.1}s ({:.2}x), each {:?}; origin sent {from_origin} bytes ({:.3}x the model)",
+        alone.as_secs_f64(),
+        last.as_secs_f64(),
+        last.as_secs_f64() / alone.as_secs_f64(),
+        took.iter()
+            .map(|t| format!("{:.1}", t.as_secs_f64()))
+            .collect::<Vec<_>>(),
+        from_origin as f64 / total as f64,
+    );
+    assert!(
+        from_origin * 10 <= total * 11,
+        "the origin sent {from_origin} bytes for a {total}-byte model to 8 nodes"
+    );
+    assert!(
+        last.as_secs_f64() <= alone.as_secs_f64() * 1.5,
+        "the last of 8 nodes took {last:?}, one node alone {alone:?}"
+    );
+    drop(nodes);
 }

@@ -68,6 +68,10 @@ pub(super) async fn fetch_file(
         (Some(sha), true) => {
             let size = st.size.unwrap_or(0);
             ctx.bytes.fetch_add(size, Ordering::Relaxed);
+            if file.unpack == Unpack::None {
+                work.partial()
+                    .finished(&file.path, size, dest.clone(), st.chunks.clone());
+            }
             (size, sha.clone(), st.chunks.clone())
         }
         _ => loop {
@@ -107,6 +111,10 @@ pub(super) async fn fetch_file(
             st.chunks = chunks.clone();
             let (w, s) = (work.clone(), st.clone());
             blocking(move || save_state(&w, &s)).await?;
+            if file.unpack == Unpack::None {
+                work.partial()
+                    .finished(&file.path, size, dest.clone(), chunks.clone());
+            }
             break (size, sha, chunks);
         },
     };
@@ -225,6 +233,10 @@ pub(super) async fn ranged_download(
         *i < n && !done.contains(i) && *b > 0 && *b < all[*i as usize].1 - all[*i as usize].0
     });
     let frontier = ctx.frontier(Some(size));
+    if file.unpack == Unpack::None {
+        work.partial().begin(&file.path, size, part.to_path_buf());
+        frontier.report_to(work.partial().clone(), &file.path);
+    }
     for i in &st.done {
         let (start, end) = all[*i as usize];
         frontier.mark_written(start, end);

@@ -66,6 +66,9 @@ pub(super) struct Frontier {
     /// Windows this file may hold ahead of the frontier.
     pub(super) spares: usize,
     pub(super) flow: Arc<Flow>,
+    /// Where the hashed prefix is published (peers read it), with the
+    /// file's path in the model.
+    pub(super) view: std::sync::OnceLock<(Arc<Partial>, String)>,
 }
 
 pub(super) struct FrontierState {
@@ -99,6 +102,18 @@ impl Frontier {
             window,
             spares,
             flow,
+            view: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Publishes the hashed prefix to `view` as it grows.
+    pub(super) fn report_to(&self, view: Arc<Partial>, path: &str) {
+        let _ = self.view.set((view, path.to_string()));
+    }
+
+    fn report(&self, h: &FileHasher, hashed: u64) {
+        if let Some((view, path)) = self.view.get() {
+            view.hashed(path, hashed, h.chunks());
         }
     }
 
@@ -151,6 +166,7 @@ impl Frontier {
                 // Hash outside the lock: other ranges keep writing meanwhile.
                 drop(s);
                 h.update(w.data());
+                self.report(&h, at + n);
                 s = self.lock();
                 s.sha = Some(h);
                 s.hashed = at + n;
@@ -212,6 +228,7 @@ impl Frontier {
                 drop(s);
                 h.update(w.data());
                 let end = at + w.len() as u64;
+                self.report(&h, end);
                 w.clear();
                 s = self.lock();
                 s.sha = Some(h);
@@ -240,6 +257,7 @@ impl Frontier {
                     h.update(&buf[..n]);
                     pos += n as u64;
                 }
+                self.report(&h, pos);
                 s = self.lock();
                 s.sha = Some(h);
                 s.hashed = pos;

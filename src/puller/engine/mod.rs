@@ -52,6 +52,7 @@ use super::direct::{ALIGN, PartFile, Window};
 use super::source::{Compression, Fill, PullLimits, RemoteFile, Resolved, Source, Unpack};
 use super::unpack::Budget;
 use crate::cache::manifest::{FileEntry, FileHasher};
+use crate::cache::partial::Partial;
 use crate::cache::pull::PullArea;
 use crate::cache::{self, Root, Seal, SourceId};
 pub use crate::config::EngineConfig;
@@ -269,21 +270,25 @@ impl Engine {
                 bytes: AtomicU64::new(0),
             };
             let requester = source.requester();
-            let source = self.filled(root, &sid, &resolved, source).await?;
-            let fetched = self.fetch_within_deadline(root, &pull, source, &counted);
-            match self
+            let source = self.filled(root, &sid, &resolved, source).await;
+            let fetched = async {
+                self.fetch_within_deadline(root, &pull, source?, &counted)
+                    .await
+            };
+            let fetched = self
                 .give_up_slot_when_slow(slot, &counted.bytes, fetched)
-                .await
-            {
+                .await;
+            if let Some(fill) = &self.fill {
+                fill.ended(root, &sid, fetched.is_ok());
+            }
+            match fetched {
                 Ok((seal, fetched)) => {
                     // It read every byte with its own credentials, or proved
                     // its access before peers served them.
                     if let Some(r) = requester {
                         self.remember_access(&sid, r);
                     }
-                    if let Some(fill) = &self.fill {
-                        fill.sealed(root, &sid);
-                    }
+
                     m.pull_bytes
                         .get_or_create(&crate::metrics::Scheme {
                             scheme: scheme.clone(),

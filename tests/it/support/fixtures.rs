@@ -420,17 +420,27 @@ async fn connection(mut sock: TcpStream, handler: Handler) {
 /// Writes `send` bytes of `payload` in 64 KiB pieces at `rate` bytes/s.
 async fn throttled(sock: &mut TcpStream, payload: Payload, send: u64, rate: u64) {
     const PIECE: u64 = 64 << 10;
-    let (bytes, start): (Vec<u8>, u64) = match payload {
+    // Only the bytes to send, read at their offset: a ranged request to
+    // a large file must not read the whole file.
+    let bytes: Vec<u8> = match payload {
         Payload::Empty => return,
-        Payload::Bytes(b, start, _) => (b.to_vec(), start),
-        Payload::File(path, start, _) => match tokio::fs::read(&path).await {
-            Ok(b) => (b, start),
-            Err(_) => return,
-        },
+        Payload::Bytes(b, start, _) => b[start as usize..(start + send) as usize].to_vec(),
+        Payload::File(path, start, _) => {
+            let Ok(mut f) = tokio::fs::File::open(&path).await else {
+                return;
+            };
+            let mut v = Vec::with_capacity(send as usize);
+            if f.seek(std::io::SeekFrom::Start(start)).await.is_err()
+                || f.take(send).read_to_end(&mut v).await.is_err()
+            {
+                return;
+            }
+            v
+        }
     };
     let pace = Duration::from_secs_f64(PIECE as f64 / rate.max(1) as f64);
-    let mut at = start;
-    let end = start + send;
+    let mut at = 0;
+    let end = send.min(bytes.len() as u64);
     while at < end {
         let n = PIECE.min(end - at);
         if sock

@@ -1,0 +1,217 @@
+//! What a pull in progress has hashed so far, file by file: the prefix of
+//! each file its in-order hasher has covered, and that prefix's chunk
+//! digests. Peers serve from it while the model is still arriving.
+//!
+//! These bytes are written, not yet verified: a file's sha256 is checked
+//! against the origin's only once it is whole. A reader of a partial view
+//! (another node's pull) checks every chunk against the digest it is sent
+//! and the whole file against the origin's own sha256, so a prefix is
+//! never trusted on this node's word alone.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::time::Duration;
+
+use super::manifest::CHUNK_BYTES;
+
+/// One file of a pull in progress.
+#[derive(Clone, Debug)]
+pub struct FileView {
+    pub size: u64,
+    /// Where its bytes are now: the partial file, then the file in place.
+    pub at: PathBuf,
+    /// Bytes `[0, hashed)` are written and hashed.
+    pub hashed: u64,
+    /// The digests of the whole chunks in `[0, hashed)` (and of the last,
+    /// short one once the file is whole).
+    pub chunks: Vec<String>,
+}
+
+impl FileView {
+    /// Whether chunk `idx` is written and hashed.
+    pub fn has_chunk(&self, idx: u64) -> bool {
+        (idx as usize) < self.chunks.len()
+    }
+
+    /// The bytes of chunk `idx`: `[start, end)`.
+    pub fn chunk_range(&self, idx: u64) -> (u64, u64) {
+        let start = idx.saturating_mul(CHUNK_BYTES);
+        (start, start.saturating_add(CHUNK_BYTES).min(self.size))
+    }
+}
+
+/// The partial view of one model's pull in this process.
+#[derive(Default)]
+pub struct Partial {
+    files: Mutex<HashMap<String, FileView>>,
+    /// Bytes hashed so far across files: a reader waiting for a chunk
+    /// waits while this moves.
+    moved: AtomicU64,
+    changed: tokio::sync::Notify,
+}
+
+impl Partial {
+    fn files(&self) -> std::sync::MutexGuard<'_, HashMap<String, FileView>> {
+        self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A file starts (or resumes) arriving at `at`.
+    pub fn begin(&self, path: &str, size: u64, at: PathBuf) {
+        self.files().insert(
+            path.to_string(),
+            FileView {
+                size,
+                at,
+                hashed: 0,
+                chunks: Vec::new(),
+            },
+        );
+    }
+
+    /// The hasher of `path` reached `hashed`, with `chunks` the digests of
+    /// every whole chunk so far.
+    pub fn hashed(&self, path: &str, hashed: u64, chunks: &[String]) {
+        {
+            let mut files = self.files();
+            let Some(f) = files.get_mut(path) else {
+                return;
+            };
+            let grew = hashed.saturating_sub(f.hashed);
+            f.hashed = f.hashed.max(hashed);
+            if chunks.len() > f.chunks.len() {
+                f.chunks.extend_from_slice(&chunks[f.chunks.len()..]);
+            }
+            self.moved.fetch_add(grew, Ordering::Relaxed);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// `path` is whole, verified and in place at `at`.
+    pub fn finished(&self, path: &str, size: u64, at: PathBuf, chunks: Vec<String>) {
+        self.files().insert(
+            path.to_string(),
+            FileView {
+                size,
+                at,
+                hashed: size,
+                chunks,
+            },
+        );
+        self.changed.notify_waiters();
+    }
+
+    pub fn file(&self, path: &str) -> Option<FileView> {
+        self.files().get(path).cloned()
+    }
+
+    /// Bytes hashed so far, across files.
+    pub fn moved(&self) -> u64 {
+        self.moved.load(Ordering::Relaxed)
+    }
+
+    /// Waits until `ready` holds of `path`'s view, as long as the pull
+    /// keeps moving at least `min_bytes` every `window`; returns the view,
+    /// or None when the pull stalled, ended or `max` passed.
+    pub async fn wait_for(
+        &self,
+        path: &str,
+        ready: impl Fn(&FileView) -> bool,
+        min_bytes: u64,
+        window: Duration,
+        max: Duration,
+    ) -> Option<FileView> {
+        let deadline = tokio::time::Instant::now() + max;
+        let mut mark = (tokio::time::Instant::now(), self.moved());
+        loop {
+            let notified = self.changed.notified();
+            if let Some(f) = self.file(path).filter(|f| ready(f)) {
+                return Some(f);
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            if now.duration_since(mark.0) >= window {
+                if self.moved().saturating_sub(mark.1) < min_bytes {
+                    return None;
+                }
+                mark = (now, self.moved());
+            }
+            let _ = tokio::time::timeout(
+                window.min(deadline.saturating_duration_since(now)),
+                notified,
+            )
+            .await;
+        }
+    }
+}
+
+static PULLS: LazyLock<Mutex<HashMap<String, Weak<Partial>>>> = LazyLock::new(Default::default);
+
+/// A new view for the pull of `sid` in this process, findable by
+/// [`lookup`] for as long as it lives.
+pub fn register(sid: &str) -> Arc<Partial> {
+    let view = Arc::new(Partial::default());
+    let mut pulls = PULLS.lock().unwrap_or_else(|p| p.into_inner());
+    pulls.retain(|_, w| w.strong_count() > 0);
+    pulls.insert(sid.to_string(), Arc::downgrade(&view));
+    view
+}
+
+/// The view of `sid`'s pull, while one runs in this process.
+pub fn lookup(sid: &str) -> Option<Arc<Partial>> {
+    PULLS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(sid)
+        .and_then(Weak::upgrade)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_reader_waits_for_a_chunk_while_the_pull_moves() {
+        let view = register("m0123456789abcdef0123456789abcd1");
+        view.begin("w", 3 * CHUNK_BYTES, "/nowhere".into());
+        let v = view.clone();
+        let writer = tokio::spawn(async move {
+            for i in 1..=2u64 {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                let chunks: Vec<String> = (0..i).map(|k| format!("c{k}")).collect();
+                v.hashed("w", i * CHUNK_BYTES, &chunks);
+            }
+        });
+        let got = view
+            .wait_for(
+                "w",
+                |f| f.has_chunk(1),
+                1,
+                Duration::from_secs(1),
+                Duration::from_secs(5),
+            )
+            .await
+            .expect("chunk 1 arrives");
+        assert_eq!(got.chunks, ["c0", "c1"]);
+        writer.await.unwrap();
+        // Nothing moves any more: a wait for chunk 2 gives up after a window.
+        let started = std::time::Instant::now();
+        let none = view
+            .wait_for(
+                "w",
+                |f| f.has_chunk(2),
+                1,
+                Duration::from_millis(100),
+                Duration::from_secs(5),
+            )
+            .await;
+        assert!(none.is_none());
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(lookup("m0123456789abcdef0123456789abcd1").is_some());
+        drop(view);
+        assert!(lookup("m0123456789abcdef0123456789abcd1").is_none());
+    }
+}
