@@ -239,12 +239,23 @@ pub struct PeerConfig {
     /// What other nodes dial.
     pub advertise: std::net::SocketAddr,
     /// The cluster's peer credential: one token a line; the first is sent,
-    /// any is accepted (rotation: add a line, roll out, drop the old one).
-    pub token_file: PathBuf,
+    /// any is accepted (rotation: add a line, wait, make it first, drop the
+    /// old one).
+    pub token: PeerToken,
     /// Uploads served at once; more are refused with 503 at once.
     pub max_uploads: usize,
     /// Upload bandwidth of the whole node, bytes per second; 0: unbounded.
     pub upload_bytes_per_sec: u64,
     /// The namespace of the Leases; None: the client's default.
     pub namespace: Option<String>,
+}
+
+/// Where the peer tokens are read from.
+#[derive(Clone, Debug)]
+pub enum PeerToken {
+    /// A file (`--peer-token-file`), e.g. a mounted Secret.
+    File(PathBuf),
+    /// A Secret in the driver's namespace (`--peer-token-secret`), created
+    /// with a random token by the first node that finds it missing.
+    Secret(String),
 }

@@ -228,8 +228,13 @@ struct ServeArgs {
     peer_advertise: Option<std::net::SocketAddr>,
     /// The cluster's peer credential: one token a line, at least 16
     /// characters; the first is presented, any is accepted.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "peer_token_secret")]
     peer_token_file: Option<PathBuf>,
+    /// The peer credential from this Secret (key `token`) in the driver's
+    /// namespace, created with a random token if missing; read again
+    /// every 15 s, so editing it rotates the token.
+    #[arg(long)]
+    peer_token_secret: Option<String>,
     /// Uploads to peers served at once; more are told to go elsewhere.
     #[arg(long, default_value_t = 16)]
     peer_max_uploads: usize,
@@ -249,13 +254,22 @@ struct ServeArgs {
 fn peer_config(a: &ServeArgs) -> anyhow::Result<Option<modelcache_csi::peer::PeerConfig>> {
     let Some(listen) = a.peer_listen else {
         anyhow::ensure!(
-            a.peer_advertise.is_none() && a.peer_token_file.is_none(),
-            "--peer-advertise and --peer-token-file need --peer-listen"
+            a.peer_advertise.is_none()
+                && a.peer_token_file.is_none()
+                && a.peer_token_secret.is_none(),
+            "--peer-advertise, --peer-token-file and --peer-token-secret need --peer-listen"
         );
         return Ok(None);
     };
-    let token_file = a.peer_token_file.clone().ok_or_else(|| {
-        anyhow::anyhow!("--peer-listen needs --peer-token-file (the cluster's peer credential)")
+    let token = match (&a.peer_token_file, &a.peer_token_secret) {
+        (Some(f), _) => Some(modelcache_csi::config::PeerToken::File(f.clone())),
+        (None, Some(s)) if !s.is_empty() => {
+            Some(modelcache_csi::config::PeerToken::Secret(s.clone()))
+        }
+        _ => None,
+    };
+    let token = token.ok_or_else(|| {
+        anyhow::anyhow!("--peer-listen needs --peer-token-file or --peer-token-secret (the cluster's peer credential)")
     })?;
     let advertise = match a.peer_advertise {
         Some(a) => a,
@@ -276,7 +290,7 @@ fn peer_config(a: &ServeArgs) -> anyhow::Result<Option<modelcache_csi::peer::Pee
     Ok(Some(modelcache_csi::peer::PeerConfig {
         listen,
         advertise,
-        token_file,
+        token,
         max_uploads: a.peer_max_uploads.max(1),
         upload_bytes_per_sec: a.peer_upload_mib_per_second.saturating_mul(1 << 20),
         namespace: a.peer_namespace.clone().filter(|n| !n.is_empty()),

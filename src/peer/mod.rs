@@ -15,11 +15,12 @@ pub mod server;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::cache::{Root, Roots, SourceId};
-pub use crate::config::PeerConfig;
+pub use crate::config::{PeerConfig, PeerToken};
 use crate::error::{Error, Result};
+use k8s_openapi::api::core::v1::Secret;
 
 // The protocol between peers, shared by `server` and `fill`.
 
@@ -54,35 +55,88 @@ pub fn is_model(sid: &str) -> bool {
     SourceId::parse(sid).is_some_and(|s| s.kind() == crate::cache::layout::SourceKind::Model)
 }
 
-/// The token file, read again every few seconds so a rotated Secret takes
-/// effect without a restart.
+/// The cluster's peer credential, read again now and then so that a
+/// rotation takes effect without a restart: one token a line, the first
+/// presented, any accepted.
 pub struct Tokens {
-    path: PathBuf,
-    cached: Mutex<(Instant, Vec<String>)>,
+    source: PeerToken,
+    secrets: Option<kube::Api<Secret>>,
+    cached: Mutex<Vec<String>>,
 }
 
-const TOKENS_FRESH_FOR: Duration = Duration::from_secs(5);
+/// The key of the peer Secret that holds the tokens.
+pub const SECRET_KEY: &str = "token";
+
+const REFRESH_EVERY: Duration = Duration::from_secs(15);
 
 impl Tokens {
-    /// Reads `path` once: an unreadable or empty file is an error at start.
-    pub fn load(path: PathBuf) -> Result<Tokens> {
-        let tokens = read_tokens(&path)?;
-        Ok(Tokens {
-            path,
-            cached: Mutex::new((Instant::now(), tokens)),
-        })
+    /// Reads the tokens once; a missing Secret is created with a random
+    /// token (every node races to create it, and all read the winner's).
+    /// An unreadable file or an empty or short token is an error at start.
+    pub async fn open(source: PeerToken, client: kube::Client, namespace: &str) -> Result<Tokens> {
+        let secrets = matches!(source, PeerToken::Secret(_))
+            .then(|| kube::Api::<Secret>::namespaced(client, namespace));
+        let t = Tokens {
+            source,
+            secrets,
+            cached: Mutex::new(Vec::new()),
+        };
+        t.refresh().await?;
+        Ok(t)
+    }
+
+    /// Fixed tokens, for tests and embedding.
+    pub fn fixed(tokens: &[&str]) -> Tokens {
+        Tokens {
+            source: PeerToken::File(PathBuf::new()),
+            secrets: None,
+            cached: Mutex::new(tokens.iter().map(|t| t.to_string()).collect()),
+        }
+    }
+
+    async fn refresh(&self) -> Result<()> {
+        let (field, text) = match &self.source {
+            PeerToken::File(path) => {
+                let p = path.clone();
+                let text = crate::offload::blocking(move || {
+                    std::fs::read_to_string(&p).map_err(|e| {
+                        Error::invalid(
+                            "--peer-token-file",
+                            format!("cannot read {}: {e}", p.display()),
+                        )
+                    })
+                })
+                .await?;
+                ("--peer-token-file", text)
+            }
+            PeerToken::Secret(name) => {
+                let api = self.secrets.as_ref().expect("a Secret source has its API");
+                ("--peer-token-secret", secret_tokens(api, name).await?)
+            }
+        };
+        let tokens = parse_tokens(&text).map_err(|m| Error::invalid(field, m))?;
+        *self.cached.lock().unwrap_or_else(|p| p.into_inner()) = tokens;
+        Ok(())
+    }
+
+    /// Reads the tokens again every `REFRESH_EVERY`; a source briefly
+    /// unreadable (a file being rotated) keeps the old ones.
+    pub fn keep_fresh(self: Arc<Self>) {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(REFRESH_EVERY).await;
+                if let Err(e) = self.refresh().await {
+                    tracing::warn!(error = %e, "could not read the peer tokens again; keeping the old ones");
+                }
+            }
+        });
     }
 
     fn current(&self) -> Vec<String> {
-        let mut c = self.cached.lock().unwrap_or_else(|p| p.into_inner());
-        if c.0.elapsed() > TOKENS_FRESH_FOR {
-            // A file being rotated may be briefly unreadable: keep the old.
-            if let Ok(t) = read_tokens(&self.path) {
-                c.1 = t;
-            }
-            c.0 = Instant::now();
-        }
-        c.1.clone()
+        self.cached
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The token this node presents.
@@ -98,27 +152,66 @@ impl Tokens {
     }
 }
 
-fn read_tokens(path: &std::path::Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::invalid(
-            "--peer-token-file",
-            format!("cannot read {}: {e}", path.display()),
-        )
-    })?;
+/// The tokens in Secret `name`, creating it with a random token if absent.
+async fn secret_tokens(api: &kube::Api<Secret>, name: &str) -> Result<String> {
+    let api_error = |e: kube::Error| {
+        Error::Precondition(format!(
+            "--peer-token-secret {name}: {e}; the node plugin's service account needs get and create on secrets in its namespace"
+        ))
+    };
+    let read = |s: Secret| -> Result<String> {
+        let data = s.data.unwrap_or_default();
+        let v = data.get(SECRET_KEY).ok_or_else(|| {
+            Error::invalid(
+                "--peer-token-secret",
+                format!("Secret {name} has no key {SECRET_KEY:?}"),
+            )
+        })?;
+        String::from_utf8(v.0.clone()).map_err(|_| {
+            Error::invalid(
+                "--peer-token-secret",
+                format!("Secret {name}'s {SECRET_KEY} is not text"),
+            )
+        })
+    };
+    if let Some(s) = api.get_opt(name).await.map_err(api_error)? {
+        return read(s);
+    }
+    let mut raw = [0u8; 32];
+    getrandom(&mut raw)?;
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "modelcache-csi"}},
+        "type": "Opaque",
+        "stringData": {SECRET_KEY: hex::encode(raw)},
+    }))
+    .expect("a valid Secret");
+    match api.create(&Default::default(), &secret).await {
+        Ok(s) => read(s).or_else(|_| Ok(hex::encode(raw))),
+        // Another node created it first: use that one.
+        Err(kube::Error::Api(e)) if e.code == 409 => read(api.get(name).await.map_err(api_error)?),
+        Err(e) => Err(api_error(e)),
+    }
+}
+
+fn getrandom(buf: &mut [u8]) -> Result<()> {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(buf))
+        .map_err(|e| Error::Internal(format!("read /dev/urandom: {e}")))
+}
+
+fn parse_tokens(text: &str) -> std::result::Result<Vec<String>, String> {
     let tokens: Vec<String> = text
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .map(str::to_string)
         .collect();
-    if tokens.iter().any(|t| t.len() < 16) || tokens.is_empty() {
-        return Err(Error::invalid(
-            "--peer-token-file",
-            format!(
-                "{} must hold at least one token of 16 characters or more, one a line (the manifests make one: `head -c 32 /dev/urandom | base64`)",
-                path.display()
-            ),
-        ));
+    if tokens.is_empty() || tokens.iter().any(|t| t.len() < 16) {
+        return Err(
+            "it must hold at least one token of 16 characters or more, one a line (make one with `head -c 32 /dev/urandom | base64`)"
+                .into(),
+        );
     }
     Ok(tokens)
 }
@@ -139,15 +232,16 @@ pub async fn start(
     roots: &Roots,
     client: kube::Client,
 ) -> anyhow::Result<Arc<fill::PeerFill>> {
-    let tokens = Arc::new(Tokens::load(cfg.token_file.clone())?);
-    let served = servable(roots);
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("--peer-listen {}: {e}", cfg.listen))?;
     let namespace = cfg
         .namespace
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_string());
+    let tokens = Arc::new(Tokens::open(cfg.token.clone(), client.clone(), &namespace).await?);
+    tokens.clone().keep_fresh();
+    let served = servable(roots);
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("--peer-listen {}: {e}", cfg.listen))?;
     let dir = Arc::new(directory::Directory::new(
         client,
         &namespace,

@@ -240,6 +240,14 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
     (CONTROLLER, "list", "pods", ALL, true),
     (CONTROLLER, "update", "leases.coordination.k8s.io", NS, true),
     (NODE, "update", "leases.coordination.k8s.io", NS, false),
+    // Peer fill: its Lease and the peer token's Secret, in the driver's
+    // namespace only.
+    (NODE, "patch", "leases.coordination.k8s.io", NS, true),
+    (NODE, "patch", "leases.coordination.k8s.io", "team-a", false),
+    (NODE, "delete", "leases.coordination.k8s.io", NS, false),
+    (NODE, "create", "secrets", NS, true),
+    (NODE, "create", "secrets", "team-a", false),
+    (NODE, "update", "secrets", NS, false),
     (RESCHEDULER, "update", "nodes", ALL, false),
     // A tenant with `edit` in team-a reads its own Secrets and claims,
     // nothing of the driver's and nothing of the cluster's.

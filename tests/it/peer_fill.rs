@@ -14,8 +14,6 @@ use crate::support::fixtures::{self, FileServer};
 use crate::support::harness::*;
 use modelcache_csi::csi::Volume;
 
-const TOKEN: &str = "peer-token-for-the-tests-0123456789";
-
 /// A model of files across chunk boundaries (none aligned), plus a small
 /// one: (path, size).
 const FILES: [(&str, u64); 3] = [
@@ -23,6 +21,21 @@ const FILES: [(&str, u64); 3] = [
     ("weights/b.safetensors", 20 * MIB as u64 + 4097),
     ("config.json", 512),
 ];
+
+fn base64_decode(s: &str) -> Vec<u8> {
+    let out = std::process::Command::new("base64")
+        .arg("-d")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(s.as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    out.stdout
+}
 
 fn write_model(dir: &Path) -> u64 {
     let mut total = 0;
@@ -65,10 +78,10 @@ fn origin_bytes(origin: &FileServer) -> u64 {
 }
 
 async fn node(name: &str, api: &ApiServer, tokens: &Path) -> (Driver, String) {
-    node_with(name, api, tokens, &[]).await
+    node_with(name, api, &["--peer-token-file", tokens.to_str().unwrap()]).await
 }
 
-async fn node_with(name: &str, api: &ApiServer, tokens: &Path, extra: &[&str]) -> (Driver, String) {
+async fn node_with(name: &str, api: &ApiServer, extra: &[&str]) -> (Driver, String) {
     let port = free_port().to_string();
     let listen = format!("127.0.0.1:{port}");
     let kubeconfig = api.kubeconfig_path();
@@ -79,8 +92,6 @@ async fn node_with(name: &str, api: &ApiServer, tokens: &Path, extra: &[&str]) -
         kubeconfig.to_str().unwrap(),
         "--peer-listen",
         &listen,
-        "--peer-token-file",
-        tokens.to_str().unwrap(),
         "--pull-chunk-mib",
         "8",
     ];
@@ -133,14 +144,26 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
     let work = tempfile::tempdir().unwrap();
     let model = work.path().join("model");
     let total = write_model(&model);
-    let tokens = work.path().join("peer-token");
-    fs::write(&tokens, format!("{TOKEN}\n")).unwrap();
     let origin = FileServer::start(&model).await;
     origin.put("manifest.json", fixtures::manifest_for(&model, true));
     let uri = format!("{}#manifest", origin.url("manifest.json"));
 
-    // Node A: nobody holds the model, the origin serves it all.
-    let (a, a_addr) = node("node-a", &api, &tokens).await;
+    // Node A: nobody holds the model, the origin serves it all. A reads
+    // the peer token from a Secret, which it creates with a random token;
+    // the other nodes read the same token from a file.
+    let (a, a_addr) = node_with("node-a", &api, &["--peer-token-secret", "peer-token"]).await;
+    let out = api.kubectl(&[
+        "get",
+        "secret",
+        "peer-token",
+        "-o",
+        "jsonpath={.data.token}",
+    ]);
+    let token =
+        String::from_utf8(base64_decode(String::from_utf8_lossy(&out.stdout).trim())).unwrap();
+    assert!(token.len() >= 32, "the created token {token:?}");
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, format!("{token}\n")).unwrap();
     let va = pull(&a, "pvc-a", &uri).await;
     let sid = va.volume_context["source"].clone();
     let from_origin_a = origin_bytes(&origin);
@@ -259,7 +282,7 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
         let config = fs::read(model.join(FILES[2].0)).unwrap();
         assert!(!body.windows(16).any(|w| config.windows(16).any(|c| c == w)));
     }
-    let ok = http.get(&url).bearer_auth(TOKEN).send().await.unwrap();
+    let ok = http.get(&url).bearer_auth(&token).send().await.unwrap();
     assert_eq!(ok.status(), 200);
     assert_eq!(
         ok.bytes().await.unwrap(),
@@ -326,7 +349,7 @@ async fn eight_nodes_filling_at_once_cost_the_origin_one_copy() {
     fs::create_dir_all(&model).unwrap();
     let total = write_large_model(&model, 4, 256);
     let tokens = work.path().join("peer-token");
-    fs::write(&tokens, format!("{TOKEN}\n")).unwrap();
+    fs::write(&tokens, "peer-token-for-the-fan-out-0123456789\n").unwrap();
     let origin = FileServer::start(&model).await;
     let manifest = fixtures::manifest_for(&model, true);
     // Two names for the same bytes: two models, so the one pulled alone
@@ -356,8 +379,13 @@ async fn eight_nodes_filling_at_once_cost_the_origin_one_copy() {
     // there so that serving peers never starves a node's pods) would be
     // the only limit measured here.
     for i in 0..8 {
-        let unbounded = ["--peer-upload-mib-per-second", "0"];
-        nodes.push(node_with(&format!("node-{i}"), &api, &tokens, &unbounded).await);
+        let args = [
+            "--peer-token-file",
+            tokens.to_str().unwrap(),
+            "--peer-upload-mib-per-second",
+            "0",
+        ];
+        nodes.push(node_with(&format!("node-{i}"), &api, &args).await);
     }
     let uri = format!("{}#manifest", origin.url("fanout.json"));
     let started = std::time::Instant::now();
