@@ -137,16 +137,25 @@ impl Fill for PeerFill {
         }));
         let mut plan: HashMap<String, Vec<usize>> = HashMap::new();
         for f in &resolved.files {
-            let (Unpack::None, Some(size), Some(sha)) = (&f.unpack, f.size, &f.sha256) else {
+            // The origin must vouch for the file's bytes, so that a peer's
+            // can be checked against it: a sha256, else an MD5 (S3 ETags).
+            let (Unpack::None, Some(size)) = (&f.unpack, f.size) else {
                 continue;
             };
+            let md5 = origin.content_md5(f);
+            if f.sha256.is_none() && md5.is_none() {
+                continue;
+            }
             let holders: Vec<usize> = copies
                 .iter()
                 .enumerate()
                 .filter(|(_, c)| match &c.held {
-                    Held::Sealed(seal) => seal
-                        .chunks_of(&f.path)
-                        .is_some_and(|e| e.size == size && e.sha256.eq_ignore_ascii_case(sha)),
+                    Held::Sealed(seal) => seal.chunks_of(&f.path).is_some_and(|e| {
+                        e.size == size
+                            && f.sha256
+                                .as_ref()
+                                .is_none_or(|s| e.sha256.eq_ignore_ascii_case(s))
+                    }),
                     // The same model id is the same listing: it pulls this file.
                     Held::Pulling { .. } => true,
                 })
@@ -157,6 +166,10 @@ impl Fill for PeerFill {
             }
         }
         if plan.is_empty() {
+            info!(
+                peers = copies.len(),
+                "peers hold the model, but the origin vouches for no file's bytes (no sha256, no MD5 ETag): pulling from the origin"
+            );
             return None;
         }
         let bytes: u64 = resolved
@@ -617,6 +630,19 @@ impl Source for PeerSource {
             .unwrap_or_else(|p| p.into_inner())
             .insert(file.path.clone());
         true
+    }
+
+    fn content_md5(&self, file: &RemoteFile) -> Option<String> {
+        let served = self
+            .inner
+            .served_by
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&file.path)
+            .is_some_and(|s| !s.is_empty());
+        served
+            .then(|| self.inner.origin.content_md5(file))
+            .flatten()
     }
 
     fn ranges(&self) -> bool {

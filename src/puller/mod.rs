@@ -265,6 +265,14 @@ impl Source for Scoped {
         self.inner.ranges()
     }
 
+    fn content_md5(&self, file: &source::RemoteFile) -> Option<String> {
+        self.inner.content_md5(file)
+    }
+
+    fn distrust(&self, file: &source::RemoteFile) -> bool {
+        self.inner.distrust(file)
+    }
+
     fn key_scope(&self) -> String {
         self.inner.key_scope()
     }

@@ -142,6 +142,16 @@ pub trait Source: Send + Sync {
         false
     }
 
+    /// The MD5 of `file`'s bytes as the origin states it, when the origin
+    /// states nothing stronger (an S3 ETag that looks like one), lowercase
+    /// hex. Such a claim is not always a digest (S3 encryption with KMS
+    /// changes ETags), so the engine checks it only for bytes that did not
+    /// all come from the origin: a source in front of the origin answers
+    /// only for files it served from elsewhere.
+    fn content_md5(&self, _file: &RemoteFile) -> Option<String> {
+        None
+    }
+
     /// Whether `read` can start anywhere but 0. Sources that cannot are
     /// fetched whole, restarting from 0 after a failure.
     fn ranges(&self) -> bool {

@@ -420,3 +420,106 @@ async fn eight_nodes_filling_at_once_cost_the_origin_one_copy() {
     );
     drop(nodes);
 }
+
+/// S3 lists no sha256: a peer's bytes of an S3 object are checked against
+/// the object's ETag (the MD5 of a single-part upload). MinIO's own count
+/// of the bytes it sent says B took at most 2% from the origin; a peer
+/// lying consistently is caught by the ETag and the file comes from MinIO
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_models_fill_from_peers_checked_against_the_etag() {
+    let api = ApiServer::start().expect("start apiserver");
+    let minio = crate::support::minio::Minio::start();
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    let total = write_model(&model);
+    minio.create_bucket("models").await;
+    minio.upload_dir("models", "m", &model).await;
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, "peer-token-for-the-s3-test-0123456789\n").unwrap();
+    let pull_s3 = |d: &Driver, name: &str| {
+        let mut params: Vec<(String, String)> = minio.params().into_iter().collect();
+        params.push(("backend".into(), "local".into()));
+        params.push(("source".into(), "s3://models/m".into()));
+        let refs: Vec<(&str, &str)> = params
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let mut req = create_req(name, &refs, READER);
+        req.secrets = minio.secrets().into_iter().collect();
+        let d = d.client.clone();
+        async move {
+            let mut c = d;
+            c.controller
+                .create_volume(req)
+                .await
+                .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()))
+                .into_inner()
+                .volume
+                .unwrap()
+        }
+    };
+
+    let (a, _) = node("node-a", &api, &tokens).await;
+    let before_a = minio.sent_bytes();
+    let va = pull_s3(&a, "pvc-a").await;
+    let sid = va.volume_context["source"].clone();
+    let sent_a = minio.sent_bytes() - before_a;
+    assert!(
+        sent_a >= total,
+        "MinIO sent {sent_a} bytes for A's {total}-byte model"
+    );
+    advertised(&api, "node-a", &sid).await;
+
+    let (b, _) = node("node-b", &api, &tokens).await;
+    let before_b = minio.sent_bytes();
+    pull_s3(&b, "pvc-b").await;
+    let sent_b = minio.sent_bytes() - before_b;
+    assert_exact(&b, &sid, &model);
+    assert!(
+        sent_b * 50 <= total,
+        "MinIO sent {sent_b} bytes for B, which had a peer holding the model"
+    );
+
+    // A lies consistently about one file: bytes and chunk table rotten
+    // alike. B is gone; C asks A alone, and the ETag catches it.
+    let rotten = a.source_dir("local", &sid).join("data").join(FILES[1].0);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&rotten)
+            .unwrap();
+        f.write_all_at(b"rotten", 4096).unwrap();
+    }
+    let seal_path = a.source_dir("local", &sid).join("seal.json");
+    let mut forged: serde_json::Value =
+        serde_json::from_slice(&fs::read(&seal_path).unwrap()).unwrap();
+    let (_, lying_sha, lying_table) =
+        modelcache_csi::cache::manifest::hash_file_chunked(&rotten).unwrap();
+    for f in forged["files"].as_array_mut().unwrap() {
+        if f["path"] == FILES[1].0 {
+            f["chunks"] = serde_json::json!(lying_table);
+            f["sha256"] = serde_json::json!(lying_sha);
+        }
+    }
+    fs::write(&seal_path, serde_json::to_vec(&forged).unwrap()).unwrap();
+    drop(b);
+    let (c, _) = node("node-c", &api, &tokens).await;
+    let before_c = minio.sent_bytes();
+    pull_s3(&c, "pvc-c").await;
+    let sent_c = minio.sent_bytes() - before_c;
+    assert_exact(&c, &sid, &model);
+    let log = fs::read_to_string(c.dir.join("driver.log")).unwrap();
+    assert!(
+        log.contains("failed the origin's sha256") || log.contains("ETag says MD5"),
+        "C never noticed A's lie:\n{log}"
+    );
+    assert!(
+        sent_c >= FILES[1].1 && sent_c < total,
+        "MinIO sent {sent_c} bytes for C: the lied-about file again, and no more than the model"
+    );
+    eprintln!("MinIO bytes sent for a {total}-byte model: A {sent_a}, B {sent_b}, C {sent_c}");
+    drop((a, c));
+}

@@ -77,9 +77,20 @@ pub(super) async fn fetch_file(
         _ => loop {
             st.path = key.clone();
             let (size, sha, chunks) = download(&ctx, &work, &file, &dest, &part, &mut st).await?;
-            if let Some(expected) = &file.sha256
-                && !expected.eq_ignore_ascii_case(&sha)
-            {
+            let wrong = match (&file.sha256, ctx.source.content_md5(&file)) {
+                (Some(expected), _) => (!expected.eq_ignore_ascii_case(&sha)).then(|| {
+                    format!("the source promised sha256 {expected}, the bytes hash to {sha}")
+                }),
+                (None, Some(md5)) => {
+                    let d = dest.clone();
+                    let got = blocking(move || md5_of(&d)).await?;
+                    (got != md5).then(|| {
+                        format!("the source's ETag says MD5 {md5}, the bytes hash to {got}")
+                    })
+                }
+                (None, None) => None,
+            };
+            if let Some(why) = wrong {
                 let (d, w, k) = (dest.clone(), work.clone(), key.clone());
                 let _ = blocking(move || {
                     let _ = fs::remove_file(&d);
@@ -102,7 +113,7 @@ pub(super) async fn fetch_file(
                     continue;
                 }
                 return Err(Error::Precondition(format!(
-                    "{} failed verification: the source promised sha256 {expected}, the bytes hash to {sha}; nothing was sealed",
+                    "{} failed verification: {why}; nothing was sealed",
                     file.path_or_locator()
                 )));
             }
@@ -127,6 +138,24 @@ pub(super) async fn fetch_file(
         }),
         Unpack::Tar(c) => layer(None, c),
     })
+}
+
+/// The MD5 of a file, read back from disk: checked only for S3 files that
+/// peers helped fill, against the origin's ETag.
+fn md5_of(path: &Path) -> Result<String> {
+    use md5::Digest as _;
+    use std::io::Read;
+    let mut f = File::open(path).ctx("open", path)?;
+    let mut h = md5::Md5::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).ctx("read", path)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
 }
 
 impl RemoteFile {

@@ -285,6 +285,18 @@ impl Minio {
         })
     }
 
+    /// Bytes the server has sent in answers to S3 calls (objects, and the
+    /// small listings): what an origin's egress bill counts.
+    pub fn sent_bytes(&self) -> u64 {
+        self.settled(|| {
+            self.metric(
+                "/minio/metrics/v3/api/requests",
+                "minio_api_requests_traffic_sent_bytes{",
+                &[r#"type="s3""#],
+            )
+        })
+    }
+
     /// GetObject requests the server has answered for one bucket.
     pub fn get_object_count_in(&self, bucket: &str) -> u64 {
         self.settled(|| {
