@@ -369,6 +369,12 @@ fn show(e: &Entry, seal: Option<&Seal>) -> String {
     if !e.writers.is_empty() {
         s.push_str(&format!("Writers:   {}\n", e.writers.join(", ")));
     }
+    if let Some(peers) = seal.map(|s| &s.filled_from).filter(|p| !p.is_empty()) {
+        s.push_str(&format!(
+            "Peers:     {} (bytes checked against the origin's digests)\n",
+            peers.join(", ")
+        ));
+    }
     if let Some(seal) = seal {
         s.push_str("Files:\n");
         for f in &seal.files {

@@ -438,21 +438,26 @@ impl ProgressSink for PvcEvents {
             EventType::Normal,
             "PullProgress",
             format!(
-                "{}{of} at {:.1} MiB/s{eta}",
+                "{}{of} at {:.1} MiB/s{eta}{}",
                 mib(p.bytes),
-                p.rate_bytes_per_sec / 1048576.0
+                p.rate_bytes_per_sec / 1048576.0,
+                p.from
+                    .as_ref()
+                    .map(|f| format!(", {f}"))
+                    .unwrap_or_default()
             ),
         );
     }
 
-    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration) {
+    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration, from: Option<&str>) {
         self.emit(
             EventType::Normal,
             "ModelSealed",
             format!(
-                "{uri} at revision {revision}: {} verified and sealed in {:.1}s",
+                "{uri} at revision {revision}: {} verified and sealed in {:.1}s{}",
                 mib(bytes),
-                took.as_secs_f64()
+                took.as_secs_f64(),
+                from.map(|f| format!(", {f}")).unwrap_or_default()
             ),
         );
     }

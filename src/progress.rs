@@ -8,7 +8,16 @@ use std::time::Duration;
 pub trait ProgressSink: Send + Sync {
     fn started(&self, _uri: &str, _total: Option<u64>) {}
     fn progress(&self, _p: &Progress) {}
-    fn sealed(&self, _uri: &str, _revision: &str, _bytes: u64, _took: Duration) {}
+    /// `from`: where the bytes came from, when not only the origin.
+    fn sealed(
+        &self,
+        _uri: &str,
+        _revision: &str,
+        _bytes: u64,
+        _took: Duration,
+        _from: Option<&str>,
+    ) {
+    }
     /// Called by the pull's caller, for every failure (resolving included).
     fn failed(&self, _uri: &str, _error: &str) {}
 }
@@ -20,6 +29,9 @@ pub struct Progress {
     pub total: Option<u64>,
     pub rate_bytes_per_sec: f64,
     pub eta: Option<Duration>,
+    /// Where the bytes come from, when not only the origin ("from 2 peers
+    /// and the origin").
+    pub from: Option<String>,
 }
 
 pub struct NoProgress;

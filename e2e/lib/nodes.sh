@@ -6,7 +6,8 @@
 #
 #   host                       node k (k = 1..N)
 #   mce2enodes0 10.213.0.1/24  eth0 10.213.0.(10+k)/24, default via 10.213.0.1
-#     kube-apiserver :port     cni0 10.214.k.1/24 (pods: bridge, masquerade)
+#     kube-apiserver :port     cni0 10.214.k.1/24 (pods: bridge, masquerade;
+#                              10.214.j.0/24 via node j: pods reach pods)
 #     MinIO, test origins      kube-proxy (iptables, in the node's netns only)
 #                              /var/lib/kubelet        <- nodes/NAME/kubelet (rshared)
 #                              /var/lib/modelcache-csi <- nodes/NAME/state   (rshared)
@@ -104,6 +105,12 @@ node_namespaces_up() {
     ip -n "$ns" addr add "$ip/24" dev eth0
     ip -n "$ns" link set eth0 up
     ip -n "$ns" route add default via "$NODES_HOST_IP"
+    # Pods reach pods on other nodes (peer fill between the node plugins),
+    # as a CNI's routes let them: each node's pod subnet through its address.
+    local j
+    for ((j = 1; j <= ${E2E_NODES:-1}; j++)); do
+        ((j == k)) || ip -n "$ns" route add "10.214.$j.0/24" via "$(node_ip "$j")"
+    done
     ip netns exec "$ns" sysctl -q -w net.ipv4.ip_forward=1
     # The mount points exist on the host, empty; only the node's namespace
     # mounts anything on them.

@@ -39,6 +39,10 @@ pub struct Seal {
     pub files: Vec<FileEntry>,
     pub dirs: Vec<String>,
     pub symlinks: Vec<LinkEntry>,
+    /// The nodes whose drivers served some of the bytes (peer fill); every
+    /// byte was checked against the origin's digests all the same.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub filled_from: Vec<String>,
 }
 
 /// The filesystem block every file, directory and link is charged at
@@ -72,6 +76,7 @@ impl Seal {
             files: tree.files,
             dirs: tree.dirs,
             symlinks: tree.symlinks,
+            filled_from: Vec::new(),
         }
     }
 
@@ -368,6 +373,7 @@ mod tests {
             files: tree.files,
             dirs: tree.dirs,
             symlinks: tree.symlinks,
+            filled_from: Vec::new(),
         }
     }
 

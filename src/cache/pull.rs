@@ -138,13 +138,21 @@ impl PullArea {
     /// so a crash in between never forces a download again. Losing the
     /// rename to another process that sealed the same model is a success:
     /// its seal is returned.
-    pub fn commit(&self, files: Vec<FileEntry>, origin: &str, revision: &str) -> Result<Seal> {
+    /// `filled_from`: the peers that served some of the bytes.
+    pub fn commit(
+        &self,
+        files: Vec<FileEntry>,
+        origin: &str,
+        revision: &str,
+        filled_from: Vec<String>,
+    ) -> Result<Seal> {
         let tree = self.tree(files)?;
         self.store.release_pull(&self.paths)?;
         let confined = self.root.open_pull_area(&self.sid)?;
         self.store.make_immutable(&confined, &self.paths)?;
         drop(confined);
-        let seal = Seal::new(&self.sid, origin, Some(revision.to_string()), tree);
+        let mut seal = Seal::new(&self.sid, origin, Some(revision.to_string()), tree);
+        seal.filled_from = filled_from;
         let at = self.paths.seal();
         state::write_json(&at, &seal).ctx("write seal", &at)?;
         let place = self.root.source(&self.sid).dir;
@@ -390,7 +398,9 @@ mod tests {
         fs::write(area.partial_dir().join("x.part"), b"junk").unwrap();
         area.clear_partial().unwrap();
         fs::write(area.progress_dir().join("p.json"), b"{}").unwrap();
-        let seal = area.commit(files, "s3://b/m", "etag:1").unwrap();
+        let seal = area
+            .commit(files, "s3://b/m", "etag:1", Vec::new())
+            .unwrap();
         assert_eq!(seal.source, sid.as_str());
         assert_eq!(seal.revision.as_deref(), Some("etag:1"));
         let paths: Vec<_> = seal.files.iter().map(|f| f.path.as_str()).collect();
@@ -415,7 +425,9 @@ mod tests {
         let area = PullArea::open(&root, &sid, None).unwrap();
         let mut f = put(&area, "a.bin", b"1234");
         f.size = 5;
-        let e = area.commit(vec![f], "s3://b/m", "r").unwrap_err();
+        let e = area
+            .commit(vec![f], "s3://b/m", "r", Vec::new())
+            .unwrap_err();
         assert!(
             e.to_string().contains("4 bytes after the pull, expected 5"),
             "{e}"
@@ -430,12 +442,14 @@ mod tests {
         let (root, sid) = (root(d.path()), model('e'));
         let first = PullArea::open(&root, &sid, None).unwrap();
         let files = vec![put(&first, "a", b"1")];
-        let sealed = first.commit(files.clone(), "s3://b/m", "r").unwrap();
+        let sealed = first
+            .commit(files.clone(), "s3://b/m", "r", Vec::new())
+            .unwrap();
         drop(first);
         // A second area of the same model (another root user's process).
         let second = PullArea::open(&root, &sid, None).unwrap();
         put(&second, "a", b"1");
-        let got = second.commit(files, "s3://b/m", "r").unwrap();
+        let got = second.commit(files, "s3://b/m", "r", Vec::new()).unwrap();
         assert_eq!(got, sealed);
         drop(second);
         assert!(!root.pull_area(&sid).dir.exists());

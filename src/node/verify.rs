@@ -146,6 +146,7 @@ mod tests {
             files: tree.files,
             dirs: tree.dirs,
             symlinks: tree.symlinks,
+            filled_from: Vec::new(),
         }
     }
 

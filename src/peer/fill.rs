@@ -28,7 +28,7 @@ use super::{CHUNK_DIGEST, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::{CHUNK_BYTES, Seal, chunk_digest};
 use crate::cache::{Root, SourceId};
 use crate::error::Result;
-use crate::puller::source::{Fill, RemoteFile, Resolved, Source, Unpack};
+use crate::puller::source::{Fill, Provenance, RemoteFile, Resolved, Source, Unpack};
 
 /// Chunks held in memory at once, across every pull of this node, while
 /// they are checked: 96 MiB.
@@ -630,6 +630,25 @@ impl Source for PeerSource {
             .unwrap_or_else(|p| p.into_inner())
             .insert(file.path.clone());
         true
+    }
+
+    fn provenance(&self) -> Option<Provenance> {
+        let served = self
+            .inner
+            .served_by
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut peers: Vec<String> = served
+            .values()
+            .flatten()
+            .map(|c| self.inner.copies[*c].peer.node.clone())
+            .collect();
+        peers.sort();
+        peers.dedup();
+        Some(Provenance {
+            peers,
+            origin: self.inner.from_origin.load(Ordering::Relaxed) > 0,
+        })
     }
 
     fn content_md5(&self, file: &RemoteFile) -> Option<String> {

@@ -86,8 +86,8 @@ impl ProgressSink for Recording {
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
         self.inner.progress(p)
     }
-    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration) {
-        self.inner.sealed(uri, revision, bytes, took)
+    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration, from: Option<&str>) {
+        self.inner.sealed(uri, revision, bytes, took, from)
     }
     fn failed(&self, uri: &str, error: &str) {
         self.inner.failed(uri, error)

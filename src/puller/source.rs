@@ -152,6 +152,13 @@ pub trait Source: Send + Sync {
         None
     }
 
+    /// Where the bytes served so far came from, when not only from the
+    /// origin: the peers (node names) that served some, and whether the
+    /// origin served any. For progress events, metrics and the seal.
+    fn provenance(&self) -> Option<Provenance> {
+        None
+    }
+
     /// Whether `read` can start anywhere but 0. Sources that cannot are
     /// fetched whole, restarting from 0 after a failure.
     fn ranges(&self) -> bool {
@@ -204,6 +211,29 @@ pub trait Source: Send + Sync {
     }
 }
 
+/// Where a pull's bytes came from (`Source::provenance`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Provenance {
+    pub peers: Vec<String>,
+    pub origin: bool,
+}
+
+impl Provenance {
+    /// "from 2 peers and the origin", "from 1 peer".
+    pub fn describe(&self) -> String {
+        let peers = match self.peers.len() {
+            0 => String::new(),
+            1 => "1 peer".to_string(),
+            n => format!("{n} peers"),
+        };
+        match (peers.is_empty(), self.origin) {
+            (true, _) => "from the origin".into(),
+            (false, true) => format!("from {peers} and the origin"),
+            (false, false) => format!("from {peers}"),
+        }
+    }
+}
+
 /// Where a pull's bytes may come from besides its origin (peer fill):
 /// given to the engine at start-up, asked once per pull.
 #[async_trait::async_trait]
@@ -222,4 +252,23 @@ pub trait Fill: Send + Sync {
 
     /// The pull `around` was asked about ended, `sealed` or not.
     fn ended(&self, root: &crate::cache::Root, sid: &crate::cache::SourceId, sealed: bool);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn provenance_reads_as_a_phrase() {
+        let p = |peers: &[&str], origin| Provenance {
+            peers: peers.iter().map(|s| s.to_string()).collect(),
+            origin,
+        };
+        assert_eq!(
+            p(&["a", "b"], true).describe(),
+            "from 2 peers and the origin"
+        );
+        assert_eq!(p(&["a"], false).describe(), "from 1 peer");
+        assert_eq!(p(&[], true).describe(), "from the origin");
+    }
 }

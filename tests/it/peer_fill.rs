@@ -152,15 +152,24 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
     // the peer token from a Secret, which it creates with a random token;
     // the other nodes read the same token from a file.
     let (a, a_addr) = node_with("node-a", &api, &["--peer-token-secret", "peer-token"]).await;
-    let out = api.kubectl(&[
-        "get",
-        "secret",
-        "peer-token",
-        "-o",
-        "jsonpath={.data.token}",
-    ]);
-    let token =
-        String::from_utf8(base64_decode(String::from_utf8_lossy(&out.stdout).trim())).unwrap();
+    // The driver answers its socket's connect before it has finished
+    // starting: the Secret appears a moment later.
+    let mut token = String::new();
+    for _ in 0..100 {
+        let out = api.kubectl(&[
+            "get",
+            "secret",
+            "peer-token",
+            "-o",
+            "jsonpath={.data.token}",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        token = String::from_utf8(base64_decode(&text)).unwrap();
+        if !token.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert!(token.len() >= 32, "the created token {token:?}");
     let tokens = work.path().join("peer-token");
     fs::write(&tokens, format!("{token}\n")).unwrap();

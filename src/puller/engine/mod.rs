@@ -282,7 +282,7 @@ impl Engine {
                 fill.ended(root, &sid, fetched.is_ok());
             }
             match fetched {
-                Ok((seal, fetched)) => {
+                Ok((seal, fetched, from)) => {
                     // It read every byte with its own credentials, or proved
                     // its access before peers served them.
                     if let Some(r) = requester {
@@ -300,7 +300,13 @@ impl Engine {
                         secs = took.as_secs_f64(),
                         "sealed"
                     );
-                    sink.sealed(&resolved.uri, &resolved.revision, seal.total_bytes, took);
+                    sink.sealed(
+                        &resolved.uri,
+                        &resolved.revision,
+                        seal.total_bytes,
+                        took,
+                        from.as_deref(),
+                    );
                     Ok(Pulled {
                         sid,
                         seal,
@@ -421,7 +427,7 @@ impl Engine {
         pull: &Pull<'_>,
         source: Arc<dyn Source>,
         sink: &Counted<'_>,
-    ) -> Result<(Seal, u64)> {
+    ) -> Result<(Seal, u64, Option<String>)> {
         let Some(total) = pull
             .total
             .filter(|_| self.cfg.min_average_bytes_per_sec > 0)
@@ -468,7 +474,7 @@ impl Engine {
         pull: &Pull<'_>,
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
-    ) -> Result<(Seal, u64)> {
+    ) -> Result<(Seal, u64, Option<String>)> {
         let (sid, need) = (pull.sid, pull.total);
         let capacity = self.cfg.capacity.get(&root.backend).copied();
         // Bytes are checked once every size is known; inodes always.
@@ -507,7 +513,7 @@ impl Engine {
         sink: &dyn ProgressSink,
         work: &Arc<PullArea>,
         capacity: Option<u64>,
-    ) -> Result<(Seal, u64)> {
+    ) -> Result<(Seal, u64, Option<String>)> {
         let (resolved, need) = (pull.resolved, pull.total);
         let ctx = Arc::new(Ctx {
             source,
@@ -567,7 +573,8 @@ impl Engine {
                     None => break,
                 },
                 _ = tick.tick() => {
-                    let p = progress(&resolved.uri, ctx.bytes.load(Ordering::Relaxed), need, start.elapsed());
+                    let mut p = progress(&resolved.uri, ctx.bytes.load(Ordering::Relaxed), need, start.elapsed());
+                    p.from = ctx.source.provenance().map(|f| f.describe());
                     info!(
                         bytes = p.bytes,
                         total = ?p.total,
@@ -631,7 +638,8 @@ impl Engine {
             resolved.revision.clone(),
             work.clone(),
         );
-        let seal = blocking(move || w.commit(entries, &uri, &rev)).await?;
+        let peers = ctx.source.provenance().map(|p| p.peers).unwrap_or_default();
+        let seal = blocking(move || w.commit(entries, &uri, &rev, peers)).await?;
         let spilled = ctx.flow.spilled.load(Ordering::Relaxed);
         if spilled > 0 {
             info!(
@@ -639,7 +647,12 @@ impl Engine {
                 "bytes that ran ahead of a full reorder window were hashed from disk"
             );
         }
-        Ok((seal, ctx.fetched.load(Ordering::Relaxed)))
+        let from = ctx
+            .source
+            .provenance()
+            .filter(|p| !p.peers.is_empty())
+            .map(|p| p.describe());
+        Ok((seal, ctx.fetched.load(Ordering::Relaxed), from))
     }
 }
 
@@ -667,8 +680,8 @@ impl ProgressSink for Counted<'_> {
         self.bytes.store(p.bytes, Ordering::Relaxed);
         self.inner.progress(p)
     }
-    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration) {
-        self.inner.sealed(uri, revision, bytes, took)
+    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration, from: Option<&str>) {
+        self.inner.sealed(uri, revision, bytes, took, from)
     }
     fn failed(&self, uri: &str, error: &str) {
         self.inner.failed(uri, error)
@@ -686,6 +699,7 @@ fn progress(uri: &str, bytes: u64, total: Option<u64>, elapsed: Duration) -> Pro
         total,
         rate_bytes_per_sec: rate,
         eta,
+        from: None,
     }
 }
 
