@@ -28,7 +28,7 @@ use super::{CHUNK_DIGEST, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::{CHUNK_BYTES, Seal, chunk_digest};
 use crate::cache::{Root, SourceId};
 use crate::error::Result;
-use crate::puller::source::{Fill, Provenance, RemoteFile, Resolved, Source, Unpack};
+use crate::puller::source::{Fill, Pinned, Provenance, RemoteFile, Resolved, Source, Unpack};
 
 /// Chunks held in memory at once, across every pull of this node, while
 /// they are checked: 96 MiB.
@@ -201,6 +201,54 @@ impl Fill for PeerFill {
                 from_origin: AtomicU64::new(0),
             }),
         }))
+    }
+
+    /// The listing a sealed peer's seal gives, when it seals exactly the
+    /// pinned model (same id, URI and revision) and holds only files (no
+    /// links to recreate). Its sha256s are that peer's word, unless the
+    /// URI pins them itself (`#sha256=`): then the pin's are used.
+    async fn listing(&self, root: &Root, sid: &SourceId, pin: &Pinned) -> Option<Resolved> {
+        if !super::fillable(root) {
+            return None;
+        }
+        let holders = self.dir.holders(sid.as_str(), true).await;
+        for peer in holders.iter().filter(|p| p.models.contains(sid.as_str())) {
+            let Some(seal) = self.seal_of(peer, sid.as_str()).await else {
+                continue;
+            };
+            let same = seal.origin == pin.uri
+                && seal.revision.as_deref() == Some(pin.revision.as_str())
+                && seal.symlinks.is_empty()
+                && (pin.files.is_empty()
+                    || pin.files.keys().eq(seal.files.iter().map(|f| &f.path)));
+            if !same {
+                warn!(peer = %peer.node, "its seal does not match the pinned model; not used while the origin is down");
+                continue;
+            }
+            let files = seal
+                .files
+                .iter()
+                .map(|f| RemoteFile {
+                    path: f.path.clone(),
+                    size: Some(f.size),
+                    sha256: Some(
+                        pin.files
+                            .get(&f.path)
+                            .cloned()
+                            .unwrap_or_else(|| f.sha256.clone()),
+                    ),
+                    locator: String::new(),
+                    unpack: Unpack::None,
+                })
+                .collect();
+            info!(peer = %peer.node, "the origin is down: the pinned model's listing comes from a peer's seal");
+            return Some(Resolved {
+                uri: pin.uri.clone(),
+                revision: pin.revision.clone(),
+                files,
+            });
+        }
+        None
     }
 
     fn ended(&self, _root: &Root, sid: &SourceId, _sealed: bool) {
@@ -500,6 +548,16 @@ impl Inner {
             return;
         }
         // No peer left for this file: the rest of the range from the origin.
+        if file.locator.is_empty() {
+            // A listing from peers while the origin is down: it has none.
+            let _ = tx
+                .send(Err(crate::error::Error::Transient(format!(
+                    "{}: no peer serves it now and the origin is unreachable; a retry tries again",
+                    file.path
+                ))))
+                .await;
+            return;
+        }
         match self.origin.read(&file, pos, Some(end - pos)).await {
             Err(e) => {
                 let _ = tx.send(Err(e)).await;
@@ -568,6 +626,12 @@ impl Inner {
     /// `[start, end)` of `file` from the origin, whole, in memory (at
     /// most a chunk).
     async fn origin_range(&self, file: &RemoteFile, start: u64, end: u64) -> Result<Bytes> {
+        if file.locator.is_empty() {
+            return Err(crate::error::Error::Transient(format!(
+                "{}: no peer serves this chunk now and the origin is unreachable; a retry tries again",
+                file.path
+            )));
+        }
         let mut s = self.origin.read(file, start, Some(end - start)).await?;
         let mut buf = bytes::BytesMut::with_capacity((end - start) as usize);
         while let Some(b) = s.next().await {

@@ -455,6 +455,16 @@ impl Source for HfSource {
     fn key_scope(&self) -> String {
         self.endpoint.to_string()
     }
+
+    /// A commit sha pins the repo's files.
+    fn pinned(&self) -> Option<crate::puller::source::Pinned> {
+        let sha = self.uri.revision.to_ascii_lowercase();
+        is_commit(&sha).then(|| crate::puller::source::Pinned {
+            uri: format!("hf://{}{}", self.uri.repo, self.filter.suffix()),
+            revision: sha,
+            files: Default::default(),
+        })
+    }
 }
 
 #[cfg(test)]

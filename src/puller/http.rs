@@ -960,6 +960,22 @@ fn encode_segment(s: &str) -> String {
 
 #[async_trait::async_trait]
 impl Source for HttpSource {
+    /// `#sha256=` pins the one file's content, and so the revision.
+    fn pinned(&self) -> Option<crate::puller::source::Pinned> {
+        let Target::File {
+            name,
+            sha256: Some(hex),
+        } = &self.uri.target
+        else {
+            return None;
+        };
+        Some(crate::puller::source::Pinned {
+            uri: self.uri.normalized(),
+            revision: format!("sha256:{hex}"),
+            files: [(name.clone(), hex.clone())].into(),
+        })
+    }
+
     async fn resolve(&self) -> Result<Resolved> {
         match &self.uri.target {
             Target::File { name, sha256 } => self.resolve_file(name, sha256.as_deref()).await,

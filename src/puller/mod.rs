@@ -187,6 +187,7 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
         guard: opts.guard().cloned(),
         limits,
         requester: requester_of(opts),
+        tenant: opts.tenant.is_some(),
     }))
 }
 
@@ -225,6 +226,7 @@ struct Scoped {
     guard: Option<Arc<egress::Guard>>,
     limits: Option<PullLimits>,
     requester: String,
+    tenant: bool,
 }
 
 impl Scoped {
@@ -267,6 +269,14 @@ impl Source for Scoped {
 
     fn content_md5(&self, file: &source::RemoteFile) -> Option<String> {
         self.inner.content_md5(file)
+    }
+
+    fn pinned(&self) -> Option<source::Pinned> {
+        self.inner.pinned()
+    }
+
+    fn tenant_named(&self) -> bool {
+        self.tenant
     }
 
     fn distrust(&self, file: &source::RemoteFile) -> bool {

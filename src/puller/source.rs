@@ -152,6 +152,22 @@ pub trait Source: Send + Sync {
         None
     }
 
+    /// What the URI itself pins, when it pins the content (a commit sha,
+    /// `#sha256=`): the normalized URI and the revision `resolve` would
+    /// return, without asking the origin. A pull of a pinned model goes on
+    /// from peers while the origin is down.
+    fn pinned(&self) -> Option<Pinned> {
+        None
+    }
+
+    /// Whether someone the admin does not vouch for named this source (a
+    /// tenant's PVC or pod, a registry's answer): such a pull is served
+    /// from peers only to a requester that proved its access at the
+    /// origin, which cannot happen while the origin is down.
+    fn tenant_named(&self) -> bool {
+        false
+    }
+
     /// Where the bytes served so far came from, when not only from the
     /// origin: the peers (node names) that served some, and whether the
     /// origin served any. For progress events, metrics and the seal.
@@ -211,6 +227,16 @@ pub trait Source: Send + Sync {
     }
 }
 
+/// A model's identity as its URI pins it (`Source::pinned`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pinned {
+    pub uri: String,
+    pub revision: String,
+    /// Files whose sha256 the URI itself states (`#sha256=`): path ->
+    /// sha256. Empty when the pin is the revision alone (a commit).
+    pub files: std::collections::BTreeMap<String, String>,
+}
+
 /// Where a pull's bytes came from (`Source::provenance`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Provenance {
@@ -249,6 +275,15 @@ pub trait Fill: Send + Sync {
         resolved: &Resolved,
         origin: Arc<dyn Source>,
     ) -> Option<Arc<dyn Source>>;
+
+    /// The listing of pinned model `sid` from peers that hold it sealed,
+    /// for a pull while its origin is down; None when none does.
+    async fn listing(
+        &self,
+        root: &crate::cache::Root,
+        sid: &crate::cache::SourceId,
+        pin: &Pinned,
+    ) -> Option<Resolved>;
 
     /// The pull `around` was asked about ended, `sealed` or not.
     fn ended(&self, root: &crate::cache::Root, sid: &crate::cache::SourceId, sealed: bool);

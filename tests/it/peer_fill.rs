@@ -532,3 +532,214 @@ async fn s3_models_fill_from_peers_checked_against_the_etag() {
     eprintln!("MinIO bytes sent for a {total}-byte model: A {sent_a}, B {sent_b}, C {sent_c}");
     drop((a, c));
 }
+
+/// CPU seconds (user + system) a process has used so far.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields 14 and 15 (utime, stime) are the 12th and 13th after ')'.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// The figures of docs/benchmarks.md, "Peer fill": not a test (it asserts
+/// nothing a slow machine might miss), run by hand:
+///
+///   unshare -m --propagation private cargo test --release --test it -- \
+///       --ignored --nocapture peer_fill::bench
+///
+/// 1. A 2 GiB model from an origin paced like a WAN link (4 files x 4
+///    connections x 6.25 MiB/s, about 100 MiB/s), then from one sealed
+///    peer, then from two: time, origin bytes, CPU seconds per GB of the
+///    filling node and of the peers serving it.
+/// 2. N = 1, 2, 4, 8 nodes filling a 1 GiB model at once from the same
+///    origin: the last node's time and the origin's bytes (TSV on stdout,
+///    for tests/bench/plot_peer_fill.py).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: docs/benchmarks.md, peer fill"]
+async fn bench() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    fs::create_dir_all(&model).unwrap();
+    let total = write_large_model(&model, 4, 512);
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, "peer-token-for-the-benchmark-0123456789\n").unwrap();
+    let origin = FileServer::start(&model).await;
+    let manifest = fixtures::manifest_for(&model, true);
+    for name in [
+        "two.json",
+        "fan-1.json",
+        "fan-2.json",
+        "fan-4.json",
+        "fan-8.json",
+    ] {
+        origin.put(name, manifest.clone());
+    }
+    origin.throttle(6400 << 10);
+    let gb = total as f64 / 1e9;
+    let args = |t: &Path| -> Vec<String> {
+        vec![
+            "--peer-token-file".into(),
+            t.to_str().unwrap().into(),
+            "--peer-upload-mib-per-second".into(),
+            "0".into(),
+        ]
+    };
+    let start = |name: String| {
+        let a = args(&tokens);
+        let api = &api;
+        async move {
+            let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+            node_with(&name, api, &refs).await.0
+        }
+    };
+    let uri = format!("{}#manifest", origin.url("two.json"));
+    let mut nodes: Vec<Driver> = Vec::new();
+    println!("# part 1: a {total}-byte model (4 files), origin paced to ~100 MiB/s");
+    println!("fill\tseconds\torigin_bytes\tfiller_cpu_s_per_gb\tpeers_cpu_s_per_gb");
+    for (k, label) in ["origin", "1 peer", "2 peers"].iter().enumerate() {
+        let d = start(format!("bench-{k}")).await;
+        let peers_cpu: f64 = nodes.iter().map(|n| cpu_secs(n.pid())).sum();
+        let (cpu0, bytes0) = (cpu_secs(d.pid()), origin_bytes_under(&origin, &model));
+        let t = std::time::Instant::now();
+        let v = pull(&d, &format!("pvc-bench-{k}"), &uri).await;
+        let took = t.elapsed().as_secs_f64();
+        let sid = v.volume_context["source"].clone();
+        let peers_after: f64 = nodes.iter().map(|n| cpu_secs(n.pid())).sum();
+        println!(
+            "{label}\t{took:.1}\t{}\t{:.2}\t{:.2}",
+            origin_bytes_under(&origin, &model) - bytes0,
+            (cpu_secs(d.pid()) - cpu0) / gb,
+            (peers_after - peers_cpu) / gb,
+        );
+        advertised(&api, &format!("bench-{k}"), &sid).await;
+        nodes.push(d);
+    }
+    drop(nodes);
+
+    println!(
+        "# part 2: N nodes fill one model of {} bytes at once",
+        total / 2
+    );
+    println!("nodes\tlast_seconds\torigin_bytes\torigin_only_bytes");
+    let half = work.path().join("half");
+    fs::create_dir_all(&half).unwrap();
+    for f in 0..2 {
+        fs::rename(
+            model.join(format!("shard-{f}.bin")),
+            half.join(format!("shard-{f}.bin")),
+        )
+        .unwrap();
+    }
+    let origin = FileServer::start(&half).await;
+    origin.throttle(6400 << 10);
+    let manifest = fixtures::manifest_for(&half, true);
+    for n in [1usize, 2, 4, 8] {
+        let name = format!("fan-{n}.json");
+        origin.put(&name, manifest.clone());
+        let uri = format!("{}#manifest", origin.url(&name));
+        let mut fleet = Vec::new();
+        for i in 0..n {
+            fleet.push(start(format!("fan-{n}-{i}")).await);
+        }
+        let before = origin_bytes_under(&origin, &half);
+        let t = std::time::Instant::now();
+        futures::future::join_all(fleet.iter().enumerate().map(|(i, d)| {
+            let uri = uri.clone();
+            async move { pull(d, &format!("pvc-fan-{n}-{i}"), &uri).await }
+        }))
+        .await;
+        println!(
+            "{n}\t{:.1}\t{}\t{}",
+            t.elapsed().as_secs_f64(),
+            origin_bytes_under(&origin, &half) - before,
+            n as u64 * (total / 2)
+        );
+        drop(fleet);
+    }
+}
+
+/// The Hub goes down after node A pulled a model. A pull of the model
+/// pinned to its commit is built from A alone (the listing from A's seal,
+/// every byte checked against it); the same model at `main` cannot be
+/// resolved and waits for the Hub (Unavailable).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
+    use crate::support::fixtures::{HUB_SHA, HubServer};
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, "peer-token-for-the-outage-0123456789\n").unwrap();
+    let model = fixtures::model_dir();
+    let hub = HubServer::start(&model).await;
+    let endpoint = hub.endpoint();
+    let pinned = format!("hf://org/minilm@{HUB_SHA}");
+    let hf_pull = |d: &Driver, name: &str, uri: &str| {
+        let req = create_req(
+            name,
+            &[
+                ("backend", "local"),
+                ("source", uri),
+                ("hfEndpoint", &endpoint),
+            ],
+            READER,
+        );
+        let c = d.client.clone();
+        async move {
+            let mut c = c;
+            c.controller
+                .create_volume(req)
+                .await
+                .map(|r| r.into_inner().volume.unwrap())
+        }
+    };
+    let (a, _) = node("node-a", &api, &tokens).await;
+    let va = hf_pull(&a, "pvc-a", &pinned)
+        .await
+        .expect("A pulls from the Hub");
+    let sid = va.volume_context["source"].clone();
+    advertised(&api, "node-a", &sid).await;
+    drop(hub);
+
+    let (b, _) = node("node-b", &api, &tokens).await;
+    let vb = hf_pull(&b, "pvc-b", &pinned)
+        .await
+        .unwrap_or_else(|s| panic!("B, Hub down: {:?}: {}", s.code(), s.message()));
+    assert_eq!(vb.volume_context["source"], sid);
+    for (path, _) in fixtures::tree_files(&model) {
+        let got = b.source_dir("local", &sid).join("data").join(&path);
+        assert_eq!(
+            fixtures::sha256_file(&got),
+            fixtures::sha256_file(&model.join(&path)),
+            "{path}"
+        );
+    }
+    let log = fs::read_to_string(b.dir.join("driver.log")).unwrap();
+    assert!(
+        log.contains("building the pinned model from peers alone"),
+        "{log}"
+    );
+
+    // Unpinned, the model's revision is the Hub's to say.
+    let started = std::time::Instant::now();
+    let err = hf_pull(&b, "pvc-main", "hf://org/minilm")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err.code(),
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+        ),
+        "{:?}: {}",
+        err.code(),
+        err.message()
+    );
+    eprintln!(
+        "unpinned while the Hub is down: {:?} after {:.1}s",
+        err.code(),
+        started.elapsed().as_secs_f64()
+    );
+    drop((a, b));
+}

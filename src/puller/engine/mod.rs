@@ -110,6 +110,17 @@ pub fn model_id(uri: &str, revision: &str) -> SourceId {
     SourceId::model(&h.finalize())
 }
 
+/// The source id of `uri` at `revision` as `source` serves it (its key
+/// scope is part of the id).
+fn source_id(source: &dyn Source, uri: &str, revision: &str) -> SourceId {
+    let scope = source.key_scope();
+    if scope.is_empty() {
+        model_id(uri, revision)
+    } else {
+        model_id(&format!("{uri}\0{scope}"), revision)
+    }
+}
+
 /// What one pull is about, once its listing passed [`check_listing`].
 struct Pull<'a> {
     sid: &'a SourceId,
@@ -188,17 +199,64 @@ impl Engine {
         sid: &SourceId,
         resolved: &Resolved,
         origin: Arc<dyn Source>,
+        outage: bool,
     ) -> Result<Arc<dyn Source>> {
         let Some(fill) = &self.fill else {
             return Ok(origin);
         };
         match fill.around(root, sid, resolved, origin.clone()).await {
+            Some(filled) if outage => {
+                self.authorized_while_down(sid, origin.as_ref())?;
+                Ok(filled)
+            }
             Some(filled) => {
                 self.authorize_hit(sid, origin.as_ref(), resolved).await?;
                 Ok(filled)
             }
+            None if outage => Err(Error::Transient(format!(
+                "the origin of {} is unreachable and no peer can serve the model now; a retry tries again",
+                resolved.uri
+            ))),
             None => Ok(origin),
         }
+    }
+
+    /// The listing of a pinned model from peers while its origin is down
+    /// (`error`, retryable), if the engine fills from peers and one holds it.
+    async fn listing_from_peers(
+        &self,
+        root: &Root,
+        source: &dyn Source,
+        error: &Error,
+    ) -> Option<Resolved> {
+        let (fill, pin) = (self.fill.as_ref()?, source.pinned()?);
+        let sid = source_id(source, &pin.uri, &pin.revision);
+        let listing = fill.listing(root, &sid, &pin).await?;
+        warn!(model = %pin.uri, revision = %pin.revision, origin_error = %error,
+            "the origin is unreachable: building the pinned model from peers alone");
+        Some(listing)
+    }
+
+    /// While the origin is down nobody can prove access at it: a model an
+    /// admin's class names is served from peers, a tenant's only to a
+    /// requester that proved its access lately.
+    fn authorized_while_down(&self, sid: &SourceId, source: &dyn Source) -> Result<()> {
+        if !source.tenant_named() {
+            return Ok(());
+        }
+        let proven = source.requester().is_some_and(|r| {
+            self.authorized
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&(sid.to_string(), r))
+                .is_some_and(|at| at.elapsed() < AUTHORIZED_FOR)
+        });
+        if proven {
+            return Ok(());
+        }
+        Err(Error::Transient(format!(
+            "the origin is unreachable, so access to model {sid} cannot be proven for this requester; peers serve a tenant's model only after the origin confirmed access; a retry tries again"
+        )))
     }
 
     /// Resolves, then returns the sealed model, pulling it if needed.
@@ -221,15 +279,21 @@ impl Engine {
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
     ) -> Result<Pulled> {
-        let resolved = self.retry("resolve", || source.resolve()).await?;
+        // The origin first; while it is down, a pinned model's listing may
+        // come from peers that hold it sealed (`outage`).
+        let (resolved, outage) = match source.resolve().await {
+            Ok(r) => (r, false),
+            Err(e) if is_retryable(&e) => {
+                match self.listing_from_peers(root, source.as_ref(), &e).await {
+                    Some(r) => (r, true),
+                    None => (self.retry("resolve", || source.resolve()).await?, false),
+                }
+            }
+            Err(e) => return Err(e),
+        };
         let limits = self.cfg.limits.lower(source.limits());
         let total = check_listing(&resolved, &limits)?;
-        let scope = source.key_scope();
-        let sid = if scope.is_empty() {
-            model_id(&resolved.uri, &resolved.revision)
-        } else {
-            model_id(&format!("{}\0{scope}", resolved.uri), &resolved.revision)
-        };
+        let sid = source_id(source.as_ref(), &resolved.uri, &resolved.revision);
         let span =
             info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
         let scheme = crate::metrics::scheme_of(&resolved.uri);
@@ -270,7 +334,7 @@ impl Engine {
                 bytes: AtomicU64::new(0),
             };
             let requester = source.requester();
-            let source = self.filled(root, &sid, &resolved, source).await;
+            let source = self.filled(root, &sid, &resolved, source, outage).await;
             let fetched = async {
                 self.fetch_within_deadline(root, &pull, source?, &counted)
                     .await
