@@ -595,6 +595,32 @@ async fn bench() {
             node_with(&name, api, &refs).await.0
         }
     };
+    // Part 0: what a chunk table costs every pull: the file's sha256 alone
+    // against the file's sha256 and its chunk table, over the same bytes.
+    {
+        use sha2::Digest;
+        let buf: Vec<u8> = (0..(256usize << 20))
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let t = std::time::Instant::now();
+        for _ in 0..4 {
+            std::hint::black_box(sha2::Sha256::digest(&buf));
+        }
+        let plain = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        for _ in 0..4 {
+            let mut h = modelcache_csi::cache::manifest::FileHasher::default();
+            for piece in buf.chunks(2 << 20) {
+                h.update(piece);
+            }
+            std::hint::black_box(h.finish());
+        }
+        let chunked = t.elapsed().as_secs_f64();
+        println!(
+            "# part 0: hashing 1 GiB: sha256 alone {plain:.2}s, with the chunk table {chunked:.2}s ({:.2}x)",
+            chunked / plain
+        );
+    }
     let uri = format!("{}#manifest", origin.url("two.json"));
     let mut nodes: Vec<Driver> = Vec::new();
     println!("# part 1: a {total}-byte model (4 files), origin paced to ~100 MiB/s");

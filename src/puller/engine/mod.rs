@@ -364,6 +364,12 @@ impl Engine {
                         secs = took.as_secs_f64(),
                         "sealed"
                     );
+                    let from = match (from, outage) {
+                        (Some(f), true) => Some(format!(
+                            "{f}: the origin was unreachable, so the pinned model was built from peers alone"
+                        )),
+                        (f, _) => f,
+                    };
                     sink.sealed(
                         &resolved.uri,
                         &resolved.revision,
