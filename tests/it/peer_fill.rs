@@ -57,26 +57,6 @@ fn write_model(dir: &Path) -> u64 {
     total
 }
 
-/// Bytes of model files the origin sent: each GET's range, or the file.
-fn origin_bytes(origin: &FileServer) -> u64 {
-    origin
-        .requests()
-        .iter()
-        .filter(|r| r.method == "GET")
-        .filter_map(|r| {
-            let path = r.segments.join("/");
-            let size = FILES.iter().find(|(p, _)| *p == path)?.1;
-            let Some(range) = r.header("range").and_then(|v| v.strip_prefix("bytes=")) else {
-                return Some(size);
-            };
-            let (a, b) = range.split_once('-')?;
-            let a: u64 = a.parse().ok()?;
-            let b: u64 = b.parse::<u64>().map_or(size, |b| (b + 1).min(size));
-            Some(b.saturating_sub(a))
-        })
-        .sum()
-}
-
 async fn node(name: &str, api: &ApiServer, tokens: &Path) -> (Driver, String) {
     node_with(name, api, &["--peer-token-file", tokens.to_str().unwrap()]).await
 }
@@ -175,7 +155,7 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
     fs::write(&tokens, format!("{token}\n")).unwrap();
     let va = pull(&a, "pvc-a", &uri).await;
     let sid = va.volume_context["source"].clone();
-    let from_origin_a = origin_bytes(&origin);
+    let from_origin_a = origin_bytes_under(&origin, &model);
     assert!(
         from_origin_a >= total,
         "A fetched {from_origin_a} of {total} bytes from the origin"
@@ -187,7 +167,7 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
     let (b, _) = node("node-b", &api, &tokens).await;
     let vb = pull(&b, "pvc-b", &uri).await;
     assert_eq!(vb.volume_context["source"], sid);
-    let from_origin_b = origin_bytes(&origin) - from_origin_a;
+    let from_origin_b = origin_bytes_under(&origin, &model) - from_origin_a;
     assert!(
         from_origin_b * 50 <= total,
         "B fetched {from_origin_b} of {total} bytes from the origin with a peer holding the model"
@@ -228,9 +208,9 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
         }
     }
     let (c, _) = node("node-c", &api, &tokens).await;
-    let before_c = origin_bytes(&origin);
+    let before_c = origin_bytes_under(&origin, &model);
     pull(&c, "pvc-c", &uri).await;
-    let from_origin_c = origin_bytes(&origin) - before_c;
+    let from_origin_c = origin_bytes_under(&origin, &model) - before_c;
     assert_exact(&c, &sid, &model);
     assert!(
         from_origin_c * 50 <= total,
@@ -259,9 +239,9 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
     drop(b);
     drop(c);
     let (d, _) = node("node-d", &api, &tokens).await;
-    let before_d = origin_bytes(&origin);
+    let before_d = origin_bytes_under(&origin, &model);
     pull(&d, "pvc-d", &uri).await;
-    let from_origin_d = origin_bytes(&origin) - before_d;
+    let from_origin_d = origin_bytes_under(&origin, &model) - before_d;
     assert_exact(&d, &sid, &model);
     let log = fs::read_to_string(d.dir.join("driver.log")).unwrap();
     assert!(
@@ -324,7 +304,41 @@ fn write_large_model(dir: &Path, files: usize, mib: usize) -> u64 {
     (files * (mib << 20)) as u64
 }
 
-/// Bytes of any file the origin sent (ranges, else the file's size).
+/// A real apiserver, a token file and a paced origin serving a large
+/// synthetic model of `files` files of `mib` MiB, with its manifest.
+struct Large {
+    api: ApiServer,
+    work: tempfile::TempDir,
+    model: std::path::PathBuf,
+    total: u64,
+    tokens: std::path::PathBuf,
+    origin: FileServer,
+    manifest: Vec<u8>,
+}
+
+async fn large(files: usize, mib: usize, token: &str) -> Large {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    fs::create_dir_all(&model).unwrap();
+    let total = write_large_model(&model, files, mib);
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, format!("{token}\n")).unwrap();
+    let origin = FileServer::start(&model).await;
+    let manifest = fixtures::manifest_for(&model, true);
+    Large {
+        api,
+        work,
+        model,
+        total,
+        tokens,
+        origin,
+        manifest,
+    }
+}
+
+/// Bytes of the model's files (those under `dir`; manifests are not) the
+/// origin sent: each GET's range, else the file's size.
 fn origin_bytes_under(origin: &FileServer, dir: &Path) -> u64 {
     origin
         .requests()
@@ -332,9 +346,6 @@ fn origin_bytes_under(origin: &FileServer, dir: &Path) -> u64 {
         .filter(|r| r.method == "GET")
         .filter_map(|r| {
             let size = fs::metadata(dir.join(r.segments.join("/"))).ok()?.len();
-            if r.segments.last().is_some_and(|s| s.ends_with(".json")) {
-                return None;
-            }
             let Some(range) = r.header("range").and_then(|v| v.strip_prefix("bytes=")) else {
                 return Some(size);
             };
@@ -352,15 +363,15 @@ fn origin_bytes_under(origin: &FileServer, dir: &Path) -> u64 {
 /// and the last node is done soon after one node alone would be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_nodes_filling_at_once_cost_the_origin_one_copy() {
-    let api = ApiServer::start().expect("start apiserver");
-    let work = tempfile::tempdir().unwrap();
-    let model = work.path().join("model");
-    fs::create_dir_all(&model).unwrap();
-    let total = write_large_model(&model, 4, 256);
-    let tokens = work.path().join("peer-token");
-    fs::write(&tokens, "peer-token-for-the-fan-out-0123456789\n").unwrap();
-    let origin = FileServer::start(&model).await;
-    let manifest = fixtures::manifest_for(&model, true);
+    let Large {
+        api,
+        model,
+        total,
+        tokens,
+        origin,
+        manifest,
+        ..
+    } = large(4, 256, "peer-token-for-the-fan-out-0123456789").await;
     // Two names for the same bytes: two models, so the one pulled alone
     // is nobody's peer in the fan-out.
     origin.put("alone.json", manifest.clone());
@@ -559,15 +570,15 @@ fn cpu_secs(pid: u32) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: docs/benchmarks.md, peer fill"]
 async fn bench() {
-    let api = ApiServer::start().expect("start apiserver");
-    let work = tempfile::tempdir().unwrap();
-    let model = work.path().join("model");
-    fs::create_dir_all(&model).unwrap();
-    let total = write_large_model(&model, 4, 512);
-    let tokens = work.path().join("peer-token");
-    fs::write(&tokens, "peer-token-for-the-benchmark-0123456789\n").unwrap();
-    let origin = FileServer::start(&model).await;
-    let manifest = fixtures::manifest_for(&model, true);
+    let Large {
+        api,
+        work,
+        model,
+        total,
+        tokens,
+        origin,
+        manifest,
+    } = large(4, 512, "peer-token-for-the-benchmark-0123456789").await;
     for name in [
         "two.json",
         "fan-1.json",
