@@ -46,7 +46,7 @@ impl FileView {
 #[derive(Default)]
 pub struct Partial {
     files: Mutex<HashMap<String, FileView>>,
-    /// Bytes hashed so far across files: a reader waiting for a chunk
+    /// Bytes arrived so far across files: a reader waiting for a chunk
     /// waits while this moves.
     moved: AtomicU64,
     changed: tokio::sync::Notify,
@@ -78,14 +78,20 @@ impl Partial {
             let Some(f) = files.get_mut(path) else {
                 return;
             };
-            let grew = hashed.saturating_sub(f.hashed);
             f.hashed = f.hashed.max(hashed);
             if chunks.len() > f.chunks.len() {
                 f.chunks.extend_from_slice(&chunks[f.chunks.len()..]);
             }
-            self.moved.fetch_add(grew, Ordering::Relaxed);
         }
         self.changed.notify_waiters();
+    }
+
+    /// `n` more bytes of the model arrived (written, hashed or not yet):
+    /// what tells a waiting reader the pull is moving. The hashed prefix
+    /// alone moves in steps (a range ahead of it waits for the one before),
+    /// which would look like a stall.
+    pub fn arrived(&self, n: u64) {
+        self.moved.fetch_add(n, Ordering::Relaxed);
     }
 
     /// `path` is whole, verified and in place at `at`.
@@ -106,7 +112,7 @@ impl Partial {
         self.files().get(path).cloned()
     }
 
-    /// Bytes hashed so far, across files.
+    /// Bytes arrived so far, across files.
     pub fn moved(&self) -> u64 {
         self.moved.load(Ordering::Relaxed)
     }
@@ -182,6 +188,7 @@ mod tests {
             for i in 1..=2u64 {
                 tokio::time::sleep(Duration::from_millis(30)).await;
                 let chunks: Vec<String> = (0..i).map(|k| format!("c{k}")).collect();
+                v.arrived(CHUNK_BYTES);
                 v.hashed("w", i * CHUNK_BYTES, &chunks);
             }
         });

@@ -251,6 +251,18 @@ impl OciSource {
 
 #[async_trait::async_trait]
 impl Source for OciSource {
+    /// `@sha256:` pins the manifest, and so every layer.
+    fn pinned(&self) -> Option<crate::puller::source::Pinned> {
+        self.uri
+            .digest
+            .as_ref()
+            .map(|d| crate::puller::source::Pinned {
+                uri: self.uri.normalized(),
+                revision: d.clone(),
+                files: Default::default(),
+            })
+    }
+
     async fn resolve(&self) -> Result<Resolved> {
         let (manifest, digest) = self
             .client

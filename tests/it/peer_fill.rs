@@ -370,7 +370,8 @@ async fn eight_nodes_filling_at_once_cost_the_origin_one_copy() {
         tokens,
         origin,
         manifest,
-        ..
+        // The temp dir lives as long as the test: it holds the model.
+        work: _work,
     } = large(4, 256, "peer-token-for-the-fan-out-0123456789").await;
     // Two names for the same bytes: two models, so the one pulled alone
     // is nobody's peer in the fan-out.
@@ -701,7 +702,8 @@ async fn bench() {
 /// The Hub goes down after node A pulled a model. A pull of the model
 /// pinned to its commit is built from A alone (the listing from A's seal,
 /// every byte checked against it); the same model at `main` cannot be
-/// resolved and waits for the Hub (Unavailable).
+/// resolved and waits for the Hub (Unavailable). Likewise an OCI artifact
+/// pinned by digest while its registry is down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
     use crate::support::fixtures::{HUB_SHA, HubServer};
@@ -778,5 +780,47 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
         err.code(),
         started.elapsed().as_secs_f64()
     );
+
+    // An OCI artifact by digest, the registry stopped after A pulled it.
+    let mut reg = crate::support::registry::Registry::start().await;
+    let pushed = reg.push_artifact("models/minilm:v1", &model).await;
+    let by_digest = reg.uri(&format!("models/minilm@{}", pushed.digest));
+    let oci_pull = |d: &Driver, name: &str| {
+        let req = create_req(
+            name,
+            &[
+                ("backend", "local"),
+                ("source", &by_digest),
+                ("ociPlainHTTP", "true"),
+            ],
+            READER,
+        );
+        let c = d.client.clone();
+        async move {
+            let mut c = c;
+            c.controller
+                .create_volume(req)
+                .await
+                .map(|r| r.into_inner().volume.unwrap())
+        }
+    };
+    let oa = oci_pull(&a, "pvc-oci-a")
+        .await
+        .expect("A pulls from the registry");
+    let osid = oa.volume_context["source"].clone();
+    advertised(&api, "node-a", &osid).await;
+    reg.stop();
+    let ob = oci_pull(&b, "pvc-oci-b")
+        .await
+        .unwrap_or_else(|s| panic!("B, registry down: {:?}: {}", s.code(), s.message()));
+    assert_eq!(ob.volume_context["source"], osid);
+    for (path, _) in fixtures::tree_files(&model) {
+        let got = b.source_dir("local", &osid).join("data").join(&path);
+        assert_eq!(
+            fixtures::sha256_file(&got),
+            fixtures::sha256_file(&model.join(&path)),
+            "{path}"
+        );
+    }
     drop((a, b));
 }

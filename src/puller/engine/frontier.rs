@@ -153,6 +153,9 @@ impl Frontier {
     /// for the writer to go on with.
     pub(super) fn hand_over(&self, at: u64, mut w: Window) -> Window {
         let n = w.len() as u64;
+        if let Some((view, _)) = self.view.get() {
+            view.arrived(n);
+        }
         let mut s = self.lock();
         loop {
             // Abandoned: the bytes are on disk but will not be recorded.
