@@ -448,7 +448,9 @@ impl Inner {
                 .map_err(|e| Miss::Unavailable(e.to_string()))?;
             match resp.status() {
                 reqwest::StatusCode::PARTIAL_CONTENT => {}
-                reqwest::StatusCode::NOT_FOUND => {
+                // A sealed copy that lost the model is gone; a pull may just
+                // be between states (its area not open yet, or sealing).
+                reqwest::StatusCode::NOT_FOUND if wait.is_none() => {
                     return Err(Miss::Gone(format!("answered {}", resp.status())));
                 }
                 s => {

@@ -140,7 +140,7 @@ impl PeerServer {
         // A pull announced here may not have opened its area yet, or may
         // be sealing right now: an asker that waits looks again a moment.
         let waits = req.uri().query().is_some_and(|q| q.contains("wait=1"));
-        let until = tokio::time::Instant::now() + Duration::from_secs(5);
+        let until = tokio::time::Instant::now() + WAIT_FOR_CHUNK;
         let found = loop {
             let (roots, s) = (self.roots.clone(), sid.clone());
             let found = crate::offload::blocking(move || find(&roots, &s)).await;
