@@ -1,9 +1,12 @@
 //! Filling a model from peers: a `Source` in front of the origin.
 //!
-//! The origin still resolves the model (its listing and sha256s are what
-//! every byte is checked against). A file is taken from peers only when
-//! the origin vouches for its sha256 and a peer's seal lists the same file
-//! with that sha256 and a chunk table. Chunks come whole, striped over the
+//! The origin still resolves the model (its listing and digests are what
+//! every byte is checked against; while it is down, a pinned model's
+//! listing comes from a peer's seal). A file is taken from peers only when
+//! the origin vouches for its bytes (a sha256, or an S3 ETag's MD5) and a
+//! peer holds it: sealed, listing the same file with a chunk table, or
+//! still pulling it, serving the chunks its hasher has passed with their
+//! digests. Chunks come whole, striped over the
 //! peers that hold the file, and each is checked against the chunk table
 //! before a byte of it is handed on: a peer whose disk rotted is caught at
 //! the chunk, dropped for the model, and the chunk fetched elsewhere. A
@@ -20,7 +23,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{info, warn};
 
 use super::directory::{Directory, Peer};
@@ -30,8 +33,8 @@ use crate::cache::{Root, SourceId};
 use crate::error::Result;
 use crate::puller::source::{Fill, Pinned, Provenance, RemoteFile, Resolved, Source, Unpack};
 
-/// Chunks held in memory at once, across every pull of this node, while
-/// they are checked: 96 MiB.
+/// Whole chunks held in memory at once, across every pull of this node,
+/// while they are fetched, checked and handed on: 96 MiB.
 const CHUNKS_IN_FLIGHT: usize = 12;
 /// A peer slower than this for a chunk is left for the next one.
 const MIN_PEER_BYTES_PER_SEC: u64 = 8 << 20;
@@ -273,6 +276,20 @@ enum Held {
     Pulling { leads: bool },
 }
 
+/// Hands `bytes` on in pieces of 1 MiB, each a copy: the whole chunk's
+/// buffer is freed as soon as its last piece is queued, not when the
+/// engine gets to it (it may pause a stream behind its reorder window), so
+/// chunk buffers stay within `CHUNKS_IN_FLIGHT`. False when the reader
+/// went away.
+async fn hand_on(tx: &tokio::sync::mpsc::Sender<Result<Bytes>>, bytes: Bytes) -> bool {
+    for piece in bytes.chunks(1 << 20) {
+        if tx.send(Ok(Bytes::copy_from_slice(piece))).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
 /// A peer and what it holds.
 struct Copy {
     peer: Peer,
@@ -406,7 +423,7 @@ impl Inner {
         idx: u64,
         start: u64,
         end: u64,
-    ) -> std::result::Result<Bytes, Miss> {
+    ) -> std::result::Result<(Bytes, OwnedSemaphorePermit), Miss> {
         let copy = &self.copies[c];
         let (table, wait) = match &copy.held {
             Held::Sealed(seal) => (
@@ -420,11 +437,6 @@ impl Inner {
             ),
             Held::Pulling { leads } => (None, Some(*leads)),
         };
-        let _buffer = self
-            .buffers
-            .acquire()
-            .await
-            .map_err(|_| Miss::Unavailable("shutting down".into()))?;
         let url = format!("http://{}/v1/models/{}/file", copy.peer.addr, self.sid);
         let len = end - start;
         let mut within =
@@ -470,13 +482,21 @@ impl Inner {
                 .get(CHUNK_DIGEST)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string);
+            // The body's memory is bounded, not the wait before it (a pull
+            // still running holds the request until it has the chunk).
+            let buffer = self
+                .buffers
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| Miss::Unavailable("shutting down".into()))?;
             let body = resp
                 .bytes()
                 .await
                 .map_err(|e| Miss::Unavailable(e.to_string()))?;
-            Ok((body, sent))
+            Ok((body, sent, buffer))
         };
-        let (body, sent) = tokio::time::timeout(within, fetch).await.map_err(|_| {
+        let (body, sent, buffer) = tokio::time::timeout(within, fetch).await.map_err(|_| {
             Miss::Unavailable(format!(
                 "slower than {} MiB/s",
                 MIN_PEER_BYTES_PER_SEC >> 20
@@ -503,7 +523,7 @@ impl Inner {
                 file.path
             )));
         }
-        Ok(body)
+        Ok((body, buffer))
     }
 
     /// Sends `[offset, end)` of `file` to `tx`: chunk by chunk from peers,
@@ -526,7 +546,7 @@ impl Inner {
             let got = self.chunk_from_peers(&file, idx, cs, ce).await;
             let until = end.min(ce);
             let piece = match got {
-                Some((c, chunk)) => {
+                Some((c, chunk, buffer)) => {
                     self.served_by
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -534,15 +554,26 @@ impl Inner {
                         .or_default()
                         .insert(c);
                     self.count("peer", until - pos);
-                    Ok(chunk.slice((pos - cs) as usize..(until - cs) as usize))
+                    Ok((
+                        chunk.slice((pos - cs) as usize..(until - cs) as usize),
+                        buffer,
+                    ))
                 }
                 // No peer could serve this chunk now: the origin does, and
                 // peers are asked again for the next.
                 None => self.origin_range(&file, pos, until).await,
             };
-            let failed = piece.is_err();
-            if tx.send(piece).await.is_err() || failed {
-                return;
+            match piece {
+                Ok((bytes, buffer)) => {
+                    if !hand_on(&tx, bytes).await {
+                        return;
+                    }
+                    drop(buffer);
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
             }
             pos = until;
         }
@@ -587,14 +618,14 @@ impl Inner {
         idx: u64,
         cs: u64,
         ce: u64,
-    ) -> Option<(usize, Bytes)> {
+    ) -> Option<(usize, Bytes, OwnedSemaphorePermit)> {
         let patience = tokio::time::Instant::now() + BUSY_PATIENCE;
         let mut round = 0u32;
         loop {
             let mut busy = false;
             for c in self.order(&file.path, idx) {
                 match self.chunk(c, file, idx, cs, ce).await {
-                    Ok(b) => return Some((c, b)),
+                    Ok((b, buffer)) => return Some((c, b, buffer)),
                     Err(Miss::Wrong(why)) => {
                         warn!(peer = %self.copies[c].peer.node, model = %self.sid, %why, "peer served a wrong chunk; it is dropped for this model");
                         self.drop_copy(c);
@@ -627,13 +658,24 @@ impl Inner {
 
     /// `[start, end)` of `file` from the origin, whole, in memory (at
     /// most a chunk).
-    async fn origin_range(&self, file: &RemoteFile, start: u64, end: u64) -> Result<Bytes> {
+    async fn origin_range(
+        &self,
+        file: &RemoteFile,
+        start: u64,
+        end: u64,
+    ) -> Result<(Bytes, OwnedSemaphorePermit)> {
         if file.locator.is_empty() {
             return Err(crate::error::Error::Transient(format!(
                 "{}: no peer serves this chunk now and the origin is unreachable; a retry tries again",
                 file.path
             )));
         }
+        let buffer = self
+            .buffers
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| crate::error::Error::Internal("shutting down".into()))?;
         let mut s = self.origin.read(file, start, Some(end - start)).await?;
         let mut buf = bytes::BytesMut::with_capacity((end - start) as usize);
         while let Some(b) = s.next().await {
@@ -641,7 +683,7 @@ impl Inner {
             self.count("origin", b.len() as u64);
             buf.extend_from_slice(&b);
         }
-        Ok(buf.freeze())
+        Ok((buf.freeze(), buffer))
     }
 }
 
@@ -670,7 +712,8 @@ impl Source for PeerSource {
                 .boxed());
         }
         let end = len.map_or(size, |l| offset.saturating_add(l).min(size));
-        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        // One piece queued: memory per stream stays at about 1 MiB.
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
         tokio::spawn(inner.fill_range(file.clone(), offset, end, tx));
         Ok(tokio_stream::wrappers::ReceiverStream::new(rx).boxed())
     }
