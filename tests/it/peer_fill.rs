@@ -80,6 +80,19 @@ async fn node_with(name: &str, api: &ApiServer, extra: &[&str]) -> (Driver, Stri
     (d, listen)
 }
 
+/// CreateVolume of `name` with `params`, for READER.
+async fn create_with(
+    d: &Driver,
+    name: &str,
+    params: &[(String, String)],
+) -> Result<Volume, tonic::Status> {
+    let refs: Vec<(&str, &str)> = params
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    d.create(create_req(name, &refs, READER)).await
+}
+
 async fn pull(d: &Driver, name: &str, uri: &str) -> Volume {
     let req = create_req(name, &[("backend", "local"), ("source", uri)], READER);
     d.create(req)
@@ -106,13 +119,14 @@ async fn advertised(api: &ApiServer, node: &str, sid: &str) {
     panic!("{node} never advertised {sid}");
 }
 
+/// Every file of `model` is in `d`'s copy of source `sid`, byte for byte.
 fn assert_exact(d: &Driver, sid: &str, model: &Path) {
-    for (path, size) in FILES {
-        let got = d.source_dir("local", sid).join("data").join(path);
+    for (path, size) in fixtures::tree_files(model) {
+        let got = d.source_dir("local", sid).join("data").join(&path);
         assert_eq!(fs::metadata(&got).unwrap().len(), size, "{path}");
         assert_eq!(
             fixtures::sha256_file(&got),
-            fixtures::sha256_file(&model.join(path)),
+            fixtures::sha256_file(&model.join(&path)),
             "{path} differs from the origin's"
         );
     }
@@ -715,27 +729,17 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
     let hub = HubServer::start(&model).await;
     let endpoint = hub.endpoint();
     let pinned = format!("hf://org/minilm@{HUB_SHA}");
-    let hf_pull = |d: &Driver, name: &str, uri: &str| {
-        let req = create_req(
-            name,
-            &[
-                ("backend", "local"),
-                ("source", uri),
-                ("hfEndpoint", &endpoint),
-            ],
-            READER,
-        );
-        let c = d.client.clone();
-        async move {
-            let mut c = c;
-            c.controller
-                .create_volume(req)
-                .await
-                .map(|r| r.into_inner().volume.unwrap())
-        }
+    let hf = |uri: &str| -> Vec<(String, String)> {
+        [
+            ("backend", "local"),
+            ("source", uri),
+            ("hfEndpoint", endpoint.as_str()),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .to_vec()
     };
     let (a, _) = node("node-a", &api, &tokens).await;
-    let va = hf_pull(&a, "pvc-a", &pinned)
+    let va = create_with(&a, "pvc-a", &hf(&pinned))
         .await
         .expect("A pulls from the Hub");
     let sid = va.volume_context["source"].clone();
@@ -743,18 +747,11 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
     drop(hub);
 
     let (b, _) = node("node-b", &api, &tokens).await;
-    let vb = hf_pull(&b, "pvc-b", &pinned)
+    let vb = create_with(&b, "pvc-b", &hf(&pinned))
         .await
         .unwrap_or_else(|s| panic!("B, Hub down: {:?}: {}", s.code(), s.message()));
     assert_eq!(vb.volume_context["source"], sid);
-    for (path, _) in fixtures::tree_files(&model) {
-        let got = b.source_dir("local", &sid).join("data").join(&path);
-        assert_eq!(
-            fixtures::sha256_file(&got),
-            fixtures::sha256_file(&model.join(&path)),
-            "{path}"
-        );
-    }
+    assert_exact(&b, &sid, &model);
     let log = fs::read_to_string(b.dir.join("driver.log")).unwrap();
     assert!(
         log.contains("building the pinned model from peers alone"),
@@ -763,7 +760,7 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
 
     // Unpinned, the model's revision is the Hub's to say.
     let started = std::time::Instant::now();
-    let err = hf_pull(&b, "pvc-main", "hf://org/minilm")
+    let err = create_with(&b, "pvc-main", &hf("hf://org/minilm"))
         .await
         .unwrap_err();
     assert!(
@@ -785,42 +782,23 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
     let mut reg = crate::support::registry::Registry::start().await;
     let pushed = reg.push_artifact("models/minilm:v1", &model).await;
     let by_digest = reg.uri(&format!("models/minilm@{}", pushed.digest));
-    let oci_pull = |d: &Driver, name: &str| {
-        let req = create_req(
-            name,
-            &[
-                ("backend", "local"),
-                ("source", &by_digest),
-                ("ociPlainHTTP", "true"),
-            ],
-            READER,
-        );
-        let c = d.client.clone();
-        async move {
-            let mut c = c;
-            c.controller
-                .create_volume(req)
-                .await
-                .map(|r| r.into_inner().volume.unwrap())
-        }
-    };
-    let oa = oci_pull(&a, "pvc-oci-a")
+    let oci: Vec<(String, String)> = [
+        ("backend", "local"),
+        ("source", by_digest.as_str()),
+        ("ociPlainHTTP", "true"),
+    ]
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .to_vec();
+    let oa = create_with(&a, "pvc-oci-a", &oci)
         .await
         .expect("A pulls from the registry");
     let osid = oa.volume_context["source"].clone();
     advertised(&api, "node-a", &osid).await;
     reg.stop();
-    let ob = oci_pull(&b, "pvc-oci-b")
+    let ob = create_with(&b, "pvc-oci-b", &oci)
         .await
         .unwrap_or_else(|s| panic!("B, registry down: {:?}: {}", s.code(), s.message()));
     assert_eq!(ob.volume_context["source"], osid);
-    for (path, _) in fixtures::tree_files(&model) {
-        let got = b.source_dir("local", &osid).join("data").join(&path);
-        assert_eq!(
-            fixtures::sha256_file(&got),
-            fixtures::sha256_file(&model.join(&path)),
-            "{path}"
-        );
-    }
+    assert_exact(&b, &osid, &model);
     drop((a, b));
 }
