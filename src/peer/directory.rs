@@ -2,7 +2,9 @@
 //! renewed while the driver runs, listing the node's peer address and the
 //! models it has sealed. A node that stops renewing (gone, or its driver
 //! down) drops out when its Lease expires; an evicted model drops out at
-//! the next renewal.
+//! the next renewal. A pull from the origin is claimed with a Lease of
+//! its own, which the API creates for one node only: that node leads, the
+//! others fill from it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -12,7 +14,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use tracing::{debug, warn};
 
 use crate::cache::Root;
@@ -26,6 +28,23 @@ pub const MODELS: &str = "modelcache.csi.io/models";
 pub const PULLING: &str = "modelcache.csi.io/pulling";
 /// The label every driver's peer Lease carries: the driver's name.
 pub const LABEL: &str = "modelcache.csi.io/peer-of";
+
+/// The label of a pull's claim (the driver's name); the claim is named
+/// `modelcache-pull-<sid>`.
+pub const CLAIM_LABEL: &str = "modelcache.csi.io/pull-claim-of";
+
+/// Who pulls a model from the origin while other nodes fill from it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// This node: no other node holds a live claim.
+    Leads,
+    /// That node claimed it first and is pulling it now.
+    Follows(String),
+}
+
+fn claim_name(sid: &str) -> String {
+    format!("modelcache-pull-{sid}")
+}
 
 /// How long a Lease stands without renewal; renewed at a third of it.
 const LEASE_SECONDS: i32 = 45;
@@ -133,13 +152,94 @@ impl Directory {
         self.publish().await
     }
 
-    /// This node's pull of `sid` ended (sealed or failed).
+    /// This node's pull of `sid` ended (sealed or failed): it is no
+    /// longer advertised, and this node's claim on it is let go.
     pub fn end(&self, sid: &str) {
         self.pulling
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(sid);
         self.changed();
+        let (api, node, name) = (self.api.clone(), self.node.clone(), claim_name(sid));
+        tokio::spawn(async move { release(&api, &node, &name).await });
+    }
+
+    /// Claims the pull of `sid` from the origin, after `begin`. The API
+    /// creates the claim's Lease for one node only, so exactly one of the
+    /// nodes starting at once leads. Comparing start times on the node
+    /// Leases cannot promise that: a node that announced late with an
+    /// early clock and one that listed before it announced both see
+    /// nobody ahead. A claim whose holder no longer advertises the pull
+    /// (failed, gone) is taken over, by one node, through the Lease's
+    /// resourceVersion. When the API cannot be asked, this node leads:
+    /// peer fill only saves origin bytes, it never stops a pull.
+    pub async fn claim(&self, sid: &str) -> Claim {
+        let name = claim_name(sid);
+        for _ in 0..4 {
+            let mine = serde_json::from_value::<Lease>(serde_json::json!({
+                "metadata": {"name": name, "labels": {CLAIM_LABEL: self.driver}},
+                "spec": {
+                    "holderIdentity": self.node,
+                    "leaseDurationSeconds": LEASE_SECONDS,
+                    "acquireTime": MicroTime(Timestamp::now()),
+                },
+            }))
+            .expect("a claim is a Lease");
+            match self.api.create(&PostParams::default(), &mine).await {
+                Ok(_) => return Claim::Leads,
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => {
+                    warn!(error = %e, "could not claim the pull; pulling from the origin");
+                    return Claim::Leads;
+                }
+            }
+            let current = match self.api.get_opt(&name).await {
+                Ok(Some(l)) => l,
+                // Released in between: claim it again.
+                Ok(None) => continue,
+                Err(e) => {
+                    warn!(error = %e, "could not read the pull's claim; pulling from the origin");
+                    return Claim::Leads;
+                }
+            };
+            let holder = current
+                .spec
+                .as_ref()
+                .and_then(|s| s.holder_identity.clone())
+                .unwrap_or_default();
+            if holder == self.node {
+                return Claim::Leads;
+            }
+            let live = self
+                .holders(sid, true)
+                .await
+                .iter()
+                .any(|p| p.node == holder && p.pulling.contains_key(sid));
+            if live {
+                return Claim::Follows(holder);
+            }
+            let take = serde_json::json!({
+                "metadata": {"resourceVersion": current.metadata.resource_version},
+                "spec": {"holderIdentity": self.node, "acquireTime": MicroTime(Timestamp::now())},
+            });
+            match self
+                .api
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&take))
+                .await
+            {
+                Ok(_) => {
+                    debug!(claim = %name, stale = %holder, "took over a stale claim");
+                    return Claim::Leads;
+                }
+                // Another node took it over first, or it was released.
+                Err(kube::Error::Api(e)) if e.code == 409 || e.code == 404 => {}
+                Err(e) => {
+                    warn!(error = %e, "could not take over the pull's claim; pulling from the origin");
+                    return Claim::Leads;
+                }
+            }
+        }
+        Claim::Leads
     }
 
     async fn publish(&self) -> anyhow::Result<()> {
@@ -225,6 +325,27 @@ impl Directory {
         *self.listed.lock().unwrap_or_else(|p| p.into_inner()) =
             Some((Instant::now(), peers.clone()));
         Ok(peers)
+    }
+}
+
+/// Deletes `name` if `node` still holds it (a claim taken over since is
+/// the new holder's).
+async fn release(api: &Api<Lease>, node: &str, name: &str) {
+    let Ok(Some(l)) = api.get_opt(name).await else {
+        return;
+    };
+    if l.spec.and_then(|s| s.holder_identity).as_deref() != Some(node) {
+        return;
+    }
+    let only_this = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: l.metadata.resource_version,
+            uid: None,
+        }),
+        ..DeleteParams::default()
+    };
+    if let Err(e) = api.delete(name, &only_this).await {
+        debug!(claim = %name, error = %e, "claim not released");
     }
 }
 

@@ -26,7 +26,7 @@ use futures::stream::BoxStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{info, warn};
 
-use super::directory::{Directory, Peer};
+use super::directory::{Claim, Directory, Peer};
 use super::{CHUNK_DIGEST, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::{CHUNK_BYTES, Seal, chunk_digest};
 use crate::cache::{Root, SourceId};
@@ -86,9 +86,9 @@ impl PeerFill {
 #[async_trait::async_trait]
 impl Fill for PeerFill {
     /// Says that this node pulls `sid` (so that nodes starting after it
-    /// follow it), then looks for peers: sealed copies, and pulls started
-    /// before this one. The first node to start, with no sealed copy
-    /// anywhere, pulls from the origin.
+    /// can read what it holds), then looks for peers: sealed copies, and
+    /// pulls started before this one. With no sealed copy anywhere, the
+    /// one node whose claim the API took pulls from the origin.
     async fn around(
         &self,
         root: &Root,
@@ -103,11 +103,25 @@ impl Fill for PeerFill {
         if let Err(e) = self.dir.begin(sid.as_str(), started).await {
             warn!(error = %e, "could not tell peers about this pull");
         }
-        let holders = self.dir.holders(sid.as_str(), true).await;
+        let mut holders = self.dir.holders(sid.as_str(), true).await;
+        let mut leader = None;
+        if !holders.iter().any(|p| p.models.contains(sid.as_str())) {
+            match self.dir.claim(sid.as_str()).await {
+                Claim::Leads => return None,
+                Claim::Follows(node) => {
+                    // The claim's check listed just now: the leader is in it.
+                    holders = self.dir.holders(sid.as_str(), false).await;
+                    leader = Some(node);
+                }
+            }
+        }
+        // Pulls started before this one hold chunks sooner than those
+        // started after it; the leader is read whenever it started.
         let ahead = |p: &Peer| {
-            p.pulling
-                .get(sid.as_str())
-                .is_some_and(|at| (*at, p.node.as_str()) < (started, self.node.as_str()))
+            leader.as_deref() == Some(p.node.as_str())
+                || p.pulling
+                    .get(sid.as_str())
+                    .is_some_and(|at| (*at, p.node.as_str()) < (started, self.node.as_str()))
         };
         let (sealed, pulling): (Vec<Peer>, Vec<Peer>) = holders
             .into_iter()
@@ -118,10 +132,6 @@ impl Fill for PeerFill {
         }
         let seals =
             futures::future::join_all(sealed.iter().map(|p| self.seal_of(p, sid.as_str()))).await;
-        let leader = pulling
-            .iter()
-            .min_by_key(|p| (p.pulling.get(sid.as_str()).copied(), p.node.clone()))
-            .map(|p| p.node.clone());
         let mut copies: Vec<Copy> = sealed
             .into_iter()
             .zip(seals)

@@ -240,11 +240,18 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
     (CONTROLLER, "list", "pods", ALL, true),
     (CONTROLLER, "update", "leases.coordination.k8s.io", NS, true),
     (NODE, "update", "leases.coordination.k8s.io", NS, false),
-    // Peer fill: its Lease and the peer token's Secret, in the driver's
-    // namespace only.
+    // Peer fill: its Lease, the claims on pulls and the peer token's
+    // Secret, in the driver's namespace only.
     (NODE, "patch", "leases.coordination.k8s.io", NS, true),
     (NODE, "patch", "leases.coordination.k8s.io", "team-a", false),
-    (NODE, "delete", "leases.coordination.k8s.io", NS, false),
+    (NODE, "delete", "leases.coordination.k8s.io", NS, true),
+    (
+        NODE,
+        "delete",
+        "leases.coordination.k8s.io",
+        "team-a",
+        false,
+    ),
     (NODE, "create", "secrets", NS, true),
     (NODE, "create", "secrets", "team-a", false),
     (NODE, "update", "secrets", NS, false),

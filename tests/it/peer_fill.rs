@@ -802,3 +802,79 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
     assert_exact(&b, &osid, &model);
     drop((a, b));
 }
+
+/// Eight nodes claiming one pull at the same moment: the API gives the
+/// claim to one, the others follow it; a claim whose holder stopped
+/// pulling (failed, gone) is taken over by one node, and the holder's end
+/// releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_is_claimed_by_one_node_of_many_starting_at_once() {
+    use modelcache_csi::peer::directory::{Claim, Directory};
+    let api = ApiServer::start().expect("start apiserver");
+    let client = modelcache_csi::server::kube_client(Some(&api.kubeconfig_path()))
+        .await
+        .unwrap();
+    let dir = |n: usize| {
+        std::sync::Arc::new(Directory::new(
+            client.clone(),
+            "default",
+            format!("claimer-{n}"),
+            "claims.csi.test",
+            format!("127.0.0.1:{}", 7000 + n),
+            Vec::new(),
+        ))
+    };
+    let dirs: Vec<std::sync::Arc<Directory>> = (0..8).map(dir).collect();
+    let sid = "m0123456789abcdef0123456789abc01";
+    let claims = futures::future::join_all(dirs.iter().map(|d| async move {
+        d.begin(sid, 1).await.unwrap();
+        d.claim(sid).await
+    }))
+    .await;
+    let leaders: Vec<usize> = (0..8).filter(|i| claims[*i] == Claim::Leads).collect();
+    assert_eq!(leaders.len(), 1, "one leader: {claims:?}");
+    let leader = format!("claimer-{}", leaders[0]);
+    for c in claims.iter().filter(|c| **c != Claim::Leads) {
+        assert_eq!(*c, Claim::Follows(leader.clone()), "{claims:?}");
+    }
+
+    // The leader's pull fails: its claim goes with it, and the next node
+    // to claim leads.
+    dirs[leaders[0]].end(sid);
+    let next = (leaders[0] + 1) % 8;
+    let mut led = false;
+    for _ in 0..50 {
+        if dirs[next].claim(sid).await == Claim::Leads {
+            led = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(led, "the released claim was not taken");
+
+    // A holder that stops advertising the pull without releasing (its
+    // driver killed): its claim is stale, and exactly one of the others
+    // takes it over.
+    let other = "m0123456789abcdef0123456789abc02";
+    let gone = dir(8);
+    gone.begin(other, 1).await.unwrap();
+    assert_eq!(gone.claim(other).await, Claim::Leads);
+    assert_eq!(
+        dirs[0].claim(other).await,
+        Claim::Follows("claimer-8".into())
+    );
+    drop(gone);
+    let lease = "modelcache-peer-claimer-8";
+    let out = api.kubectl(&["-n", "default", "delete", "lease", lease]);
+    assert!(out.status.success(), "{out:?}");
+    let takeovers = futures::future::join_all(dirs.iter().map(|d| async move {
+        d.begin(other, 2).await.unwrap();
+        d.claim(other).await
+    }))
+    .await;
+    assert_eq!(
+        takeovers.iter().filter(|c| **c == Claim::Leads).count(),
+        1,
+        "one takeover: {takeovers:?}"
+    );
+}
