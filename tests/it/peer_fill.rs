@@ -878,3 +878,123 @@ async fn a_pull_is_claimed_by_one_node_of_many_starting_at_once() {
         "one takeover: {takeovers:?}"
     );
 }
+
+/// `modelcache_peer_served_bytes_total` on a node's metrics port.
+fn peer_served(metrics: u16) -> f64 {
+    let text = http_get(metrics, "/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix("modelcache_peer_served_bytes_total "))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// A tenant never gets through a peer what the origin would refuse it:
+/// node A holds a gated Hub model pulled with team-a's token; on node B,
+/// team-b with a wrong token, and with none, get FailedPrecondition and A
+/// serves B no byte; team-a's own token fills B from A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gated_model_reaches_through_peers_only_requesters_the_origin_accepts() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    let total = write_model(&model);
+    let hub = fixtures::HubServer::start(&model).await;
+    hub.gate("good");
+    let apply = |yaml: &str| {
+        let out = api.kubectl_stdin(&["apply", "-f", "-"], yaml);
+        assert!(out.status.success(), "{out:?}");
+    };
+    apply(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: team-a}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: team-b}\n---\napiVersion: v1\nkind: Secret\nmetadata: {name: hf, namespace: team-a}\nstringData: {hfToken: good}\n---\napiVersion: v1\nkind: Secret\nmetadata: {name: hf, namespace: team-b}\nstringData: {hfToken: stolen-guess}\n",
+    );
+    let uri = format!("hf://{}", fixtures::HUB_REPO);
+    let claim = |ns: &str, name: &str, secret: bool| {
+        let secret = if secret {
+            ", modelcache.csi.io/source-secret: hf"
+        } else {
+            ""
+        };
+        apply(&format!(
+            "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: {name}\n  namespace: {ns}\n  annotations: {{modelcache.csi.io/source: \"{uri}\"{secret}}}\nspec:\n  accessModes: [ReadOnlyMany]\n  resources: {{requests: {{storage: 1Gi}}}}\n"
+        ));
+    };
+    let endpoint = hub.endpoint();
+    let request = |name: &str, ns: &str, pvc: &str| {
+        create_req(
+            name,
+            &[
+                ("csi.storage.k8s.io/pvc/name", pvc),
+                ("csi.storage.k8s.io/pvc/namespace", ns),
+                ("backend", "local"),
+                ("allowedSources", "hf://"),
+                ("hfEndpoint", &endpoint),
+            ],
+            READER,
+        )
+    };
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, "a-peer-token-of-at-least-32-bytes-long\n").unwrap();
+    let metrics = free_port();
+    let (a, _) = node_with(
+        "node-a",
+        &api,
+        &[
+            "--peer-token-file",
+            tokens.to_str().unwrap(),
+            "--metrics-address",
+            &format!("127.0.0.1:{metrics}"),
+        ],
+    )
+    .await;
+    claim("team-a", "gated-a", true);
+    let va = a
+        .create(request("v-a", "team-a", "gated-a"))
+        .await
+        .expect("the token holder pulls the gated model");
+    let sid = va.volume_context["source"].clone();
+    advertised(&api, "node-a", &sid).await;
+
+    let (b, _) = node("node-b", &api, &tokens).await;
+    claim("team-b", "gated-b", true);
+    claim("team-b", "gated-none", false);
+    for pvc in ["gated-b", "gated-none"] {
+        let r = b.create(request(&format!("v-{pvc}"), "team-b", pvc)).await;
+        assert_code(r, tonic::Code::FailedPrecondition, "gated repo");
+    }
+    assert!(
+        !b.source_dir("local", &sid).join("seal.json").exists(),
+        "B sealed the gated model for a requester the Hub refused"
+    );
+    assert_eq!(
+        peer_served(metrics),
+        0.0,
+        "A served B bytes of a gated model for a requester the Hub refused"
+    );
+
+    // The control case: team-a's own token, on B, fills from A.
+    let lfs_before = hub
+        .requests()
+        .iter()
+        .filter(|r| r.raw_path.starts_with("/cdn-lfs/"))
+        .count();
+    claim("team-a", "gated-a2", true);
+    b.create(request("v-a2", "team-a", "gated-a2"))
+        .await
+        .expect("the token holder fills B from A");
+    assert_exact(&b, &sid, &model);
+    let served = peer_served(metrics);
+    assert!(
+        served >= (total - 512) as f64,
+        "A served {served} of the model's {total} bytes"
+    );
+    let lfs_after = hub
+        .requests()
+        .iter()
+        .filter(|r| r.raw_path.starts_with("/cdn-lfs/"))
+        .count();
+    // The requester's access check reads one byte of one file.
+    assert!(
+        lfs_after - lfs_before <= 1,
+        "B asked the Hub's CDN {} times with a peer holding the model",
+        lfs_after - lfs_before
+    );
+}
