@@ -408,7 +408,10 @@ fn open_regular(at: &std::path::Path) -> Option<File> {
 /// whether the file is still the one parsed (a seal is written once by
 /// rename, and a model evicted and sealed again has a new file).
 #[derive(Default)]
-struct Seals(Mutex<HashMap<String, (usize, Stamp, Arc<Seal>)>>);
+struct Seals(Mutex<HashMap<String, Kept>>);
+
+/// A parsed seal: which root (its index) and which `seal.json` it came from.
+type Kept = (usize, Stamp, Arc<Seal>);
 
 /// What identifies one `seal.json` file's content without reading it.
 type Stamp = (u64, u64, i64, i64, u64);
