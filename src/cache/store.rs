@@ -117,8 +117,42 @@ pub trait SourceStore: Sync {
     ) -> Result<bool>;
     /// Why a staged mount of this source no longer shows it, if so.
     fn gone(&self, sp: &SourcePaths, entry: &MountEntry) -> Option<String>;
+    /// A read-only view of a sealed source's data, open until dropped.
+    fn open_sealed(&self, root: &Root, sid: &str) -> Result<SealedView>;
     /// Runs `check` over a read-only view of a sealed source.
-    fn view_sealed(&self, root: &Root, sid: &str, check: &mut dyn FnMut(&Path)) -> Result<()>;
+    fn view_sealed(&self, root: &Root, sid: &str, check: &mut dyn FnMut(&Path)) -> Result<()> {
+        let view = self.open_sealed(root, sid)?;
+        check(view.path());
+        Ok(())
+    }
+}
+
+/// A sealed source's data, read-only, while this lives: the directory
+/// itself, or the image mounted (`ro,norecovery,nouuid`) in the root's
+/// scratch space and unmounted when dropped. Dropping it unmounts, which
+/// blocks: drop it off the async runtime. A mount left by a crash is
+/// removed by the root's sweep at the next start.
+pub struct SealedView {
+    path: PathBuf,
+    mounted: bool,
+}
+
+impl SealedView {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for SealedView {
+    fn drop(&mut self) {
+        if self.mounted {
+            if let Err(e) = mount::unmount(&self.path) {
+                tracing::warn!(at = %self.path.display(), error = %e, "could not unmount a view of a sealed image; the next start sweeps it");
+                return;
+            }
+            let _ = fs::remove_dir(&self.path);
+        }
+    }
 }
 
 impl Backend {
@@ -283,9 +317,11 @@ impl SourceStore for DirStore {
             .then(|| format!("source directory {} is missing", sp.data().display()))
     }
 
-    fn view_sealed(&self, root: &Root, sid: &str, check: &mut dyn FnMut(&Path)) -> Result<()> {
-        check(&root.source(sid).data());
-        Ok(())
+    fn open_sealed(&self, root: &Root, sid: &str) -> Result<SealedView> {
+        Ok(SealedView {
+            path: root.source(sid).data(),
+            mounted: false,
+        })
     }
 }
 
@@ -490,23 +526,28 @@ impl SourceStore for ImageStore {
     }
 
     /// Attached and mounted read-only (`ro,norecovery,nouuid`) in a scratch
-    /// directory for the time of the check.
-    fn view_sealed(&self, root: &Root, sid: &str, check: &mut dyn FnMut(&Path)) -> Result<()> {
+    /// directory.
+    fn open_sealed(&self, root: &Root, sid: &str) -> Result<SealedView> {
         let image = root.source(sid).image();
         let tmp = root.tmp_dir();
         fs::create_dir_all(&tmp).ctx("create", &tmp)?;
-        let mnt = tmp.join(format!("verify-{}", uuid::Uuid::new_v4().simple()));
+        let mnt = tmp.join(format!("view-{}", uuid::Uuid::new_v4().simple()));
         fs::create_dir(&mnt).ctx("create a scratch dir", &mnt)?;
-        let viewed = mount::loopdev::attach(&image, true)
+        let mounted = mount::loopdev::attach(&image, true)
             .ctx("attach", &image)
             .and_then(|dev| {
-                mount::mount_device(dev.path(), &mnt, "xfs", true, "norecovery,nouuid")
-                    .ctx("mount", &image)?;
-                check(&mnt);
-                let _ = mount::unmount(&mnt);
-                Ok(())
+                mount::mount_device(dev.path(), &mnt, "xfs", true, xfs::READER_OPTIONS)
+                    .ctx("mount", &image)
             });
-        let _ = fs::remove_dir(&mnt);
-        viewed
+        match mounted {
+            Ok(()) => Ok(SealedView {
+                path: mnt,
+                mounted: true,
+            }),
+            Err(e) => {
+                let _ = fs::remove_dir(&mnt);
+                Err(e)
+            }
+        }
     }
 }

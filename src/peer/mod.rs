@@ -33,14 +33,14 @@ pub const REFUSED: &str = "x-modelcache-refused";
 /// The header a peer sends its chunk's digest in.
 pub const CHUNK_DIGEST: &str = "x-modelcache-chunk-sha256";
 
-/// The roots whose sealed models this node serves to peers and fills from
-/// them: node-local directory trees. A shared root is one copy for every
-/// node already; an XFS image is read only through a mount.
+/// The roots whose sealed models this node serves to peers: node-local
+/// ones (a directory tree, or XFS images, read through a mount the server
+/// opens). A shared root is one copy for every node already.
 pub fn servable(roots: &Roots) -> Vec<Root> {
     roots
         .roots
         .iter()
-        .filter(|r| r.node.is_some() && r.backend.store().fs_type().is_none())
+        .filter(|r| fillable(r))
         .cloned()
         .collect()
 }

@@ -27,6 +27,7 @@ use tracing::{debug, warn};
 
 use super::{CHUNK_DIGEST, REFUSED, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::CHUNK_BYTES;
+use crate::cache::store::SealedView;
 use crate::cache::{self, Root, Seal};
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -42,7 +43,15 @@ pub struct PeerServer {
     uploads: Arc<Semaphore>,
     pacer: Pacer,
     seals: Arc<Seals>,
+    /// Read-only views of sealed models being served (an image's mount).
+    views: Mutex<Views>,
 }
+
+/// Open views by (root index, model), each with when it was last asked for.
+type Views = HashMap<(usize, String), (Arc<SealedView>, Instant)>;
+
+/// A view nobody asked for this long is closed (an image unmounted).
+const VIEW_IDLE: Duration = Duration::from_secs(30);
 
 impl PeerServer {
     pub fn new(
@@ -57,10 +66,12 @@ impl PeerServer {
             uploads: Arc::new(Semaphore::new(max_uploads.max(1))),
             pacer: Pacer::new(upload_bytes_per_sec),
             seals: Arc::default(),
+            views: Mutex::default(),
         }
     }
 
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        tokio::spawn(self.clone().close_idle_views());
         loop {
             let stream = match listener.accept().await {
                 Ok((s, _)) => s,
@@ -161,7 +172,7 @@ impl PeerServer {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        let Ok(Some((root, seal))) = found else {
+        let Ok(Some((i, root, seal))) = found else {
             return refused(
                 "not_held",
                 StatusCode::NOT_FOUND,
@@ -214,7 +225,18 @@ impl PeerServer {
                         "every upload slot is taken".into(),
                     );
                 };
-                let at = root.source(&sid).data().join(&entry.path);
+                let view = match self.view(i, &root, &sid).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        warn!(error = %e, "could not open a sealed model to serve a peer");
+                        return refused(
+                            "not_held",
+                            StatusCode::NOT_FOUND,
+                            "the sealed model is not readable here".into(),
+                        );
+                    }
+                };
+                let at = view.path().join(&entry.path);
                 let file = match std::fs::OpenOptions::new()
                     .read(true)
                     .custom_flags(libc::O_NOFOLLOW)
@@ -234,7 +256,7 @@ impl PeerServer {
                         );
                     }
                 };
-                let body = self.stream(file, start, end, slot);
+                let body = self.stream(file, start, end, (slot, view));
                 let mut resp = Response::builder()
                     .header(header::CONTENT_LENGTH, end - start)
                     .header(header::CONTENT_TYPE, "application/octet-stream");
@@ -354,18 +376,77 @@ impl PeerServer {
 
     /// Streams `[start, end)` of `file`, paced, holding the upload slot
     /// until the last byte is sent or the asker goes away.
+    /// The open view of `sid` in root `i`, opened now if none is (an
+    /// image mounted once, then shared by every request until idle).
+    async fn view(
+        &self,
+        i: usize,
+        root: &Root,
+        sid: &str,
+    ) -> crate::error::Result<Arc<SealedView>> {
+        let key = (i, sid.to_string());
+        if let Some((v, at)) = self
+            .views
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&key)
+        {
+            *at = Instant::now();
+            return Ok(v.clone());
+        }
+        let (r, s) = (root.clone(), sid.to_string());
+        let opened =
+            crate::offload::blocking(move || r.backend.store().open_sealed(&r, &s).map(Arc::new))
+                .await?;
+        let mut views = self.views.lock().unwrap_or_else(|p| p.into_inner());
+        // Two requests may open it at once: the first kept wins, the other
+        // view is closed when its last reader ends.
+        let (v, at) = views.entry(key).or_insert((opened, Instant::now()));
+        *at = Instant::now();
+        Ok(v.clone())
+    }
+
+    /// Closes views idle for `VIEW_IDLE` that nobody reads now, off the
+    /// runtime (an unmount blocks).
+    async fn close_idle_views(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(VIEW_IDLE / 3).await;
+            let idle: Vec<Arc<SealedView>> = {
+                let mut views = self.views.lock().unwrap_or_else(|p| p.into_inner());
+                let keys: Vec<(usize, String)> = views
+                    .iter()
+                    .filter(|(_, (v, at))| at.elapsed() >= VIEW_IDLE && Arc::strong_count(v) == 1)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                keys.iter()
+                    .filter_map(|k| views.remove(k))
+                    .map(|(v, _)| v)
+                    .collect()
+            };
+            if !idle.is_empty() {
+                let _ = crate::offload::blocking(move || {
+                    drop(idle);
+                    Ok(())
+                })
+                .await;
+            }
+        }
+    }
+
     fn stream(
         self: &Arc<Self>,
         file: File,
         start: u64,
         end: u64,
-        slot: tokio::sync::OwnedSemaphorePermit,
+        held: impl Send + 'static,
     ) -> Body {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(2);
         let me = self.clone();
         let file = Arc::new(file);
         tokio::spawn(async move {
-            let _slot = slot;
+            // The upload slot, and the view the file is on, stay taken
+            // while the file is read.
+            let _held = held;
             let mut pos = start;
             while pos < end {
                 let n = ((end - pos) as usize).min(PIECE);
@@ -427,7 +508,11 @@ fn stamp(path: &std::path::Path) -> Option<Stamp> {
 
 impl Seals {
     /// The root holding `sid` sealed, and its seal.
-    fn find(&self, roots: &[Root], sid: &str) -> crate::error::Result<Option<(Root, Arc<Seal>)>> {
+    fn find(
+        &self,
+        roots: &[Root],
+        sid: &str,
+    ) -> crate::error::Result<Option<(usize, Root, Arc<Seal>)>> {
         for (i, r) in roots.iter().enumerate() {
             let Some(now) = stamp(&r.source(sid).seal()) else {
                 continue;
@@ -437,7 +522,7 @@ impl Seals {
                 && *root == i
                 && *at == now
             {
-                return Ok(Some((r.clone(), seal.clone())));
+                return Ok(Some((i, r.clone(), seal.clone())));
             }
             drop(kept);
             if let Some(seal) = cache::read_seal(r, sid)? {
@@ -447,7 +532,7 @@ impl Seals {
                     kept.clear();
                 }
                 kept.insert(sid.to_string(), (i, now, seal.clone()));
-                return Ok(Some((r.clone(), seal)));
+                return Ok(Some((i, r.clone(), seal)));
             }
         }
         Ok(None)

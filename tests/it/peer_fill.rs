@@ -132,15 +132,22 @@ fn assert_exact(d: &Driver, sid: &str, model: &Path) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
-    let api = ApiServer::start().expect("start apiserver");
-    let work = tempfile::tempdir().unwrap();
-    let model = work.path().join("model");
+/// The test model under `work`, served by a counting origin with a
+/// manifest giving each file's sha256: (model dir, bytes, origin, URI).
+async fn manifest_origin(work: &Path) -> (std::path::PathBuf, u64, FileServer, String) {
+    let model = work.join("model");
     let total = write_model(&model);
     let origin = FileServer::start(&model).await;
     origin.put("manifest.json", fixtures::manifest_for(&model, true));
     let uri = format!("{}#manifest", origin.url("manifest.json"));
+    (model, total, origin, uri)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let (model, total, origin, uri) = manifest_origin(work.path()).await;
 
     // Node A: nobody holds the model, the origin serves it all. A reads
     // the peer token from a Secret, which it creates with a random token;
@@ -997,4 +1004,62 @@ async fn a_gated_model_reaches_through_peers_only_requesters_the_origin_accepts(
         "B asked the Hub's CDN {} times with a peer holding the model",
         lfs_after - lfs_before
     );
+}
+
+/// Views of sealed XFS images `d`'s peer server holds mounted now.
+fn image_views(d: &Driver) -> usize {
+    let under = d.state_dir.join("xfs").join("tmp");
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|at| Path::new(at).starts_with(&under))
+        .count()
+}
+
+/// A node whose models live in XFS images serves them to peers too: the
+/// image is mounted read-only once while peers read it, and unmounted once
+/// nobody has asked for 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sealed_xfs_images_serve_peers_through_a_mount_closed_when_idle() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let (model, total, origin, uri) = manifest_origin(work.path()).await;
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, "a-peer-token-of-at-least-32-bytes-long\n").unwrap();
+    let params = |uri: &str| {
+        vec![
+            ("backend".to_string(), "xfs".to_string()),
+            ("source".to_string(), uri.to_string()),
+        ]
+    };
+    let (a, _) = node("node-a", &api, &tokens).await;
+    let va = create_with(&a, "pvc-a", &params(&uri)).await.unwrap();
+    let sid = va.volume_context["source"].clone();
+    advertised(&api, "node-a", &sid).await;
+    assert_eq!(
+        image_views(&a),
+        0,
+        "A mounted its image before any peer asked"
+    );
+    let from_a = origin_bytes_under(&origin, &model);
+
+    let (b, _) = node("node-b", &api, &tokens).await;
+    let vb = create_with(&b, "pvc-b", &params(&uri)).await.unwrap();
+    assert_eq!(vb.volume_context["source"], sid);
+    let from_b = origin_bytes_under(&origin, &model) - from_a;
+    assert!(
+        from_b * 50 <= total,
+        "B fetched {from_b} of {total} bytes from the origin with A's image sealed"
+    );
+    let log = fs::read_to_string(b.dir.join("driver.log")).unwrap();
+    assert!(log.contains("filling from peers"), "B did not fill from A");
+    assert_eq!(image_views(&a), 1, "A serves its image through one mount");
+    for _ in 0..60 {
+        if image_views(&a) == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    panic!("A's view of its image is still mounted a minute after the last peer read");
 }
