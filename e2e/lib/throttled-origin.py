@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A model origin with a known bandwidth, for the e2e `large` flow.
 
-    throttled-origin.py PORT TOTAL_MIB RATE_MIB_PER_S READY_FILE
+    throttled-origin.py PORT TOTAL_MIB RATE_MIB_PER_S READY_FILE [ADDRESS]
 
 Serves a synthetic model of TOTAL_MIB (two shards and a config) generated
 on the fly from a repeating pattern, so nothing of it is on disk, and
@@ -11,7 +11,7 @@ All responses together are paced to RATE_MIB_PER_S, like one origin link.
 `/served` answers how many bytes of the model's files were sent so far, so
 a test can tell one download from a restarted one.
 Writes "ready <seconds spent hashing>" to READY_FILE once it listens.
-Listens on 127.0.0.1 only.
+Listens on ADDRESS (default 127.0.0.1 only).
 """
 import hashlib
 import http.server
@@ -21,6 +21,7 @@ import threading
 import time
 
 PORT, TOTAL_MIB, RATE, READY = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+ADDRESS = sys.argv[5] if len(sys.argv) > 5 else "127.0.0.1"
 MIB = 1 << 20
 PIECE = 256 << 10
 
@@ -164,7 +165,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             pass
 
 
-server = http.server.ThreadingHTTPServer(("127.0.0.1", PORT), Handler)
+server = http.server.ThreadingHTTPServer((ADDRESS, PORT), Handler)
 server.daemon_threads = True
 with open(READY, "w") as r:
     r.write("ready %.1f\n" % hashing)
