@@ -882,7 +882,24 @@ impl HttpSource {
         let mut files = Vec::with_capacity(entries.len());
         let mut urls = HashMap::with_capacity(entries.len());
         for ((path, url, size, sha256), p) in entries.into_iter().zip(probes) {
-            let p = p?;
+            let p = match p {
+                Ok(p) => p,
+                // A file the manifest pins (size and sha256) needs no answer
+                // from its host to be listed: its bytes can still come from
+                // peers, checked against the pin, while that host is down.
+                Err(e @ (Error::Transient(_) | Error::RetryAfter { .. }))
+                    if size.is_some() && sha256.is_some() =>
+                {
+                    tracing::info!(source = %what, file = %path, error = %e, "the file's host did not answer; listing it as the manifest pins it");
+                    Probe {
+                        size: None,
+                        ranges: false,
+                        etag: None,
+                        last_modified: None,
+                    }
+                }
+                Err(e) => return Err(e),
+            };
             if let (Some(listed), Some(served)) = (size, p.size)
                 && listed != served
             {

@@ -807,6 +807,35 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
         .unwrap_or_else(|s| panic!("B, registry down: {:?}: {}", s.code(), s.message()));
     assert_eq!(ob.volume_context["source"], osid);
     assert_exact(&b, &osid, &model);
+
+    // A manifest with a sha256 per file pins the files it lists: with the
+    // host the manifest sends the files to down (the manifest's own host
+    // up), B builds them from A.
+    let blobs = FileServer::start(&model).await;
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&fixtures::manifest_for(&model, true)).unwrap();
+    for f in manifest["files"].as_array_mut().unwrap() {
+        f["url"] = blobs.url(f["path"].as_str().unwrap()).into();
+    }
+    let index = FileServer::start(work.path()).await;
+    index.put("manifest.json", serde_json::to_vec(&manifest).unwrap());
+    let by_manifest: Vec<(String, String)> = [
+        ("backend", "local".to_string()),
+        ("source", format!("{}#manifest", index.url("manifest.json"))),
+    ]
+    .map(|(k, v)| (k.to_string(), v))
+    .to_vec();
+    let ma = create_with(&a, "pvc-manifest-a", &by_manifest)
+        .await
+        .expect("A pulls what the manifest lists");
+    let msid = ma.volume_context["source"].clone();
+    advertised(&api, "node-a", &msid).await;
+    drop(blobs);
+    let mb = create_with(&b, "pvc-manifest-b", &by_manifest)
+        .await
+        .unwrap_or_else(|s| panic!("B, blob host down: {:?}: {}", s.code(), s.message()));
+    assert_eq!(mb.volume_context["source"], msid);
+    assert_exact(&b, &msid, &model);
     drop((a, b));
 }
 

@@ -209,10 +209,18 @@ impl Engine {
                 self.authorized_while_down(sid, origin.as_ref())?;
                 Ok(filled)
             }
-            Some(filled) => {
-                self.authorize_hit(sid, origin.as_ref(), resolved).await?;
-                Ok(filled)
-            }
+            Some(filled) => match self.authorize_hit(sid, origin.as_ref(), resolved).await {
+                Ok(()) => Ok(filled),
+                // The origin listed the model but the host of its files
+                // does not answer (a manifest's blob host down): access
+                // cannot be proven there now, as in an outage.
+                Err(e) if is_retryable(&e) => {
+                    warn!(error = %e, "the origin did not answer the access check; peers serve only as while it is down");
+                    self.authorized_while_down(sid, origin.as_ref())?;
+                    Ok(filled)
+                }
+                Err(e) => Err(e),
+            },
             None if outage => Err(Error::Transient(format!(
                 "the origin of {} is unreachable and no peer can serve the model now; a retry tries again",
                 resolved.uri
