@@ -139,6 +139,7 @@ impl Jobs {
             counted: Default::default(),
         });
         let (engine, root, source, uri) = (engine.clone(), req.root, req.source, req.uri.clone());
+        let asker = req.key.clone();
         // Slots are shared fairly between the namespaces that want pulls.
         let who = req
             .owner
@@ -146,7 +147,9 @@ impl Jobs {
             .map(|o| o.namespace().to_string())
             .unwrap_or_default();
         let task = tokio::spawn(async move {
-            let outcome = engine.pull_for(&who, &root, source, sink.as_ref()).await;
+            let outcome = engine
+                .pull_for(&who, Some(&asker), &root, source, sink.as_ref())
+                .await;
             if let Err(e) = &outcome {
                 sink.failed(&uri, &e.to_string());
             }

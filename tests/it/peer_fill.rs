@@ -770,15 +770,7 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
     let err = create_with(&b, "pvc-main", &hf("hf://org/minilm"))
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err.code(),
-            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
-        ),
-        "{:?}: {}",
-        err.code(),
-        err.message()
-    );
+    assert_waits_for_the_origin(&err);
     eprintln!(
         "unpinned while the Hub is down: {:?} after {:.1}s",
         err.code(),
@@ -921,6 +913,20 @@ fn peer_served(metrics: u16) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix("modelcache_peer_served_bytes_total "))
         .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// The refusal of a pull that must wait for its origin: Unavailable (or
+/// the call's deadline, when the retries outlast it).
+fn assert_waits_for_the_origin(err: &tonic::Status) {
+    assert!(
+        matches!(
+            err.code(),
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+        ),
+        "{:?}: {}",
+        err.code(),
+        err.message()
+    );
 }
 
 /// A tenant never gets through a peer what the origin would refuse it:
@@ -1091,4 +1097,77 @@ async fn sealed_xfs_images_serve_peers_through_a_mount_closed_when_idle() {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     panic!("A's view of its image is still mounted a minute after the last peer read");
+}
+
+/// A request the origin resolved once keeps that revision: its retry
+/// while the origin is down is built from a peer that sealed exactly that
+/// revision, though the URI pins nothing; another request for the same
+/// URI, never resolved, waits for the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_keeps_the_revision_the_origin_gave_it_while_the_origin_is_down() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let (model, _, origin, uri) = manifest_origin(work.path()).await;
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, "a-peer-token-of-at-least-32-bytes-long\n").unwrap();
+    let (mut a, _) = node("node-a", &api, &tokens).await;
+    let va = pull(&a, "pvc-a", &uri).await;
+    let sid = va.volume_context["source"].clone();
+    advertised(&api, "node-a", &sid).await;
+    // A goes away for a while: nobody can serve B but the origin.
+    a.kill_9();
+    let out = api.kubectl(&["delete", "lease", "modelcache-peer-node-a"]);
+    assert!(out.status.success(), "{out:?}");
+
+    // B's first attempt: the origin lists the model, then fails every
+    // download, until the pull gives up.
+    for (path, _) in FILES {
+        origin.unavailable_gets(path, 10_000, None);
+    }
+    let (b, _) = node("node-b", &api, &tokens).await;
+    let mut first = None;
+    for _ in 0..12 {
+        match create_with(
+            &b,
+            "pvc-b",
+            &[
+                ("backend".into(), "local".into()),
+                ("source".into(), uri.clone()),
+            ],
+        )
+        .await
+        {
+            Err(s) if s.message().contains("still") => {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+            other => {
+                first = Some(other);
+                break;
+            }
+        }
+    }
+    let first = first.expect("B's first pull never ended");
+    assert!(
+        first.is_err(),
+        "B pulled while the origin failed every download"
+    );
+
+    // A is back, the origin is gone. B's retry of the same request is
+    // pinned to the revision the origin gave it, and built from A.
+    a.restart().await;
+    advertised(&api, "node-a", &sid).await;
+    drop(origin);
+    let params = [
+        ("backend".to_string(), "local".to_string()),
+        ("source".to_string(), uri.clone()),
+    ];
+    let vb = create_with(&b, "pvc-b", &params)
+        .await
+        .unwrap_or_else(|s| panic!("B's retry, origin down: {:?}: {}", s.code(), s.message()));
+    assert_eq!(vb.volume_context["source"], sid);
+    assert_exact(&b, &sid, &model);
+
+    // A request never resolved has no revision to keep.
+    let err = create_with(&b, "pvc-c", &params).await.unwrap_err();
+    assert_waits_for_the_origin(&err);
 }

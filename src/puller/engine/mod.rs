@@ -49,7 +49,7 @@ use super::slots::{Slot, Slots};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::direct::{ALIGN, PartFile, Window};
-use super::source::{Compression, Fill, PullLimits, RemoteFile, Resolved, Source, Unpack};
+use super::source::{Compression, Fill, Pinned, PullLimits, RemoteFile, Resolved, Source, Unpack};
 use super::unpack::Budget;
 use crate::cache::manifest::{FileEntry, FileHasher};
 use crate::cache::partial::Partial;
@@ -93,9 +93,16 @@ pub struct Engine {
     /// (model, requester) pairs whose access was proven lately: by their
     /// own pull, or an authorised hit.
     authorized: Mutex<HashMap<(String, String), Instant>>,
+    /// The revision the origin gave each asker (a volume's CreateVolume,
+    /// with the requester) the last time it resolved: a retry of that
+    /// request while the origin is down is pinned to it.
+    resolved_for: Mutex<HashMap<String, (Pinned, Instant)>>,
     /// Where bytes may come from besides the origin (peer fill).
     fill: Option<Arc<dyn Fill>>,
 }
+
+/// How long a revision resolved for an asker pins its retries.
+const RESOLVED_PINS_FOR: Duration = Duration::from_secs(24 * 3600);
 
 /// How long a requester's proven access to a model is trusted for cache
 /// hits: a revoked token keeps at most this long.
@@ -180,6 +187,7 @@ impl Engine {
             inflight: KeyedMutex::default(),
             slots,
             authorized: Mutex::new(HashMap::new()),
+            resolved_for: Mutex::new(HashMap::new()),
             fill: None,
         }
     }
@@ -235,14 +243,57 @@ impl Engine {
         &self,
         root: &Root,
         source: &dyn Source,
+        asker: Option<&str>,
         error: &Error,
     ) -> Option<Resolved> {
-        let (fill, pin) = (self.fill.as_ref()?, source.pinned()?);
+        let fill = self.fill.as_ref()?;
+        let pin = source
+            .pinned()
+            .or_else(|| self.resolved_before(asker, source))?;
         let sid = source_id(source, &pin.uri, &pin.revision);
         let listing = fill.listing(root, &sid, &pin).await?;
         warn!(model = %pin.uri, revision = %pin.revision, origin_error = %error,
             "the origin is unreachable: building the pinned model from peers alone");
         Some(listing)
+    }
+
+    /// The key under which what the origin resolved for `asker` is kept:
+    /// the same request (a volume's name) by the same requester.
+    fn asker_key(asker: Option<&str>, source: &dyn Source) -> Option<String> {
+        Some(format!(
+            "{}\0{}\0{}",
+            asker?,
+            source.requester().unwrap_or_default(),
+            source.key_scope()
+        ))
+    }
+
+    fn remember_resolved(&self, asker: Option<&str>, source: &dyn Source, r: &Resolved) {
+        let Some(key) = Self::asker_key(asker, source) else {
+            return;
+        };
+        let pin = Pinned {
+            uri: r.uri.clone(),
+            revision: r.revision.clone(),
+            files: Default::default(),
+        };
+        let mut kept = self.resolved_for.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() > 10_000 {
+            kept.retain(|_, (_, at)| at.elapsed() < RESOLVED_PINS_FOR);
+        }
+        kept.insert(key, (pin, Instant::now()));
+    }
+
+    /// The revision the origin resolved for this same request before, as
+    /// a pin: the origin's own word for what the request means.
+    fn resolved_before(&self, asker: Option<&str>, source: &dyn Source) -> Option<Pinned> {
+        let key = Self::asker_key(asker, source)?;
+        self.resolved_for
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            .filter(|(_, at)| at.elapsed() < RESOLVED_PINS_FOR)
+            .map(|(pin, _)| pin.clone())
     }
 
     /// While the origin is down nobody can prove access at it: a model an
@@ -275,24 +326,34 @@ impl Engine {
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
     ) -> Result<Pulled> {
-        self.pull_for("", root, source, sink).await
+        self.pull_for("", None, root, source, sink).await
     }
 
     /// `pull` on behalf of namespace `who` ("" for no tenant): slots are
-    /// shared fairly between namespaces (`slots`).
+    /// shared fairly between namespaces (`slots`). `asker` names the
+    /// request (a volume's name), so that its retries while the origin is
+    /// down keep the revision the origin gave it.
     pub async fn pull_for(
         &self,
         who: &str,
+        asker: Option<&str>,
         root: &Root,
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
     ) -> Result<Pulled> {
         // The origin first; while it is down, a pinned model's listing may
-        // come from peers that hold it sealed (`outage`).
+        // come from peers that hold it sealed (`outage`), as may that of
+        // a request the origin resolved before.
         let (resolved, outage) = match source.resolve().await {
-            Ok(r) => (r, false),
+            Ok(r) => {
+                self.remember_resolved(asker, source.as_ref(), &r);
+                (r, false)
+            }
             Err(e) if is_retryable(&e) => {
-                match self.listing_from_peers(root, source.as_ref(), &e).await {
+                match self
+                    .listing_from_peers(root, source.as_ref(), asker, &e)
+                    .await
+                {
                     Some(r) => (r, true),
                     None => (self.retry("resolve", || source.resolve()).await?, false),
                 }
