@@ -82,6 +82,50 @@ pub struct Entry {
     pub path: PathBuf,
 }
 
+/// The node whose driver wrote the node-local volume records under
+/// `state_dir`, when no node was named: a record's `node` is taken only
+/// if its root key, which hashes the node's name with the root's
+/// directory, matches the record's volume id, so a record from another
+/// node's directory, copied here, names nobody.
+pub fn node_from_records(state_dir: &Path) -> Option<String> {
+    use crate::cache::Backend;
+    use crate::cache::layout::{Reserve, VolumeId};
+    for backend in Backend::ALL {
+        if !backend.store().placement().on_node {
+            continue;
+        }
+        let dir = state_dir.join(backend.as_str());
+        let Ok(entries) = std::fs::read_dir(dir.join("volumes")) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let Ok(text) = std::fs::read(e.path()) else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(&text) else {
+                continue;
+            };
+            let (Some(node), Some(id)) = (
+                v["node"].as_str(),
+                v["id"].as_str().and_then(VolumeId::parse),
+            ) else {
+                continue;
+            };
+            let root = Root::with_anchor(
+                backend,
+                dir.clone(),
+                Some(node.to_string()),
+                state_dir.to_path_buf(),
+                Reserve::default(),
+            );
+            if root.key == id.root_key {
+                return Some(node.to_string());
+            }
+        }
+    }
+    None
+}
+
 /// Runs one command; what it prints goes to stdout, failures are errors.
 pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
     let roots = cfg.roots();

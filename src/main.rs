@@ -34,10 +34,8 @@ enum Command {
     Rescheduler(ReschedulerArgs),
     /// What this node caches, and the operator's verbs on it (ls, show, verify, pin, unpin, evict, prefetch).
     Cache {
-        /// The driver's own flags (--state-dir, --node-id, --shared-path, --backends, ...):
-        /// the same as the node plugin's, so it sees the same roots.
         #[command(flatten)]
-        serve: Box<ServeArgs>,
+        roots: CacheArgs,
         /// table for people, json for scripts.
         #[arg(long, value_enum, default_value = "table", global = true)]
         output: modelcache_csi::admin::Output,
@@ -51,6 +49,72 @@ enum Command {
         #[arg(long)]
         volume_id: String,
     },
+}
+
+/// The flags the `cache` verbs use: where the node plugin keeps its roots
+/// and how full it may fill them. Give the node plugin's own values, so
+/// that the verbs see the same roots; accepted before or after the verb.
+#[derive(Args, Clone)]
+struct CacheArgs {
+    /// The node plugin's state directory.
+    #[arg(long, global = true, default_value = "/var/lib/modelcache-csi")]
+    state_dir: PathBuf,
+    /// The node's name [default: $NODE_ID, $NODE_NAME (as in the node
+    /// plugin's container), the node the state directory's volume records
+    /// name, or this host's name].
+    #[arg(long, global = true, env = "NODE_ID")]
+    node_id: Option<String>,
+    /// A shared filesystem the node plugin uses (repeatable).
+    #[arg(long, global = true)]
+    shared_path: Vec<PathBuf>,
+    /// Backends (comma-separated). Default: local and xfs, plus shared when --shared-path is set.
+    #[arg(long, global = true, value_delimiter = ',')]
+    backends: Vec<String>,
+    /// BACKEND=SIZE: what `prefetch` may fill a backend's roots to.
+    #[arg(long, global = true)]
+    cache_capacity: Vec<String>,
+    /// Free space `prefetch` never uses (as the node plugin's flag).
+    #[arg(long, global = true, default_value = "5%,10G")]
+    min_free: String,
+    /// Free inodes `prefetch` never uses (as the node plugin's flag).
+    #[arg(long, global = true, default_value = "5%,1000000")]
+    min_free_inodes: String,
+    /// Log format: text or json.
+    #[arg(long, global = true, default_value = "text")]
+    log_format: String,
+}
+
+impl CacheArgs {
+    /// The node plugin's settings with these values, every other flag at
+    /// its default; the node id falls back to $NODE_NAME, then the node
+    /// the volume records were written for, then the host's name.
+    fn serve_args(self) -> anyhow::Result<ServeArgs> {
+        #[derive(Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let mut a = Defaults::try_parse_from(["modelcache-csi"])?.serve;
+        a.node_id = self
+            .node_id
+            .or_else(|| std::env::var("NODE_NAME").ok())
+            .filter(|n| !n.is_empty())
+            .or_else(|| modelcache_csi::admin::node_from_records(&self.state_dir))
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_string())
+            })
+            .filter(|n| !n.is_empty());
+        a.state_dir = self.state_dir;
+        a.shared_path = self.shared_path;
+        a.backends = self.backends;
+        a.cache_capacity = self.cache_capacity;
+        a.min_free = self.min_free;
+        a.min_free_inodes = self.min_free_inodes;
+        a.log_format = self.log_format;
+        Ok(a)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -459,16 +523,12 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Cache {
-            serve,
+            roots,
             output,
             command,
         }) => {
+            let serve = roots.serve_args()?;
             init_logging(&serve.log_format, "warn");
-            // In the node plugin's container, NODE_NAME is what --node-id is made of.
-            let mut serve = serve;
-            if serve.node_id.is_none() {
-                serve.node_id = std::env::var("NODE_NAME").ok();
-            }
             let cfg = config(&serve)?;
             // An operator's command: the reason, without a backtrace.
             if let Err(e) = modelcache_csi::admin::run(cfg, output, command).await {

@@ -28,6 +28,10 @@ fn cli(d: &Driver, args: &[&str]) -> Run {
         .args(args)
         .output()
         .expect("run modelcache-csi cache");
+    ran(out)
+}
+
+fn ran(out: std::process::Output) -> Run {
     Run {
         ok: out.status.success(),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -212,4 +216,54 @@ async fn verify_reads_an_xfs_image_through_a_read_only_mount() {
     );
     assert!(loop_devices_under(&d.state_dir).is_empty());
     d.delete(&v.volume_id).await.unwrap();
+}
+
+/// The `cache` verbs take only the flags they use, before or after the
+/// verb, and find the node's roots on a host with no node name given.
+#[tokio::test]
+async fn cache_flags_are_its_own_and_follow_the_verb() {
+    let d = Driver::start().await;
+    let dir = d.dir.join("model");
+    write_model(&dir, 7);
+    let uri = format!("file://{}", dir.display());
+    d.create(create_req("m1", &[("source", &uri)], READER))
+        .await
+        .expect("pull");
+    let bin = env!("CARGO_BIN_EXE_modelcache-csi");
+    let help = Command::new(bin)
+        .args(["cache", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.lines().count() < 45
+            && !help.contains("--peer-listen")
+            && !help.contains("--endpoint"),
+        "cache --help shows the server's flags:\n{help}"
+    );
+    // After the verb, no --node-id and no NODE_ID or NODE_NAME: the
+    // host's name stands in, and the model is listed.
+    let out = Command::new(bin)
+        .args(["cache", "ls", "--output", "json", "--state-dir"])
+        .arg(&d.state_dir)
+        .env_remove("NODE_ID")
+        .env_remove("NODE_NAME")
+        .output()
+        .unwrap();
+    let r = ran(out);
+    let listed = json(&r);
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == "model"
+                && e["origin"].as_str().is_some_and(|o| o.contains("model"))),
+        "{listed}"
+    );
+    assert_eq!(
+        listed,
+        json(&cli(&d, &["ls", "--output", "json"])),
+        "flags before and after the verb differ"
+    );
 }
