@@ -26,6 +26,7 @@ pub mod puller; // model URIs fetched and sealed by the driver
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
 pub mod rpc; // the edge of every handler: required fields, logging, status
 pub mod server; // binding the endpoint and serving
+pub mod signing; // model signatures (OpenSSF model-signing bundles) checked against a key and a seal
 pub mod state; // atomic, durable JSON records
 pub mod trust; // what a tenant may name as a source, and the network its pull may reach
 pub mod uds; // binding our Unix sockets, and the shim that lets any gRPC client in

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the cargo-fuzz targets in fuzz/ and runs each for a bounded time
-# (MODELCACHE_FUZZ_SECONDS each, 30 by default: 2.5 minutes for the five),
+# (MODELCACHE_FUZZ_SECONDS each, 30 by default: 3 minutes for the six),
 # starting from the committed seeds in fuzz/corpus/<target>/. New inputs go
 # to fuzz/target/corpus/<target>/ (not committed), crashes to
 # fuzz/artifacts/<target>/. Prints a line per target and, last,
@@ -14,7 +14,7 @@
 #                    beside `cargo test`, so the run finds the build done
 source "$(dirname "$0")/lib.sh"
 SECS="${MODELCACHE_FUZZ_SECONDS:-30}"
-TARGETS=(uri allowed_sources storage_class_params volume_id registration_frames)
+TARGETS=(uri allowed_sources storage_class_params volume_id registration_frames signature_bundle)
 FUZZ="$ROOT/fuzz"
 LOG="${CARGO_TARGET_DIR:-$ROOT/target}/fuzz"
 mkdir -p "$LOG"

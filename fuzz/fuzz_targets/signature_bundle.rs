@@ -1,0 +1,36 @@
+//! `signing`: a model's signature file is the publisher's, or an
+//! attacker's. The first byte picks what the rest is: a whole bundle
+//! (checked with the fixture's P-256 key) or a statement payload as if
+//! its signature had held. Neither may panic; a statement accepted names
+//! only paths inside the model, once each, with sha256 digests.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use modelcache_csi::signing;
+
+const KEY: &str = include_str!("../../tests/fixtures/signing/p256.pub.pem");
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let signed = if pick % 2 == 0 {
+        signing::verify_with_key("model.sig", rest, KEY)
+    } else {
+        signing::parse_statement("model.sig", rest)
+    };
+    let Ok(signed) = signed else {
+        return;
+    };
+    for (path, sha) in &signed.files {
+        assert!(
+            !path.is_empty()
+                && !path.starts_with('/')
+                && path.split('/').all(|c| !c.is_empty() && c != "." && c != ".."),
+            "{path:?} accepted"
+        );
+        assert!(sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()), "{sha:?}");
+    }
+    let sealed = signed.files.clone();
+    signing::check_files(&signed, "model.sig", &sealed).expect("a statement matches its own files");
+});
