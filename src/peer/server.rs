@@ -398,12 +398,29 @@ impl PeerServer {
         let opened =
             crate::offload::blocking(move || r.backend.store().open_sealed(&r, &s).map(Arc::new))
                 .await?;
-        let mut views = self.views.lock().unwrap_or_else(|p| p.into_inner());
-        // Two requests may open it at once: the first kept wins, the other
-        // view is closed when its last reader ends.
-        let (v, at) = views.entry(key).or_insert((opened, Instant::now()));
-        *at = Instant::now();
-        Ok(v.clone())
+        // Two requests may open it at once: the first kept wins, and the
+        // other view is closed off the runtime (closing unmounts).
+        let (kept, spare) = {
+            let mut views = self.views.lock().unwrap_or_else(|p| p.into_inner());
+            match views.get_mut(&key) {
+                Some((v, at)) => {
+                    *at = Instant::now();
+                    (v.clone(), Some(opened))
+                }
+                None => {
+                    views.insert(key, (opened.clone(), Instant::now()));
+                    (opened, None)
+                }
+            }
+        };
+        if let Some(spare) = spare {
+            let _ = crate::offload::blocking(move || {
+                drop(spare);
+                Ok(())
+            })
+            .await;
+        }
+        Ok(kept)
     }
 
     /// Closes views idle for `VIEW_IDLE` that nobody reads now, off the
