@@ -42,8 +42,10 @@ pub enum Claim {
     Follows(String),
 }
 
+const CLAIM_PREFIX: &str = "modelcache-pull-";
+
 fn claim_name(sid: &str) -> String {
-    format!("modelcache-pull-{sid}")
+    format!("{CLAIM_PREFIX}{sid}")
 }
 
 /// How long a Lease stands without renewal; renewed at a third of it.
@@ -125,7 +127,10 @@ impl Directory {
     }
 
     /// Renews this node's Lease every `RENEW_EVERY`, and soon after a seal.
+    /// First lets go of the claims a previous run of this node's driver
+    /// left when it died mid-pull: nobody else would delete them.
     pub async fn run(self: Arc<Self>) {
+        self.release_own_claims().await;
         loop {
             if let Err(e) = self.publish().await {
                 warn!(error = %e, "could not publish this node's models to peers");
@@ -162,6 +167,37 @@ impl Directory {
         self.changed();
         let (api, node, name) = (self.api.clone(), self.node.clone(), claim_name(sid));
         tokio::spawn(async move { release(&api, &node, &name).await });
+    }
+
+    /// Deletes the claims this node holds but no pull of this process
+    /// made (a previous run's, cut short).
+    pub async fn release_own_claims(&self) {
+        let lp = ListParams::default().labels(&format!("{CLAIM_LABEL}={}", self.driver));
+        let claims = match self.api.list(&lp).await {
+            Ok(l) => l.items,
+            Err(e) => {
+                debug!(error = %e, "could not list pull claims");
+                return;
+            }
+        };
+        let mine: Vec<String> = {
+            let pulling = self.pulling.lock().unwrap_or_else(|p| p.into_inner());
+            claims
+                .into_iter()
+                .filter(|l| {
+                    l.spec.as_ref().and_then(|s| s.holder_identity.as_deref())
+                        == Some(self.node.as_str())
+                })
+                .filter_map(|l| l.metadata.name)
+                .filter(|n| {
+                    n.strip_prefix(CLAIM_PREFIX)
+                        .is_none_or(|sid| !pulling.contains_key(sid))
+                })
+                .collect()
+        };
+        for name in mine {
+            release(&self.api, &self.node, &name).await;
+        }
     }
 
     /// Claims the pull of `sid` from the origin, after `begin`. The API

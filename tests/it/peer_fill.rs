@@ -905,6 +905,32 @@ async fn a_pull_is_claimed_by_one_node_of_many_starting_at_once() {
         1,
         "one takeover: {takeovers:?}"
     );
+
+    // A driver that died holding a claim lets go of it when it starts
+    // again; claims of other nodes stay.
+    let third = "m0123456789abcdef0123456789abc03";
+    let crashed = dir(9);
+    crashed.begin(third, 3).await.unwrap();
+    assert_eq!(crashed.claim(third).await, Claim::Leads);
+    drop(crashed);
+    let claims = || {
+        let out = api.kubectl(&[
+            "-n",
+            "default",
+            "get",
+            "leases",
+            "-l",
+            "modelcache.csi.io/pull-claim-of=claims.csi.test",
+            "-o",
+            "jsonpath={.items[*].spec.holderIdentity}",
+        ]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(claims().contains("claimer-9"), "{}", claims());
+    dir(9).release_own_claims().await;
+    let left = claims();
+    assert!(!left.contains("claimer-9"), "{left}");
+    assert!(!left.is_empty(), "another node's claim went too");
 }
 
 /// `modelcache_peer_served_bytes_total` on a node's metrics port.
