@@ -413,13 +413,7 @@ impl PeerServer {
                 }
             }
         };
-        if let Some(spare) = spare {
-            let _ = crate::offload::blocking(move || {
-                drop(spare);
-                Ok(())
-            })
-            .await;
-        }
+        close(spare.into_iter().collect()).await;
         Ok(kept)
     }
 
@@ -440,13 +434,7 @@ impl PeerServer {
                     .map(|(v, _)| v)
                     .collect()
             };
-            if !idle.is_empty() {
-                let _ = crate::offload::blocking(move || {
-                    drop(idle);
-                    Ok(())
-                })
-                .await;
-            }
+            close(idle).await;
         }
     }
 
@@ -498,6 +486,19 @@ fn open_regular(at: &std::path::Path) -> Option<File> {
         .open(at)
         .ok()
         .filter(|f| f.metadata().is_ok_and(|m| m.is_file()))
+}
+
+/// Closes `views` off the runtime: the last reference to an image's view
+/// unmounts it, which blocks.
+async fn close(views: Vec<Arc<SealedView>>) {
+    if views.is_empty() {
+        return;
+    }
+    let _ = crate::offload::blocking(move || {
+        drop(views);
+        Ok(())
+    })
+    .await;
 }
 
 /// Seals already parsed, each with the stat of its `seal.json` when read.
