@@ -1,7 +1,8 @@
 //! `signing`: a model's signature file is the publisher's, or an
 //! attacker's. The first byte picks what the rest is: a whole bundle
-//! (checked with the fixture's P-256 key) or a statement payload as if
-//! its signature had held. Neither may panic; a statement accepted names
+//! (checked with the fixture's P-256 key, or against its CA, so that the
+//! certificates in it are parsed and their paths built) or a statement
+//! payload as if its signature had held. Neither may panic; a statement accepted names
 //! only paths inside the model, once each, with sha256 digests.
 #![no_main]
 
@@ -9,15 +10,19 @@ use libfuzzer_sys::fuzz_target;
 use modelcache_csi::signing;
 
 const KEY: &str = include_str!("../../tests/fixtures/signing/p256.pub.pem");
+const CA: &str = include_str!("../../tests/fixtures/signing/ca.pem");
 
 fuzz_target!(|data: &[u8]| {
     let Some((&pick, rest)) = data.split_first() else {
         return;
     };
-    let signed = if pick % 2 == 0 {
-        signing::verify_with_key("model.sig", rest, KEY)
-    } else {
-        signing::parse_statement("model.sig", rest)
+    let policy = |trusted| {
+        signing::Policy::new(signing::Mode::Required, "model.sig", trusted, "fuzz").expect("fixture")
+    };
+    let signed = match pick % 3 {
+        0 => policy(signing::Trusted::PublicKey(KEY)).verify(rest),
+        1 => policy(signing::Trusted::CertificateChain(CA)).verify(rest),
+        _ => signing::parse_statement("model.sig", rest),
     };
     let Ok(signed) = signed else {
         return;
