@@ -79,6 +79,9 @@ pub struct Entry {
     pub volumes: Vec<String>,
     /// Nodes that hold it writable (unsealed sources).
     pub writers: Vec<String>,
+    /// Who signed it, as verified by signature policies: when it was
+    /// sealed, and when volumes of other classes were made over it.
+    pub signed_by: Vec<String>,
     pub path: PathBuf,
 }
 
@@ -276,10 +279,16 @@ fn list(roots: &Roots) -> Result<Vec<Entry>> {
 fn entry(root: &Root, sid: &str) -> Result<Entry> {
     let seal = cache::read_seal(root, sid)?;
     let model = cache::SourceId::parse(sid).is_some_and(|s| s.is_model());
-    let volumes = evict::live_refs(root, sid)?
-        .iter()
-        .map(|uuid| root.volume_id(uuid))
-        .collect();
+    let uuids = evict::live_refs(root, sid)?;
+    let volumes = uuids.iter().map(|uuid| root.volume_id(uuid)).collect();
+    let mut signed_by: Vec<String> = seal.iter().filter_map(|s| s.signed_by.clone()).collect();
+    for uuid in &uuids {
+        if let Some(w) = cache::read_volume(root, uuid)?.and_then(|v| v.signed_by)
+            && !signed_by.contains(&w)
+        {
+            signed_by.push(w);
+        }
+    }
     let bytes = match &seal {
         Some(s) => s.total_bytes,
         None => du(&root.source(sid).data()),
@@ -298,6 +307,7 @@ fn entry(root: &Root, sid: &str) -> Result<Entry> {
         pinned: evict::is_pinned(root, sid),
         volumes,
         writers: cache::writers(root, sid)?,
+        signed_by,
         path: root.source(sid).dir,
     })
 }
@@ -412,6 +422,16 @@ fn show(e: &Entry, seal: Option<&Seal>) -> String {
     );
     if !e.writers.is_empty() {
         s.push_str(&format!("Writers:   {}\n", e.writers.join(", ")));
+    }
+    if e.sealed {
+        s.push_str(&format!(
+            "Signed by: {}\n",
+            if e.signed_by.is_empty() {
+                "not checked (no class with modelSignature has used it)".to_string()
+            } else {
+                e.signed_by.join("; ")
+            }
+        ));
     }
     if let Some(peers) = seal.map(|s| &s.filled_from).filter(|p| !p.is_empty()) {
         s.push_str(&format!(

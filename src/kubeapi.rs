@@ -449,15 +449,20 @@ impl ProgressSink for PvcEvents {
         );
     }
 
-    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration, from: Option<&str>) {
+    fn sealed(&self, s: &crate::progress::Sealed<'_>) {
         self.emit(
             EventType::Normal,
             "ModelSealed",
             format!(
-                "{uri} at revision {revision}: {} verified and sealed in {:.1}s{}",
-                mib(bytes),
-                took.as_secs_f64(),
-                from.map(|f| format!(", {f}")).unwrap_or_default()
+                "{} at revision {}: {} verified and sealed in {:.1}s{}{}",
+                s.uri,
+                s.revision,
+                mib(s.bytes),
+                s.took.as_secs_f64(),
+                s.signed_by
+                    .map(|w| format!(", signed by {w}"))
+                    .unwrap_or_default(),
+                s.from.map(|f| format!(", {f}")).unwrap_or_default()
             ),
         );
     }

@@ -8,18 +8,22 @@ use std::time::Duration;
 pub trait ProgressSink: Send + Sync {
     fn started(&self, _uri: &str, _total: Option<u64>) {}
     fn progress(&self, _p: &Progress) {}
-    /// `from`: where the bytes came from, when not only the origin.
-    fn sealed(
-        &self,
-        _uri: &str,
-        _revision: &str,
-        _bytes: u64,
-        _took: Duration,
-        _from: Option<&str>,
-    ) {
-    }
+    fn sealed(&self, _s: &Sealed<'_>) {}
     /// Called by the pull's caller, for every failure (resolving included).
     fn failed(&self, _uri: &str, _error: &str) {}
+}
+
+/// A pull that ended in a seal.
+#[derive(Clone, Copy, Debug)]
+pub struct Sealed<'a> {
+    pub uri: &'a str,
+    pub revision: &'a str,
+    pub bytes: u64,
+    pub took: Duration,
+    /// Where the bytes came from, when not only the origin.
+    pub from: Option<&'a str>,
+    /// Who signed the model, as the class's policy verified.
+    pub signed_by: Option<&'a str>,
 }
 
 #[derive(Clone, Debug)]

@@ -20,6 +20,9 @@
 //! linked for TLS, reviewed, and maintained, so no cryptography of ours.
 
 use std::collections::BTreeMap;
+use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 
 use base64::Engine as _;
 use rustls_pki_types::{CertificateDer, SignatureVerificationAlgorithm, UnixTime};
@@ -28,7 +31,8 @@ use sha2::{Digest, Sha256};
 use x509_cert::der::{Decode, DecodePem, Encode};
 use x509_cert::spki::{ObjectIdentifier, SubjectPublicKeyInfoOwned};
 
-use crate::error::{Error, Result};
+use crate::cache::manifest::{FileEntry, LinkEntry};
+use crate::error::{Error, IoContext, Result};
 
 /// A signature file larger than this is refused before it is parsed: a
 /// statement lists a path and a digest per file (about 150 bytes), so
@@ -230,6 +234,51 @@ impl Policy {
             ));
         }
         Ok(Some(signed.signer))
+    }
+}
+
+impl Policy {
+    /// The verdict on a model of `files` and `symlinks` whose tree is at
+    /// `dir`, from which the signature file is read when the model holds
+    /// one (a regular file of the tree: never through a link).
+    pub fn check_dir(
+        &self,
+        files: &[FileEntry],
+        symlinks: &[LinkEntry],
+        dir: &Path,
+    ) -> Result<Option<String>> {
+        let sealed: BTreeMap<String, String> = files
+            .iter()
+            .map(|f| (f.path.clone(), f.sha256.clone()))
+            .collect();
+        let links: Vec<String> = symlinks.iter().map(|l| l.path.clone()).collect();
+        let signature = match files.iter().find(|f| f.path == self.file) {
+            None => None,
+            Some(f) if f.size > MAX_SIGNATURE_BYTES as u64 => {
+                return Err(refused(
+                    &self.file,
+                    format_args!(
+                        "is {} bytes, over the {MAX_SIGNATURE_BYTES} a signature may be",
+                        f.size
+                    ),
+                ));
+            }
+            Some(_) => {
+                let at = dir.join(&self.file);
+                let mut bytes = Vec::new();
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+                    .open(&at)
+                    .and_then(|f| {
+                        f.take(MAX_SIGNATURE_BYTES as u64 + 1)
+                            .read_to_end(&mut bytes)
+                    })
+                    .ctx("read the signature", &at)?;
+                Some(bytes)
+            }
+        };
+        self.check(signature.as_deref(), &sealed, &links)
     }
 }
 

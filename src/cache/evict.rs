@@ -326,6 +326,7 @@ mod tests {
                 external: None,
                 content_source: None,
                 namespace: None,
+                signed_by: None,
                 request: String::new(),
                 created_unix: 0,
             },

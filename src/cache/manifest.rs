@@ -43,6 +43,10 @@ pub struct Seal {
     /// byte was checked against the origin's digests all the same.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub filled_from: Vec<String>,
+    /// Who signed the model, as the policy of the class that pulled it
+    /// verified (`signing`); None when that class checked no signature.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signed_by: Option<String>,
 }
 
 /// The filesystem block every file, directory and link is charged at
@@ -77,6 +81,7 @@ impl Seal {
             dirs: tree.dirs,
             symlinks: tree.symlinks,
             filled_from: Vec::new(),
+            signed_by: None,
         }
     }
 
@@ -374,6 +379,7 @@ mod tests {
             dirs: tree.dirs,
             symlinks: tree.symlinks,
             filled_from: Vec::new(),
+            signed_by: None,
         }
     }
 

@@ -138,21 +138,27 @@ impl PullArea {
     /// so a crash in between never forces a download again. Losing the
     /// rename to another process that sealed the same model is a success:
     /// its seal is returned.
-    /// `filled_from`: the peers that served some of the bytes.
+    /// `filled_from`: the peers that served some of the bytes. `vouch`
+    /// judges the tree (at the data directory) before anything is made
+    /// immutable: its error leaves nothing sealed, and the work in place
+    /// for a retry; its answer is who signed.
     pub fn commit(
         &self,
         files: Vec<FileEntry>,
         origin: &str,
         revision: &str,
         filled_from: Vec<String>,
+        vouch: Vouch<'_>,
     ) -> Result<Seal> {
         let tree = self.tree(files)?;
+        let signed_by = vouch(&tree, &self.data)?;
         self.store.release_pull(&self.paths)?;
         let confined = self.root.open_pull_area(&self.sid)?;
         self.store.make_immutable(&confined, &self.paths)?;
         drop(confined);
         let mut seal = Seal::new(&self.sid, origin, Some(revision.to_string()), tree);
         seal.filled_from = filled_from;
+        seal.signed_by = signed_by;
         let at = self.paths.seal();
         state::write_json(&at, &seal).ctx("write seal", &at)?;
         let place = self.root.source(&self.sid).dir;
@@ -219,6 +225,14 @@ impl Drop for PullArea {
             Err(_) => release(),
         }
     }
+}
+
+/// A judgement of a tree about to be sealed (see `PullArea::commit`).
+pub type Vouch<'a> = &'a (dyn Fn(&Tree, &Path) -> Result<Option<String>> + Sync);
+
+/// No judgement: nothing to check, nobody signed.
+pub fn unvouched(_: &Tree, _: &Path) -> Result<Option<String>> {
+    Ok(None)
 }
 
 /// Removes the areas of pulls no process is running (their lock is free)
@@ -399,7 +413,7 @@ mod tests {
         area.clear_partial().unwrap();
         fs::write(area.progress_dir().join("p.json"), b"{}").unwrap();
         let seal = area
-            .commit(files, "s3://b/m", "etag:1", Vec::new())
+            .commit(files, "s3://b/m", "etag:1", Vec::new(), &unvouched)
             .unwrap();
         assert_eq!(seal.source, sid.as_str());
         assert_eq!(seal.revision.as_deref(), Some("etag:1"));
@@ -426,7 +440,7 @@ mod tests {
         let mut f = put(&area, "a.bin", b"1234");
         f.size = 5;
         let e = area
-            .commit(vec![f], "s3://b/m", "r", Vec::new())
+            .commit(vec![f], "s3://b/m", "r", Vec::new(), &unvouched)
             .unwrap_err();
         assert!(
             e.to_string().contains("4 bytes after the pull, expected 5"),
@@ -437,19 +451,59 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_tree_is_not_sealed_and_a_vouched_one_records_its_signer() {
+        let d = tempfile::tempdir().unwrap();
+        let (root, sid) = (root(d.path()), model('9'));
+        let area = PullArea::open(&root, &sid, None).unwrap();
+        let files = vec![
+            put(&area, "w.bin", b"weights"),
+            put(&area, "model.sig", b"sig"),
+        ];
+        area.clear_partial().unwrap();
+        let refuse = |tree: &Tree, data: &Path| -> Result<Option<String>> {
+            assert_eq!(tree.files.len(), 2);
+            assert_eq!(fs::read(data.join("model.sig")).unwrap(), b"sig");
+            Err(Error::Precondition("signature model.sig: not ours".into()))
+        };
+        let e = area
+            .commit(files.clone(), "s3://b/m", "r", Vec::new(), &refuse)
+            .unwrap_err();
+        assert!(e.to_string().contains("not ours"), "{e}");
+        assert!(crate::cache::read_seal(&root, &sid).unwrap().is_none());
+        // Nothing was made immutable: the work stays as it was, for a retry.
+        assert!(area.data().join("w.bin").is_file());
+        fs::OpenOptions::new()
+            .append(true)
+            .open(area.data().join("model.sig"))
+            .expect("still writable");
+        fs::write(area.data().join("model.sig"), b"sig").unwrap();
+        let seal = area
+            .commit(files, "s3://b/m", "r", Vec::new(), &|_, _| {
+                Ok(Some("key sha256:ab".into()))
+            })
+            .unwrap();
+        assert_eq!(seal.signed_by.as_deref(), Some("key sha256:ab"));
+        drop(area);
+        let read = crate::cache::read_seal(&root, &sid).unwrap().unwrap();
+        assert_eq!(read.signed_by.as_deref(), Some("key sha256:ab"));
+    }
+
+    #[test]
     fn losing_the_rename_to_another_sealer_returns_its_seal() {
         let d = tempfile::tempdir().unwrap();
         let (root, sid) = (root(d.path()), model('e'));
         let first = PullArea::open(&root, &sid, None).unwrap();
         let files = vec![put(&first, "a", b"1")];
         let sealed = first
-            .commit(files.clone(), "s3://b/m", "r", Vec::new())
+            .commit(files.clone(), "s3://b/m", "r", Vec::new(), &unvouched)
             .unwrap();
         drop(first);
         // A second area of the same model (another root user's process).
         let second = PullArea::open(&root, &sid, None).unwrap();
         put(&second, "a", b"1");
-        let got = second.commit(files, "s3://b/m", "r", Vec::new()).unwrap();
+        let got = second
+            .commit(files, "s3://b/m", "r", Vec::new(), &unvouched)
+            .unwrap();
         assert_eq!(got, sealed);
         drop(second);
         assert!(!root.pull_area(&sid).dir.exists());

@@ -89,6 +89,10 @@ pub struct VolumeRecord {
     /// `--max-models-per-namespace` counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// Who signed the model, as the class's signature policy verified it
+    /// when this volume was made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signed_by: Option<String>,
     /// Canonical form of the CreateVolume arguments: the same name with other
     /// arguments is AlreadyExists.
     pub request: String,

@@ -17,6 +17,13 @@ pub const VERIFY: &str = "verify";
 pub const SOURCE: &str = "source";
 pub const ALLOW_CROSS_NAMESPACE: &str = "allowCrossNamespacePVC";
 pub use crate::trust::{ALLOWED_SOURCES, ARTIFACT_CREDENTIALS};
+pub const MODEL_SIGNATURE: &str = "modelSignature";
+pub const SIGNATURE_PUBLIC_KEY: &str = "signaturePublicKey";
+pub const SIGNATURE_CERTIFICATE_CHAIN: &str = "signatureCertificateChain";
+pub const SIGNATURE_FILE: &str = "signatureFile";
+/// Sigstore keyless signatures' parameters: known, so that a class naming
+/// them is told they are not verified yet rather than "unknown".
+const KEYLESS: [&str; 2] = ["signatureIdentity", "signatureIssuer"];
 
 /// Options handed to the model source; see `puller`.
 pub const SOURCE_OPTIONS: [&str; 10] = [
@@ -32,8 +39,12 @@ pub const SOURCE_OPTIONS: [&str; 10] = [
     crate::puller::PARAM_MAX_MODEL_FILES,
 ];
 
-const KNOWN: [&str; 20] = [
+const KNOWN: [&str; 24] = [
     BACKEND,
+    MODEL_SIGNATURE,
+    SIGNATURE_PUBLIC_KEY,
+    SIGNATURE_CERTIFICATE_CHAIN,
+    SIGNATURE_FILE,
     ALLOWED_SOURCES,
     ARTIFACT_CREDENTIALS,
     ALLOW_CROSS_NAMESPACE,
@@ -85,6 +96,9 @@ pub struct Params {
     pub allowed_sources: Option<crate::trust::AllowedSources>,
     /// Where a registry's answer may take the class's credentials.
     pub artifact_credentials: Option<crate::trust::AllowedSources>,
+    /// Whose signature a model must carry (`modelSignature` and its
+    /// trust); None: signatures are not checked.
+    pub signature: Option<std::sync::Arc<crate::signing::Policy>>,
 }
 
 fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
@@ -106,7 +120,10 @@ fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
 
 impl Params {
     pub fn parse(map: &HashMap<String, String>) -> Result<Params> {
-        let mut p = Params::default();
+        let mut p = Params {
+            signature: signature_policy(map)?,
+            ..Params::default()
+        };
         let mut keys: Vec<_> = map.keys().collect();
         keys.sort();
         for key in keys {
@@ -214,6 +231,18 @@ impl Params {
                     }
                     p.source_options.insert(k.to_string(), value.to_string());
                 }
+                MODEL_SIGNATURE
+                | SIGNATURE_PUBLIC_KEY
+                | SIGNATURE_CERTIFICATE_CHAIN
+                | SIGNATURE_FILE => {}
+                k if KEYLESS.contains(&k) => {
+                    return Err(Error::invalid(
+                        format!("parameters.{k}"),
+                        "sigstore keyless signatures (an identity and its OIDC issuer) are not verified by this \
+                         version of the driver; sign with a key (signaturePublicKey) or a certificate under \
+                         your CA (signatureCertificateChain)",
+                    ));
+                }
                 k if k.starts_with(PROVISIONER_PREFIX) => {}
                 other => {
                     return Err(Error::invalid(
@@ -236,6 +265,7 @@ impl Params {
                 (p.source.is_some(), SOURCE),
                 (p.allowed_sources.is_some(), ALLOWED_SOURCES),
                 (p.artifact_credentials.is_some(), ARTIFACT_CREDENTIALS),
+                (p.signature.is_some(), MODEL_SIGNATURE),
                 (
                     !p.source_options.is_empty(),
                     "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, hfAllowPatterns, hfIgnorePatterns, modelRegistryURL",
@@ -251,6 +281,80 @@ impl Params {
         }
         Ok(p)
     }
+}
+
+/// The class's signature policy: `modelSignature` with exactly one trust
+/// (a key or a CA chain), and where the signature is; None when off.
+fn signature_policy(
+    map: &HashMap<String, String>,
+) -> Result<Option<std::sync::Arc<crate::signing::Policy>>> {
+    use crate::signing::{DEFAULT_FILE, Mode, Policy, Trusted};
+    let field = |k: &str| format!("parameters.{k}");
+    let mode = match map.get(MODEL_SIGNATURE).map(String::as_str) {
+        None | Some("off") => None,
+        Some(v) => Some(one_of(
+            MODEL_SIGNATURE,
+            v,
+            &[
+                ("required", Mode::Required),
+                ("optional", Mode::Optional),
+                // Never reached ("off" is matched above); listed for the
+                // error's choices.
+                ("off", Mode::Optional),
+            ],
+        )?),
+    };
+    let key = map.get(SIGNATURE_PUBLIC_KEY);
+    let chain = map.get(SIGNATURE_CERTIFICATE_CHAIN);
+    let Some(mode) = mode else {
+        if let Some(k) = [
+            SIGNATURE_PUBLIC_KEY,
+            SIGNATURE_CERTIFICATE_CHAIN,
+            SIGNATURE_FILE,
+        ]
+        .into_iter()
+        .find(|k| map.contains_key(*k))
+        {
+            return Err(Error::invalid(
+                field(k),
+                "applies only with modelSignature: required or optional; without it signatures are not checked",
+            ));
+        }
+        return Ok(None);
+    };
+    let file = map.get(SIGNATURE_FILE).map_or(DEFAULT_FILE, String::as_str);
+    let inside = !file.is_empty()
+        && !file.starts_with('/')
+        && file
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..");
+    if !inside {
+        return Err(Error::invalid(
+            field(SIGNATURE_FILE),
+            format!(
+                "{file:?} is not a path inside the model; give one relative to its root, like {DEFAULT_FILE}"
+            ),
+        ));
+    }
+    let (trusted, key_field) = match (key, chain) {
+        (Some(k), None) => (Trusted::PublicKey(k), SIGNATURE_PUBLIC_KEY),
+        (None, Some(c)) => (Trusted::CertificateChain(c), SIGNATURE_CERTIFICATE_CHAIN),
+        (Some(_), Some(_)) => {
+            return Err(Error::invalid(
+                field(SIGNATURE_CERTIFICATE_CHAIN),
+                "give either signaturePublicKey or signatureCertificateChain, not both",
+            ));
+        }
+        (None, None) => {
+            return Err(Error::invalid(
+                field(MODEL_SIGNATURE),
+                "needs whom to trust: signaturePublicKey (a PEM public key) or signatureCertificateChain (PEM CA certificates)",
+            ));
+        }
+    };
+    Ok(Some(std::sync::Arc::new(Policy::new(
+        mode, file, trusted, key_field,
+    )?)))
 }
 
 /// Mutable (VolumeAttributesClass) parameters.
@@ -399,6 +503,103 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("parameters.allowedSources"), "{e}");
+    }
+
+    #[test]
+    fn signature_parameters_are_checked_together() {
+        let key = include_str!("../../tests/fixtures/signing/p256.pub.pem");
+        let ca = include_str!("../../tests/fixtures/signing/ca.pem");
+        let p = Params::parse(&map(&[
+            ("modelSignature", "required"),
+            ("signaturePublicKey", key),
+        ]))
+        .unwrap();
+        let policy = p.signature.unwrap();
+        assert_eq!(policy.mode, crate::signing::Mode::Required);
+        assert_eq!(policy.file, "model.sig");
+        let p = Params::parse(&map(&[
+            ("modelSignature", "optional"),
+            ("signatureCertificateChain", ca),
+            ("signatureFile", "sigs/model.sig"),
+        ]))
+        .unwrap();
+        assert_eq!(p.signature.unwrap().file, "sigs/model.sig");
+        assert!(
+            Params::parse(&map(&[("modelSignature", "off")]))
+                .unwrap()
+                .signature
+                .is_none()
+        );
+
+        for (kv, field, want) in [
+            (
+                vec![("modelSignature", "yes")],
+                "modelSignature",
+                "required, optional, off",
+            ),
+            (
+                vec![("modelSignature", "required")],
+                "modelSignature",
+                "signaturePublicKey",
+            ),
+            (
+                vec![("signaturePublicKey", key)],
+                "signaturePublicKey",
+                "modelSignature",
+            ),
+            (
+                vec![("modelSignature", "off"), ("signatureFile", "x.sig")],
+                "signatureFile",
+                "modelSignature",
+            ),
+            (
+                vec![
+                    ("modelSignature", "required"),
+                    ("signaturePublicKey", key),
+                    ("signatureCertificateChain", ca),
+                ],
+                "signatureCertificateChain",
+                "not both",
+            ),
+            (
+                vec![
+                    ("modelSignature", "required"),
+                    ("signaturePublicKey", key),
+                    ("signatureFile", "../model.sig"),
+                ],
+                "signatureFile",
+                "inside the model",
+            ),
+            (
+                vec![
+                    ("modelSignature", "required"),
+                    ("signaturePublicKey", "junk"),
+                ],
+                "signaturePublicKey",
+                "PEM",
+            ),
+            (
+                vec![("signatureIdentity", "me@example.com")],
+                "signatureIdentity",
+                "keyless",
+            ),
+            (
+                vec![
+                    ("role", "source"),
+                    ("modelSignature", "required"),
+                    ("signaturePublicKey", key),
+                ],
+                "modelSignature",
+                "cache volumes",
+            ),
+        ] {
+            let e = Params::parse(&map(&kv)).unwrap_err();
+            assert!(
+                matches!(&e, Error::Invalid { field: f, .. } if *f == format!("parameters.{field}"))
+                    && e.to_string().contains(want),
+                "{kv:?}: {e:?}"
+            );
+        }
     }
 
     #[test]

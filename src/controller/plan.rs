@@ -176,6 +176,7 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         node: root.node.clone(),
         content_source: content.as_ref().map(|(_, c)| c.id.clone()),
         namespace: None,
+        signed_by: None,
         request: fingerprint(req),
         created_unix: cache::now_unix(),
     };
@@ -187,6 +188,14 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         (Role::Source, Some((_, from)), _) => {
             record.capacity_bytes = required.max(from.capacity_bytes);
             Work::CopySource { from }
+        }
+        (Role::Cache, _, Some(_)) if params.signature.is_some() => {
+            return Err(Error::Precondition(
+                "a PV of another driver is read in place and never sealed, so this class's \
+                 signature policy (modelSignature) cannot be checked over it; copy the model \
+                 into a source volume of this driver and seal it, or use a class without modelSignature"
+                    .into(),
+            ));
         }
         (Role::Cache, _, Some(e)) => {
             // Not a source of ours: a name no source id can take.
@@ -469,6 +478,7 @@ mod tests {
             node: root.node.clone(),
             content_source: None,
             namespace: None,
+            signed_by: None,
             request: String::new(),
             created_unix: 0,
         }

@@ -44,6 +44,8 @@ pub struct Provisioner {
 /// which PVC.
 struct PullInputs {
     options: SourceOptions,
+    /// The class's signature policy: never the tenant's to set.
+    signature: Option<Arc<crate::signing::Policy>>,
     sink: Arc<dyn ProgressSink>,
     owner: Option<jobs::Owner>,
 }
@@ -249,6 +251,7 @@ impl Provisioner {
                 },
                 admin_guard: None,
             },
+            signature: params.signature.clone(),
             sink,
             owner: match (&pvc, req.inline.as_ref().and_then(|i| i.pod.as_ref())) {
                 (Some((ns, c)), _) => Some(jobs::Owner::Pvc {
@@ -362,7 +365,18 @@ impl Provisioner {
                 })
                 .await;
             }
-            Work::Clone { from } => from.source,
+            Work::Clone { from } => {
+                // A sealed source of a tenant's own is judged by the
+                // class's policy as a pulled model is.
+                if let Some(policy) = &pull.signature {
+                    let (r, s) = (root.clone(), from.source.clone());
+                    let seal = blocking(move || sealed(&r, &s, Some(&from.id))).await?;
+                    rec.signed_by =
+                        puller::engine::vouch_sealed(&root, &from.source, &seal, Some(policy))
+                            .await?;
+                }
+                from.source
+            }
             Work::Pull { uri } => {
                 let ns = pull.owner.as_ref().map(|o| o.namespace().to_string());
                 if let Some(ns) = &ns {
@@ -378,6 +392,7 @@ impl Provisioner {
                 let pulled = self.pull(req, &uri, &root, pull, deadline).await?;
                 rec.model = pulled.seal.origin.clone().into();
                 rec.revision = pulled.seal.revision.clone();
+                rec.signed_by = pulled.signed.clone();
                 pulled.sid.clone()
             }
         };
@@ -449,6 +464,7 @@ impl Provisioner {
             owner: pull.owner,
             root: root.clone(),
             source,
+            signature: pull.signature,
             sink: pull.sink,
         };
         // Recorded so that a restart resumes it; a class secret would have
@@ -738,6 +754,9 @@ impl Provisioner {
         }
         if let Some(r) = &rec.revision {
             ctx.insert("revision".into(), r.clone());
+        }
+        if let Some(w) = &rec.signed_by {
+            ctx.insert("signedBy".into(), w.clone());
         }
         ctx
     }
@@ -1052,6 +1071,7 @@ mod tests {
                 external: None,
                 content_source: None,
                 namespace: Some(ns.into()),
+                signed_by: None,
                 request: String::new(),
                 created_unix: 0,
             };

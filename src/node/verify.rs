@@ -147,6 +147,7 @@ mod tests {
             dirs: tree.dirs,
             symlinks: tree.symlinks,
             filled_from: Vec::new(),
+            signed_by: None,
         }
     }
 

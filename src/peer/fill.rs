@@ -138,7 +138,7 @@ impl Fill for PeerFill {
             .filter_map(|(peer, seal)| {
                 seal.map(|seal| Copy {
                     peer,
-                    held: Held::Sealed(seal),
+                    held: Held::Sealed(Box::new(seal)),
                 })
             })
             .collect();
@@ -278,7 +278,7 @@ fn now_ms() -> u64 {
 /// What a peer holds of the model.
 enum Held {
     /// Sealed: its seal, with a chunk table per file.
-    Sealed(Seal),
+    Sealed(Box<Seal>),
     /// Still pulling it, started before this node: it serves the chunks
     /// it has hashed, each with its digest. The one that started first
     /// (`leads`, it pulls from the origin) is waited for; the others are

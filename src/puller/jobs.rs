@@ -86,8 +86,8 @@ impl ProgressSink for Recording {
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
         self.inner.progress(p)
     }
-    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration, from: Option<&str>) {
-        self.inner.sealed(uri, revision, bytes, took, from)
+    fn sealed(&self, s: &crate::progress::Sealed<'_>) {
+        self.inner.sealed(s)
     }
     fn failed(&self, uri: &str, error: &str) {
         self.inner.failed(uri, error)
@@ -103,6 +103,8 @@ pub struct Request {
     pub owner: Option<Owner>,
     pub root: Root,
     pub source: Arc<dyn Source>,
+    /// The asking class's signature policy.
+    pub signature: Option<Arc<crate::signing::Policy>>,
     pub sink: Arc<dyn ProgressSink>,
 }
 
@@ -139,6 +141,7 @@ impl Jobs {
             counted: Default::default(),
         });
         let (engine, root, source, uri) = (engine.clone(), req.root, req.source, req.uri.clone());
+        let signature = req.signature;
         let asker = req.key.clone();
         // Slots are shared fairly between the namespaces that want pulls.
         let who = req
@@ -148,7 +151,14 @@ impl Jobs {
             .unwrap_or_default();
         let task = tokio::spawn(async move {
             let outcome = engine
-                .pull_for(&who, Some(&asker), &root, source, sink.as_ref())
+                .pull_for(
+                    &who,
+                    Some(&asker),
+                    &root,
+                    source,
+                    signature.as_ref(),
+                    sink.as_ref(),
+                )
                 .await;
             if let Err(e) = &outcome {
                 sink.failed(&uri, &e.to_string());
@@ -343,6 +353,7 @@ mod tests {
             owner: None,
             root: root.clone(),
             source: s,
+            signature: None,
             sink: Arc::new(NoProgress),
         };
         let t0 = Instant::now();
@@ -399,6 +410,7 @@ mod tests {
             }),
             root: root.clone(),
             source: Arc::new(src),
+            signature: None,
             sink: Arc::new(NoProgress),
         };
         // 4 KiB every 20 ms: about 200 KB/s, live but slow; 20 s in all.
@@ -504,6 +516,7 @@ mod tests {
             }),
             root,
             source: src,
+            signature: None,
             sink: Arc::new(NoProgress),
         };
         let _ = jobs.pull(&engine, r, Some(Duration::from_millis(20))).await;

@@ -60,6 +60,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;
 use crate::offload::blocking;
 pub use crate::progress::{NoProgress, Progress, ProgressSink};
+use crate::signing::Policy;
 use crate::state;
 
 mod fetch;
@@ -83,6 +84,9 @@ pub struct Pulled {
     pub seal: Seal,
     /// True when the model was already sealed and nothing was fetched.
     pub hit: bool,
+    /// Who signed it, as the asking class's policy verified; without a
+    /// policy, what the seal recorded.
+    pub signed: Option<String>,
 }
 
 pub struct Engine {
@@ -138,6 +142,8 @@ struct Pull<'a> {
     charged: Option<u64>,
     inodes: u64,
     limits: PullLimits,
+    /// The asking class's signature policy, checked before the seal.
+    signature: Option<&'a Arc<Policy>>,
 }
 
 /// Shared by the tasks of one pull.
@@ -326,19 +332,22 @@ impl Engine {
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
     ) -> Result<Pulled> {
-        self.pull_for("", None, root, source, sink).await
+        self.pull_for("", None, root, source, None, sink).await
     }
 
     /// `pull` on behalf of namespace `who` ("" for no tenant): slots are
     /// shared fairly between namespaces (`slots`). `asker` names the
     /// request (a volume's name), so that its retries while the origin is
-    /// down keep the revision the origin gave it.
+    /// down keep the revision the origin gave it. `signature`: the asking
+    /// class's policy, which a fresh pull must pass before it is sealed
+    /// and a sealed model before it is handed out.
     pub async fn pull_for(
         &self,
         who: &str,
         asker: Option<&str>,
         root: &Root,
         source: Arc<dyn Source>,
+        signature: Option<&Arc<Policy>>,
         sink: &dyn ProgressSink,
     ) -> Result<Pulled> {
         // The origin first; while it is down, a pinned model's listing may
@@ -362,6 +371,9 @@ impl Engine {
         };
         let limits = self.cfg.limits.lower(source.limits());
         let total = check_listing(&resolved, &limits)?;
+        if let Some(policy) = signature {
+            unsigned_listing(policy, &resolved)?;
+        }
         let sid = source_id(source.as_ref(), &resolved.uri, &resolved.revision);
         let span =
             info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
@@ -372,19 +384,23 @@ impl Engine {
             // A hit is served only to a requester the origin would serve.
             if let Some(seal) = cache::read_seal(root, &sid)? {
                 self.authorize_hit(&sid, source.as_ref(), &resolved).await?;
+                let signed = vouch_sealed(root, &sid, &seal, signature).await?;
                 return Ok(Pulled {
                     sid,
                     seal,
                     hit: true,
+                    signed,
                 });
             }
             let _joined = self.inflight.lock(&sid).await;
             if let Some(seal) = cache::read_seal(root, &sid)? {
                 self.authorize_hit(&sid, source.as_ref(), &resolved).await?;
+                let signed = vouch_sealed(root, &sid, &seal, signature).await?;
                 return Ok(Pulled {
                     sid,
                     seal,
                     hit: true,
+                    signed,
                 });
             }
             let slot = self.slots.acquire(who).await;
@@ -397,6 +413,7 @@ impl Engine {
                 charged,
                 inodes,
                 limits,
+                signature,
             };
             let counted = Counted {
                 inner: sink,
@@ -439,15 +456,17 @@ impl Engine {
                         )),
                         (f, _) => f,
                     };
-                    sink.sealed(
-                        &resolved.uri,
-                        &resolved.revision,
-                        seal.total_bytes,
+                    sink.sealed(&crate::progress::Sealed {
+                        uri: &resolved.uri,
+                        revision: &resolved.revision,
+                        bytes: seal.total_bytes,
                         took,
-                        from.as_deref(),
-                    );
+                        from: from.as_deref(),
+                        signed_by: seal.signed_by.as_deref(),
+                    });
                     Ok(Pulled {
                         sid,
+                        signed: seal.signed_by.clone(),
                         seal,
                         hit: false,
                     })
@@ -778,7 +797,15 @@ impl Engine {
             work.clone(),
         );
         let peers = ctx.source.provenance().map(|p| p.peers).unwrap_or_default();
-        let seal = blocking(move || w.commit(entries, &uri, &rev, peers)).await?;
+        let policy = pull.signature.cloned();
+        let seal = blocking(move || {
+            let vouch = |tree: &cache::manifest::Tree, data: &Path| match &policy {
+                Some(p) => p.check_dir(&tree.files, &tree.symlinks, data),
+                None => Ok(None),
+            };
+            w.commit(entries, &uri, &rev, peers, &vouch)
+        })
+        .await?;
         let spilled = ctx.flow.spilled.load(Ordering::Relaxed);
         if spilled > 0 {
             info!(
@@ -793,6 +820,46 @@ impl Engine {
             .map(|p| p.describe());
         Ok((seal, ctx.fetched.load(Ordering::Relaxed), from))
     }
+}
+
+/// A listing that cannot pass a required signature policy: no signature
+/// file among plain files (layers may still unpack one), refused before
+/// a byte is fetched.
+fn unsigned_listing(policy: &Policy, resolved: &Resolved) -> Result<()> {
+    let layered = resolved
+        .files
+        .iter()
+        .any(|f| !matches!(f.unpack, super::source::Unpack::None));
+    if policy.mode != crate::signing::Mode::Required
+        || layered
+        || resolved.files.iter().any(|f| f.path == policy.file)
+    {
+        return Ok(());
+    }
+    policy.check(None, &Default::default(), &[]).map(drop)
+}
+
+/// A sealed model judged by the asking class's policy: its signature
+/// file is read from the seal, never fetched again with the weights.
+/// Without a policy, what the seal recorded.
+pub async fn vouch_sealed(
+    root: &Root,
+    sid: &SourceId,
+    seal: &Seal,
+    policy: Option<&Arc<Policy>>,
+) -> Result<Option<String>> {
+    let Some(policy) = policy.cloned() else {
+        return Ok(seal.signed_by.clone());
+    };
+    let (r, s, seal) = (root.clone(), sid.clone(), seal.clone());
+    blocking(move || {
+        let mut verdict = None;
+        r.backend.store().view_sealed(&r, &s, &mut |data| {
+            verdict = Some(policy.check_dir(&seal.files, &seal.symlinks, data));
+        })?;
+        verdict.unwrap_or_else(|| Err(Error::Internal("the sealed view was never opened".into())))
+    })
+    .await
 }
 
 /// Bytes of one buffer: the budget shared by every buffer that may exist,
@@ -819,8 +886,8 @@ impl ProgressSink for Counted<'_> {
         self.bytes.store(p.bytes, Ordering::Relaxed);
         self.inner.progress(p)
     }
-    fn sealed(&self, uri: &str, revision: &str, bytes: u64, took: Duration, from: Option<&str>) {
-        self.inner.sealed(uri, revision, bytes, took, from)
+    fn sealed(&self, s: &crate::progress::Sealed<'_>) {
+        self.inner.sealed(s)
     }
     fn failed(&self, uri: &str, error: &str) {
         self.inner.failed(uri, error)
