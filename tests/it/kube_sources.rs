@@ -11,7 +11,7 @@ use crate::support::harness::*;
 use modelcache_csi::csi::CreateVolumeRequest;
 use tonic::Code;
 
-fn apply(api: &apiserver::ApiServer, yaml: &str) {
+pub(crate) fn apply(api: &apiserver::ApiServer, yaml: &str) {
     let out = api.kubectl_stdin(&["apply", "-f", "-"], yaml);
     assert!(
         out.status.success(),
@@ -49,7 +49,7 @@ fn bind(api: &apiserver::ApiServer, ns: &str, pvc: &str, pv: &str, spec: &str) {
 
 /// The events.k8s.io events of `ns` (with `selector`) as `jsonpath`
 /// prints them, once `done` holds or after 5 s.
-async fn events_until(
+pub(crate) async fn events_until(
     api: &apiserver::ApiServer,
     ns: &str,
     selector: Option<&str>,

