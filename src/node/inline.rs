@@ -340,6 +340,15 @@ mod tests {
                 ctx(&[(SOURCE, "hf://o/m"), (SUB_PATH, "../x")]),
                 "volumeAttributes.subPath",
             ),
+            // A pod cannot switch off or replace the class's signature policy.
+            (
+                ctx(&[(SOURCE, "hf://o/m"), ("modelSignature", "off")]),
+                "volumeAttributes.modelSignature",
+            ),
+            (
+                ctx(&[(SOURCE, "hf://o/m"), ("signaturePublicKey", "-----BEGIN")]),
+                "volumeAttributes.signaturePublicKey",
+            ),
         ];
         for (c, field) in cases {
             let e = parse(&c).unwrap_err();

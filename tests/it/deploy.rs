@@ -73,8 +73,27 @@ fn manifests_apply_to_a_real_apiserver() {
         "modelcache-shared",
         "modelcache-xfs-shared",
         "modelcache-inline",
+        "modelcache-signed",
     ] {
         assert!(classes.contains(sc), "{sc} missing: {classes}");
+    }
+    // Every example class is one the driver accepts, as the apiserver
+    // hands it on (a PEM block scalar included).
+    let all: serde_json::Value = serde_json::from_str(&kubectl_ok(
+        &api,
+        &["get", "storageclass", "-o", "json"],
+    ))
+    .unwrap();
+    for sc in all["items"].as_array().unwrap() {
+        if sc["provisioner"] != "modelcache.csi.io" {
+            continue;
+        }
+        let params: std::collections::BTreeMap<String, String> =
+            serde_json::from_value(sc["parameters"].clone()).unwrap_or_default();
+        let params = modelcache_csi::controller::params::class_parameters(Some(params));
+        if let Err(e) = modelcache_csi::controller::params::Params::parse(&params) {
+            panic!("StorageClass {}: {e}", sc["metadata"]["name"]);
+        }
     }
     kubectl_ok(&api, &["get", "volumeattributesclass", "modelcache-sealed"]);
     kubectl_ok(&api, &["get", "modelprefetch", "minilm-on-gpus"]);
