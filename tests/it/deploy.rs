@@ -79,11 +79,8 @@ fn manifests_apply_to_a_real_apiserver() {
     }
     // Every example class is one the driver accepts, as the apiserver
     // hands it on (a PEM block scalar included).
-    let all: serde_json::Value = serde_json::from_str(&kubectl_ok(
-        &api,
-        &["get", "storageclass", "-o", "json"],
-    ))
-    .unwrap();
+    let all: serde_json::Value =
+        serde_json::from_str(&kubectl_ok(&api, &["get", "storageclass", "-o", "json"])).unwrap();
     for sc in all["items"].as_array().unwrap() {
         if sc["provisioner"] != "modelcache.csi.io" {
             continue;
