@@ -309,6 +309,13 @@ struct ServeArgs {
     /// pod's own namespace].
     #[arg(long)]
     peer_namespace: Option<String>,
+    /// Sigstore's trusted root (`trusted_root.json`) for classes that take
+    /// keyless model signatures (signatureIdentity, signatureIssuer): the
+    /// CAs, transparency logs and CT logs they are checked against,
+    /// offline. Default: the public-good instance's root as this build
+    /// ships it; keep a current one in a ConfigMap (docs/kubernetes.md).
+    #[arg(long, env = "MODELCACHE_SIGSTORE_TRUST_ROOT")]
+    sigstore_trust_root: Option<PathBuf>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -570,6 +577,12 @@ async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
 
 async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     init_logging(&a.log_format, "info");
+    if let Some(path) = &a.sigstore_trust_root {
+        let json = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--sigstore-trust-root {}: {e}", path.display()))?;
+        modelcache_csi::signing::set_sigstore_trust_root(&json)
+            .map_err(|e| anyhow::anyhow!("--sigstore-trust-root {}: {e}", path.display()))?;
+    }
     let cfg = Arc::new(config(&a)?);
     let registration = registrar(&a, &cfg)?;
     let reg_state = RegistrationState::default();

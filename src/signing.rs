@@ -92,6 +92,12 @@ enum Trust {
     Key(PublicKey),
     /// Trust anchors (DER): a signing certificate must chain to one.
     Chain(Vec<CertificateDer<'static>>),
+    /// Sigstore keyless: a certificate for this identity from this OIDC
+    /// issuer, under the trusted root's CAs, in its transparency log.
+    Sigstore {
+        identity: String,
+        issuer: String,
+    },
 }
 
 impl PartialEq for Policy {
@@ -117,6 +123,9 @@ pub enum Trusted<'a> {
     PublicKey(&'a str),
     /// `signatureCertificateChain`: PEM CA certificates.
     CertificateChain(&'a str),
+    /// `signatureIdentity` and `signatureIssuer`: a sigstore keyless
+    /// signer, checked against the driver's sigstore trusted root.
+    Sigstore { identity: &'a str, issuer: &'a str },
 }
 
 impl Policy {
@@ -132,6 +141,13 @@ impl Policy {
                 Trust::Chain(anchors(pem, key_field)?),
                 format!("chain\0{pem}"),
             ),
+            Trusted::Sigstore { identity, issuer } => (
+                Trust::Sigstore {
+                    identity: identity.to_string(),
+                    issuer: issuer.to_string(),
+                },
+                format!("sigstore\0{identity}\0{issuer}"),
+            ),
         };
         Ok(Policy {
             mode,
@@ -146,6 +162,9 @@ impl Policy {
         match &self.trust {
             Trust::Key(k) => format!("the class's key {}", k.fingerprint),
             Trust::Chain(a) => format!("a certificate under the class's {} CA(s)", a.len()),
+            Trust::Sigstore { identity, issuer } => {
+                format!("sigstore identity {identity} (issuer {issuer})")
+            }
         }
     }
 
@@ -190,6 +209,9 @@ impl Policy {
                     ));
                 }
                 leaf.identity
+            }
+            Trust::Sigstore { identity, issuer } => {
+                keyless(file, bytes, &payload, identity, issuer)?
             }
         };
         // Only a signed payload is parsed further: what it says is now the
@@ -611,6 +633,103 @@ impl Leaf {
         webpki::EndEntityCert::try_from(&self.der)
             .is_ok_and(|ee| ee.verify_signature(self.alg, msg, sig).is_ok())
     }
+}
+
+/// The trusted root keyless signatures are checked against:
+/// `--sigstore-trust-root`, else sigstore's public-good instance as the
+/// crate ships it.
+static SIGSTORE: std::sync::OnceLock<std::result::Result<sigstore_verify::Verifier, String>> =
+    std::sync::OnceLock::new();
+
+/// Sets the sigstore trusted root (a `trusted_root.json`) for this
+/// process; before any keyless signature is checked. An error names what
+/// is wrong with it.
+pub fn set_sigstore_trust_root(json: &str) -> Result<()> {
+    let verifier = sigstore_verifier(json)?;
+    SIGSTORE
+        .set(Ok(verifier))
+        .map_err(|_| Error::Internal("the sigstore trusted root was set twice".into()))
+}
+
+fn sigstore_verifier(json: &str) -> Result<sigstore_verify::Verifier> {
+    let bad = |e: String| {
+        Error::invalid(
+            "--sigstore-trust-root",
+            format!(
+                "not a usable sigstore trusted root ({e}); give a trusted_root.json as sigstore's TUF repository publishes it"
+            ),
+        )
+    };
+    let root = sigstore_verify::trust_root::TrustedRoot::from_json(json)
+        .map_err(|e| bad(e.to_string()))?;
+    sigstore_verify::Verifier::new(&root).map_err(|e| bad(e.to_string()))
+}
+
+/// Checks a keyless signature: the bundle's certificate, its SCT, its
+/// transparency-log entry and the DSSE signature, offline against the
+/// trusted root, for `identity` from `issuer`, and bound to the statement
+/// in `payload` by its subject (the digest of its files' digests, as
+/// model_signing computes it). Returns who signed.
+fn keyless(
+    file: &str,
+    bytes: &[u8],
+    payload: &[u8],
+    identity: &str,
+    issuer: &str,
+) -> Result<String> {
+    use sigstore_verify::types::{Artifact, ArtifactDigest, Sha256Hash};
+    let verifier = SIGSTORE
+        .get_or_init(|| {
+            sigstore_verifier(sigstore_verify::trust_root::SIGSTORE_PRODUCTION_TRUSTED_ROOT)
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| Error::Internal(e.clone()))?;
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| refused(file, format_args!("is not UTF-8 JSON: {e}")))?;
+    let bundle = sigstore_verify::types::Bundle::from_json(text)
+        .map_err(|e| refused(file, format_args!("is not a sigstore bundle: {e}")))?;
+    let subject = Sha256Hash::new(statement_root(file, payload)?);
+    let policy = sigstore_verify::VerificationPolicy::new(identity, issuer);
+    let verified = verifier
+        .verify(Artifact::Digest(ArtifactDigest::sha256(subject)), &bundle, &policy)
+        .map_err(|e| {
+            refused(
+                file,
+                format_args!(
+                    "its sigstore signature does not hold for identity {identity} from issuer {issuer}: {e}"
+                ),
+            )
+        })?;
+    // What the certificate says, now that it is proven, not what the
+    // class asked for.
+    Ok(format!(
+        "sigstore {} (issuer {})",
+        verified.identity().map_or(identity, |i| i.as_str()),
+        verified.issuer().unwrap_or(issuer)
+    ))
+}
+
+/// The digest model_signing names a statement's subject by: sha256 over
+/// its files' digests, in the order listed.
+fn statement_root(file: &str, payload: &[u8]) -> Result<[u8; 32]> {
+    let statement: Statement = serde_json::from_slice(payload).map_err(|e| {
+        refused(
+            file,
+            format_args!("its statement is not a model-signing statement: {e}"),
+        )
+    })?;
+    let mut h = Sha256::new();
+    for r in &statement.predicate.resources {
+        let digest = hex::decode(&r.digest).map_err(|_| {
+            refused(
+                file,
+                format_args!("lists {:?} with a digest that is not hex", r.name),
+            )
+        })?;
+        h.update(digest);
+    }
+    Ok(h.finalize().into())
 }
 
 /// Whether a certificate's key usages allow signing, as model_signing

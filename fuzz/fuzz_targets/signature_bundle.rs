@@ -1,8 +1,9 @@
 //! `signing`: a model's signature file is the publisher's, or an
 //! attacker's. The first byte picks what the rest is: a whole bundle
-//! (checked with the fixture's P-256 key, or against its CA, so that the
-//! certificates in it are parsed and their paths built) or a statement
-//! payload as if its signature had held. Neither may panic; a statement accepted names
+//! (checked with the fixture's P-256 key, against its CA, or as a sigstore
+//! keyless bundle against the public-good trusted root, so that the
+//! certificates and log entries in it are parsed and checked) or a
+//! statement payload as if its signature had held. Neither may panic; a statement accepted names
 //! only paths inside the model, once each, with sha256 digests.
 #![no_main]
 
@@ -19,9 +20,14 @@ fuzz_target!(|data: &[u8]| {
     let policy = |trusted| {
         signing::Policy::new(signing::Mode::Required, "model.sig", trusted, "fuzz").expect("fixture")
     };
-    let signed = match pick % 3 {
+    let signed = match pick % 4 {
         0 => policy(signing::Trusted::PublicKey(KEY)).verify(rest),
         1 => policy(signing::Trusted::CertificateChain(CA)).verify(rest),
+        2 => policy(signing::Trusted::Sigstore {
+            identity: "release@example.com",
+            issuer: "https://issuer.example.com",
+        })
+        .verify(rest),
         _ => signing::parse_statement("model.sig", rest),
     };
     let Ok(signed) = signed else {

@@ -21,9 +21,8 @@ pub const MODEL_SIGNATURE: &str = "modelSignature";
 pub const SIGNATURE_PUBLIC_KEY: &str = "signaturePublicKey";
 pub const SIGNATURE_CERTIFICATE_CHAIN: &str = "signatureCertificateChain";
 pub const SIGNATURE_FILE: &str = "signatureFile";
-/// Sigstore keyless signatures' parameters: known, so that a class naming
-/// them is told they are not verified yet rather than "unknown".
-const KEYLESS: [&str; 2] = ["signatureIdentity", "signatureIssuer"];
+pub const SIGNATURE_IDENTITY: &str = "signatureIdentity";
+pub const SIGNATURE_ISSUER: &str = "signatureIssuer";
 
 /// Options handed to the model source; see `puller`.
 pub const SOURCE_OPTIONS: [&str; 10] = [
@@ -39,11 +38,13 @@ pub const SOURCE_OPTIONS: [&str; 10] = [
     crate::puller::PARAM_MAX_MODEL_FILES,
 ];
 
-const KNOWN: [&str; 24] = [
+const KNOWN: [&str; 26] = [
     BACKEND,
     MODEL_SIGNATURE,
     SIGNATURE_PUBLIC_KEY,
     SIGNATURE_CERTIFICATE_CHAIN,
+    SIGNATURE_IDENTITY,
+    SIGNATURE_ISSUER,
     SIGNATURE_FILE,
     ALLOWED_SOURCES,
     ARTIFACT_CREDENTIALS,
@@ -234,15 +235,9 @@ impl Params {
                 MODEL_SIGNATURE
                 | SIGNATURE_PUBLIC_KEY
                 | SIGNATURE_CERTIFICATE_CHAIN
+                | SIGNATURE_IDENTITY
+                | SIGNATURE_ISSUER
                 | SIGNATURE_FILE => {}
-                k if KEYLESS.contains(&k) => {
-                    return Err(Error::invalid(
-                        format!("parameters.{k}"),
-                        "sigstore keyless signatures (an identity and its OIDC issuer) are not verified by this \
-                         version of the driver; sign with a key (signaturePublicKey) or a certificate under \
-                         your CA (signatureCertificateChain)",
-                    ));
-                }
                 k if k.starts_with(PROVISIONER_PREFIX) => {}
                 other => {
                     return Err(Error::invalid(
@@ -306,10 +301,14 @@ fn signature_policy(
     };
     let key = map.get(SIGNATURE_PUBLIC_KEY);
     let chain = map.get(SIGNATURE_CERTIFICATE_CHAIN);
+    let identity = map.get(SIGNATURE_IDENTITY);
+    let issuer = map.get(SIGNATURE_ISSUER);
     let Some(mode) = mode else {
         if let Some(k) = [
             SIGNATURE_PUBLIC_KEY,
             SIGNATURE_CERTIFICATE_CHAIN,
+            SIGNATURE_IDENTITY,
+            SIGNATURE_ISSUER,
             SIGNATURE_FILE,
         ]
         .into_iter()
@@ -336,19 +335,44 @@ fn signature_policy(
             ),
         ));
     }
-    let (trusted, key_field) = match (key, chain) {
-        (Some(k), None) => (Trusted::PublicKey(k), SIGNATURE_PUBLIC_KEY),
-        (None, Some(c)) => (Trusted::CertificateChain(c), SIGNATURE_CERTIFICATE_CHAIN),
-        (Some(_), Some(_)) => {
+    let keyless = match (identity, issuer) {
+        (Some(identity), Some(issuer)) if !identity.is_empty() && !issuer.is_empty() => {
+            Some(Trusted::Sigstore { identity, issuer })
+        }
+        (None, None) => None,
+        (Some(_), _) => {
             return Err(Error::invalid(
-                field(SIGNATURE_CERTIFICATE_CHAIN),
-                "give either signaturePublicKey or signatureCertificateChain, not both",
+                field(SIGNATURE_ISSUER),
+                "goes with signatureIdentity: the OIDC issuer that vouched for the identity, e.g. https://accounts.google.com",
             ));
         }
-        (None, None) => {
+        (None, Some(_)) => {
+            return Err(Error::invalid(
+                field(SIGNATURE_IDENTITY),
+                "goes with signatureIssuer: the signer's e-mail or URI as its sigstore certificate names it",
+            ));
+        }
+    };
+    let mut given = [
+        key.map(|k| (Trusted::PublicKey(k), SIGNATURE_PUBLIC_KEY)),
+        chain.map(|c| (Trusted::CertificateChain(c), SIGNATURE_CERTIFICATE_CHAIN)),
+        keyless.map(|k| (k, SIGNATURE_IDENTITY)),
+    ]
+    .into_iter()
+    .flatten();
+    let (trusted, key_field) = match (given.next(), given.next()) {
+        (Some(one), None) => one,
+        (Some(_), Some((_, second))) => {
+            return Err(Error::invalid(
+                field(second),
+                "give one of signaturePublicKey, signatureCertificateChain, or signatureIdentity with signatureIssuer",
+            ));
+        }
+        (None, _) => {
             return Err(Error::invalid(
                 field(MODEL_SIGNATURE),
-                "needs whom to trust: signaturePublicKey (a PEM public key) or signatureCertificateChain (PEM CA certificates)",
+                "needs whom to trust: signaturePublicKey (a PEM public key), signatureCertificateChain \
+                 (PEM CA certificates), or signatureIdentity with signatureIssuer (a sigstore keyless signer)",
             ));
         }
     };
@@ -559,7 +583,7 @@ mod tests {
                     ("signatureCertificateChain", ca),
                 ],
                 "signatureCertificateChain",
-                "not both",
+                "give one of",
             ),
             (
                 vec![
@@ -581,7 +605,25 @@ mod tests {
             (
                 vec![("signatureIdentity", "me@example.com")],
                 "signatureIdentity",
-                "keyless",
+                "modelSignature",
+            ),
+            (
+                vec![
+                    ("modelSignature", "required"),
+                    ("signatureIdentity", "me@example.com"),
+                ],
+                "signatureIssuer",
+                "OIDC issuer",
+            ),
+            (
+                vec![
+                    ("modelSignature", "required"),
+                    ("signatureIdentity", "me@example.com"),
+                    ("signatureIssuer", "https://issuer.example.com"),
+                    ("signaturePublicKey", key),
+                ],
+                "signatureIdentity",
+                "give one of",
             ),
             (
                 vec![

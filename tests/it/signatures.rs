@@ -821,3 +821,133 @@ async fn a_tenant_named_model_meets_the_class_policy_and_its_pvc_says_who_signed
         "{notes}"
     );
 }
+
+/// A keyless (sigstore) signature over `model`, by `identity` from
+/// `issuer`, made by a private sigstore instance
+/// (tests/scripts/sigstore-instance.py: CA, CT log and transparency log in
+/// one process) over the statement `model_signing sign key` writes; the
+/// reference verifier (`model_signing verify sigstore --trust_config`)
+/// must accept it before the driver is asked. Returns the trusted root.
+fn sign_keyless(model: &Path, keys: &Path, identity: &str, issuer: &str) -> PathBuf {
+    let (private, _) = key_pair(keys, "statement", "prime256v1");
+    let statement = keys.join("statement.sig");
+    run(Command::new(model_signing()).args([
+        "sign",
+        "key",
+        &path_str(model),
+        "--private_key",
+        &path_str(&private),
+        "--signature",
+        &path_str(&statement),
+    ]));
+    let python = model_signing().with_file_name("python");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/sigstore-instance.py");
+    let (root, config) = (
+        keys.join("trusted_root.json"),
+        keys.join("trust_config.json"),
+    );
+    run(Command::new(python).args([
+        &path_str(&script),
+        &path_str(&statement),
+        identity,
+        issuer,
+        &path_str(&model.join("model.sig")),
+        &path_str(&root),
+        &path_str(&config),
+    ]));
+    run(Command::new(model_signing()).args([
+        "verify",
+        "sigstore",
+        "--trust_config",
+        &path_str(&config),
+        "--identity",
+        identity,
+        "--identity_provider",
+        issuer,
+        "--signature",
+        &path_str(&model.join("model.sig")),
+        &path_str(model),
+    ]));
+    root
+}
+
+#[tokio::test]
+async fn keyless_signatures_verify_offline_against_the_trusted_root_for_the_class_identity() {
+    let work = tempfile::tempdir().unwrap();
+    let keys = work.path().join("keys");
+    fs::create_dir_all(&keys).unwrap();
+    let (identity, issuer) = ("release@example.com", "https://issuer.example.com");
+    let model = work.path().join("model");
+    write_model(&model, 70);
+    let root = sign_keyless(&model, &keys, identity, issuer);
+    // The same signed model with a file changed after signing.
+    let tampered = work.path().join("tampered");
+    run(Command::new("cp").arg("-a").arg(&model).arg(&tampered));
+    fs::write(tampered.join("config.json"), b"{}\n").unwrap();
+
+    let d = Driver::start_with(&["--sigstore-trust-root", &path_str(&root)]).await;
+    let class = |identity: &str, issuer: &str, dir: &Path| {
+        vec![
+            ("source", file_uri(dir)),
+            ("modelSignature", "required".to_string()),
+            ("signatureIdentity", identity.to_string()),
+            ("signatureIssuer", issuer.to_string()),
+        ]
+    };
+    let ask = |name: &'static str, params: Vec<(&'static str, String)>| {
+        let d = &d;
+        async move {
+            let params: Vec<(&str, &str)> = params.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            create(d, name, &params).await
+        }
+    };
+    let r = ask("pvc-someone", class("someone@example.com", issuer, &model)).await;
+    assert_code(
+        r,
+        Code::FailedPrecondition,
+        "does not hold for identity someone@example.com",
+    );
+    let r = ask(
+        "pvc-other-issuer",
+        class(identity, "https://accounts.example.org", &model),
+    )
+    .await;
+    assert_code(
+        r,
+        Code::FailedPrecondition,
+        "from issuer https://accounts.example.org",
+    );
+    let v = created(ask("pvc-keyless", class(identity, issuer, &model)).await);
+    assert_eq!(
+        signed_by(&v),
+        Some(format!("sigstore {identity} (issuer {issuer})").as_str())
+    );
+    let r = ask("pvc-tampered", class(identity, issuer, &tampered)).await;
+    assert_code(
+        r,
+        Code::FailedPrecondition,
+        "signs \"config.json\" with sha256",
+    );
+    assert_eq!(sealed_models(&d).len(), 1);
+    drop(d);
+
+    // The same signature, checked against sigstore's public-good root (the
+    // default): this instance's CA and logs are unknown there.
+    let d = Driver::start().await;
+    let r = create(
+        &d,
+        "pvc-public-root",
+        &[
+            ("source", &file_uri(&model)),
+            ("modelSignature", "required"),
+            ("signatureIdentity", identity),
+            ("signatureIssuer", issuer),
+        ],
+    )
+    .await;
+    assert_code(
+        r,
+        Code::FailedPrecondition,
+        "its sigstore signature does not hold",
+    );
+}
