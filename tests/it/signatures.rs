@@ -247,6 +247,41 @@ async fn create(d: &Driver, name: &str, params: &[(&str, &str)]) -> Result<Volum
     d.create(create_req(name, &all, READER)).await
 }
 
+/// CreateVolume of the model in `dir` under a class with
+/// `modelSignature: mode` and `trust` (its parameter and value).
+async fn create_under(
+    d: &Driver,
+    name: &str,
+    dir: &Path,
+    mode: &str,
+    trust: (&str, &str),
+) -> Result<Volume, tonic::Status> {
+    let source = file_uri(dir);
+    create(
+        d,
+        name,
+        &[("source", &source), ("modelSignature", mode), trust],
+    )
+    .await
+}
+
+/// `create` with parameter values built at run time.
+async fn create_owned(
+    d: &Driver,
+    name: &str,
+    params: &[(&str, String)],
+) -> Result<Volume, tonic::Status> {
+    let params: Vec<(&str, &str)> = params.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    create(d, name, &params).await
+}
+
+/// Where a test keeps the keys and certificates it makes.
+fn keys_dir(under: &Path) -> PathBuf {
+    let keys = under.join("keys");
+    fs::create_dir_all(&keys).unwrap();
+    keys
+}
+
 #[track_caller]
 fn created(r: Result<Volume, tonic::Status>) -> Volume {
     r.unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()))
@@ -283,8 +318,7 @@ fn sealed_models(d: &Driver) -> Vec<Value> {
 #[tokio::test]
 async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_signed() {
     let d = Driver::start().await;
-    let keys = d.dir.join("keys");
-    fs::create_dir_all(&keys).unwrap();
+    let keys = keys_dir(&d.dir);
 
     // A key signature, P-384 as `model_signing sign key` accepts it.
     let (private, public) = key_pair(&keys, "publisher", "secp384r1");
@@ -292,14 +326,12 @@ async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_
     let model = write_model(&by_key, 1);
     sign_with_key(&by_key, &private);
     let v = created(
-        create(
+        create_under(
             &d,
             "pvc-key",
-            &[
-                ("source", &file_uri(&by_key)),
-                ("modelSignature", "required"),
-                ("signaturePublicKey", &public),
-            ],
+            &by_key,
+            "required",
+            ("signaturePublicKey", &public),
         )
         .await,
     );
@@ -327,14 +359,12 @@ async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_
     write_model(&by_cert, 2);
     sign_with_certificate(&by_cert, &ca);
     let v = created(
-        create(
+        create_under(
             &d,
             "pvc-cert",
-            &[
-                ("source", &file_uri(&by_cert)),
-                ("modelSignature", "required"),
-                ("signatureCertificateChain", &ca.root),
-            ],
+            &by_cert,
+            "required",
+            ("signatureCertificateChain", &ca.root),
         )
         .await,
     );
@@ -349,14 +379,12 @@ async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_
     let unsigned = d.dir.join("unsigned");
     write_model(&unsigned, 3);
     let v = created(
-        create(
+        create_under(
             &d,
             "pvc-optional",
-            &[
-                ("source", &file_uri(&unsigned)),
-                ("modelSignature", "optional"),
-                ("signaturePublicKey", &public),
-            ],
+            &unsigned,
+            "optional",
+            ("signaturePublicKey", &public),
         )
         .await,
     );
@@ -393,8 +421,7 @@ async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_
 #[tokio::test]
 async fn changed_added_removed_files_and_foreign_signatures_are_refused_and_nothing_is_sealed() {
     let d = Driver::start().await;
-    let keys = d.dir.join("keys");
-    fs::create_dir_all(&keys).unwrap();
+    let keys = keys_dir(&d.dir);
     let (private, public) = key_pair(&keys, "publisher", "prime256v1");
     let (other_private, _) = key_pair(&keys, "someone-else", "prime256v1");
     let ca = pki(&keys, "example");
@@ -527,8 +554,7 @@ fn weight_gets(hub: &HubServer) -> usize {
 #[tokio::test]
 async fn a_cache_hit_is_judged_by_the_asking_class_from_its_seal_without_fetching_the_weights() {
     let d = Driver::start().await;
-    let keys = d.dir.join("keys");
-    fs::create_dir_all(&keys).unwrap();
+    let keys = keys_dir(&d.dir);
     let (private, public) = key_pair(&keys, "publisher", "prime256v1");
     let (_, other_public) = key_pair(&keys, "someone-else", "prime256v1");
     let ca = pki(&keys, "example");
@@ -543,16 +569,9 @@ async fn a_cache_hit_is_judged_by_the_asking_class_from_its_seal_without_fetchin
         p.extend_from_slice(policy);
         p
     };
-    let ask = |name: &'static str, params: Vec<(&'static str, String)>| {
-        let d = &d;
-        async move {
-            let params: Vec<(&str, &str)> = params.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            create(d, name, &params).await
-        }
-    };
 
     // Sealed by a class that checks nothing.
-    let v = created(ask("pvc-plain", class(&[])).await);
+    let v = created(create_owned(&d, "pvc-plain", &class(&[])).await);
     assert_eq!(signed_by(&v), None);
     let fetched = weight_gets(&hub);
     assert!(fetched >= 1, "{:?}", hub.requests());
@@ -565,19 +584,20 @@ async fn a_cache_hit_is_judged_by_the_asking_class_from_its_seal_without_fetchin
             ("signaturePublicKey", key.to_string()),
         ]
     };
-    let v = created(ask("pvc-publisher", class(&required(&public))).await);
+    let v = created(create_owned(&d, "pvc-publisher", &class(&required(&public))).await);
     assert_eq!(signed_by(&v), Some(key_signer(&keys, &public).as_str()));
     // Someone else's key, or certificates under a CA: refused, though
     // the model is on the node.
-    let r = ask("pvc-other", class(&required(&other_public))).await;
+    let r = create_owned(&d, "pvc-other", &class(&required(&other_public))).await;
     assert_code(
         r,
         Code::FailedPrecondition,
         "is not signed by the class's key",
     );
-    let r = ask(
+    let r = create_owned(
+        &d,
         "pvc-ca",
-        class(&[
+        &class(&[
             ("modelSignature", "required".to_string()),
             ("signatureCertificateChain", ca.root.clone()),
         ]),
@@ -606,8 +626,7 @@ async fn a_cache_hit_is_judged_by_the_asking_class_from_its_seal_without_fetchin
 #[tokio::test]
 async fn a_listing_without_the_signature_is_refused_before_anything_is_fetched() {
     let d = Driver::start().await;
-    let keys = d.dir.join("keys");
-    fs::create_dir_all(&keys).unwrap();
+    let keys = keys_dir(&d.dir);
     let (_, public) = key_pair(&keys, "publisher", "prime256v1");
     let repo = d.dir.join("repo");
     write_model(&repo, 30);
@@ -641,8 +660,7 @@ async fn a_listing_without_the_signature_is_refused_before_anything_is_fetched()
 #[tokio::test]
 async fn a_source_volume_a_tenant_filled_is_judged_like_a_pulled_model_when_cloned() {
     let d = Driver::start().await;
-    let keys = d.dir.join("keys");
-    fs::create_dir_all(&keys).unwrap();
+    let keys = keys_dir(&d.dir);
     let (private, public) = key_pair(&keys, "publisher", "prime256v1");
     let (_, other_public) = key_pair(&keys, "someone-else", "prime256v1");
 
@@ -690,8 +708,7 @@ async fn a_source_volume_a_tenant_filled_is_judged_like_a_pulled_model_when_clon
 #[tokio::test]
 async fn a_model_sealed_in_an_xfs_image_is_judged_through_a_read_only_view() {
     let d = Driver::start().await;
-    let keys = d.dir.join("keys");
-    fs::create_dir_all(&keys).unwrap();
+    let keys = keys_dir(&d.dir);
     let (private, public) = key_pair(&keys, "publisher", "secp521r1");
     let (_, other_public) = key_pair(&keys, "someone-else", "secp521r1");
     let dir = d.dir.join("model");
@@ -756,8 +773,7 @@ async fn a_tenant_named_model_meets_the_class_policy_and_its_pvc_says_who_signed
         &api,
         "apiVersion: v1\nkind: Namespace\nmetadata: {name: team}\n",
     );
-    let keys = d.dir.join("keys");
-    fs::create_dir_all(&keys).unwrap();
+    let keys = keys_dir(&d.dir);
     let (private, public) = key_pair(&keys, "publisher", "prime256v1");
     let models = d.dir.join("models");
     let signed = models.join("signed");
@@ -784,18 +800,10 @@ async fn a_tenant_named_model_meets_the_class_policy_and_its_pvc_says_who_signed
             ("signaturePublicKey", public.clone()),
         ]
     };
-    let ask = |name: &'static str, pvc: &'static str| {
-        let params = class(pvc);
-        let d = &d;
-        async move {
-            let params: Vec<(&str, &str)> = params.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            create(d, name, &params).await
-        }
-    };
-    let v = created(ask("pvc-signed", "signed").await);
+    let v = created(create_owned(&d, "pvc-signed", &class("signed")).await);
     let signer = key_signer(&keys, &public);
     assert_eq!(signed_by(&v), Some(signer.as_str()));
-    let r = ask("pvc-unsigned", "unsigned").await;
+    let r = create_owned(&d, "pvc-unsigned", &class("unsigned")).await;
     assert_code(
         r,
         Code::FailedPrecondition,
@@ -874,8 +882,7 @@ fn sign_keyless(model: &Path, keys: &Path, identity: &str, issuer: &str) -> Path
 #[tokio::test]
 async fn keyless_signatures_verify_offline_against_the_trusted_root_for_the_class_identity() {
     let work = tempfile::tempdir().unwrap();
-    let keys = work.path().join("keys");
-    fs::create_dir_all(&keys).unwrap();
+    let keys = keys_dir(work.path());
     let (identity, issuer) = ("release@example.com", "https://issuer.example.com");
     let model = work.path().join("model");
     write_model(&model, 70);
@@ -894,22 +901,21 @@ async fn keyless_signatures_verify_offline_against_the_trusted_root_for_the_clas
             ("signatureIssuer", issuer.to_string()),
         ]
     };
-    let ask = |name: &'static str, params: Vec<(&'static str, String)>| {
-        let d = &d;
-        async move {
-            let params: Vec<(&str, &str)> = params.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            create(d, name, &params).await
-        }
-    };
-    let r = ask("pvc-someone", class("someone@example.com", issuer, &model)).await;
+    let r = create_owned(
+        &d,
+        "pvc-someone",
+        &class("someone@example.com", issuer, &model),
+    )
+    .await;
     assert_code(
         r,
         Code::FailedPrecondition,
         "does not hold for identity someone@example.com",
     );
-    let r = ask(
+    let r = create_owned(
+        &d,
         "pvc-other-issuer",
-        class(identity, "https://accounts.example.org", &model),
+        &class(identity, "https://accounts.example.org", &model),
     )
     .await;
     assert_code(
@@ -917,12 +923,12 @@ async fn keyless_signatures_verify_offline_against_the_trusted_root_for_the_clas
         Code::FailedPrecondition,
         "from issuer https://accounts.example.org",
     );
-    let v = created(ask("pvc-keyless", class(identity, issuer, &model)).await);
+    let v = created(create_owned(&d, "pvc-keyless", &class(identity, issuer, &model)).await);
     assert_eq!(
         signed_by(&v),
         Some(format!("sigstore {identity} (issuer {issuer})").as_str())
     );
-    let r = ask("pvc-tampered", class(identity, issuer, &tampered)).await;
+    let r = create_owned(&d, "pvc-tampered", &class(identity, issuer, &tampered)).await;
     assert_code(
         r,
         Code::FailedPrecondition,
@@ -950,4 +956,44 @@ async fn keyless_signatures_verify_offline_against_the_trusted_root_for_the_clas
         Code::FailedPrecondition,
         "its sigstore signature does not hold",
     );
+}
+
+/// An OCI artifact (a file a layer, as ORAS pushes a model) carries its
+/// signature as one more layer, through a real registry; and a tag moved
+/// to a tampered push is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oci_artifact_carries_its_signature_as_a_layer() {
+    let reg = crate::support::registry::Registry::start().await;
+    let d = Driver::start().await;
+    let keys = keys_dir(&d.dir);
+    let (private, public) = key_pair(&keys, "publisher", "prime256v1");
+    let model = d.dir.join("artifact");
+    write_model(&model, 80);
+    sign_with_key(&model, &private);
+    reg.push_artifact("models/signed:v1", &model).await;
+    let class = |tag: &str| {
+        vec![
+            ("source", reg.uri(tag)),
+            ("ociPlainHTTP", "true".to_string()),
+            ("modelSignature", "required".to_string()),
+            ("signaturePublicKey", public.clone()),
+        ]
+    };
+    let v = created(create_owned(&d, "pvc-oci", &class("models/signed:v1")).await);
+    assert_eq!(signed_by(&v), Some(key_signer(&keys, &public).as_str()));
+
+    // The same signature over weights someone else pushed.
+    fs::write(
+        model.join("model.safetensors"),
+        b"not the weights that were signed",
+    )
+    .unwrap();
+    reg.push_artifact("models/signed:v2", &model).await;
+    let r = create_owned(&d, "pvc-oci-tampered", &class("models/signed:v2")).await;
+    assert_code(
+        r,
+        Code::FailedPrecondition,
+        "signs \"model.safetensors\" with sha256",
+    );
+    assert_eq!(sealed_models(&d).len(), 1);
 }
