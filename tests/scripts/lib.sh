@@ -9,6 +9,17 @@ CARGO_FUZZ_VERSION="0.13.2"
 
 log() { printf '==> %s\n' "$*" >&2; }
 
+# lowest CMD...: runs CMD at the lowest priority there is: SCHED_IDLE
+# (it gets a core only when nothing else wants one, and any other task
+# that wakes takes the core at once) where chrt can set it, else nice 19.
+lowest() {
+  if chrt --idle 0 true 2>/dev/null; then
+    chrt --idle 0 nice -n 19 "$@"
+  else
+    nice -n 19 "$@"
+  fi
+}
+
 need_root() {
   if [ "$(id -u)" != 0 ]; then
     echo "$0 needs root: it mounts filesystems and attaches loop devices" >&2
