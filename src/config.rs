@@ -41,6 +41,9 @@ pub struct Config {
     /// Apply VolumeAttributesClass changes to this node's node-local
     /// volumes from the PVCs (`modify_agent`).
     pub modify_node_local: bool,
+    /// A central controller provisions shared volumes, and publishes
+    /// their capacity (`--shared-by-central-controller`).
+    pub shared_central: bool,
     /// The StorageClass whose parameters govern inline volumes; none: off.
     pub inline_class: Option<String>,
     /// Pull what ModelPrefetch objects ask of this node (`prefetch`).
@@ -125,6 +128,7 @@ impl Default for Config {
             tenant_ranges: Default::default(),
             progress_every: Duration::from_secs(10),
             modify_node_local: false,
+            shared_central: false,
             inline_class: None,
             prefetch: false,
             peer: None,

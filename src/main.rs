@@ -270,6 +270,15 @@ struct ServeArgs {
     /// controller service and Kubernetes API access.
     #[arg(long)]
     modify_node_local_volumes: bool,
+    /// A central controller provisions the shared backends' volumes (the
+    /// Deployment in deploy/csi-driver): asked for the room for one claim
+    /// of a shared class (GetCapacity with csi.storage.k8s.io/pvc/name, as
+    /// external-provisioner --node-deployment-immediate-binding
+    /// --extra-create-metadata asks before it takes an Immediate claim),
+    /// this node's driver answers none, so it never takes one. Capacity
+    /// for CSIStorageCapacity (no claim) stays real. Needs --node-id.
+    #[arg(long)]
+    shared_by_central_controller: bool,
     /// CSI ephemeral inline volumes: the StorageClass (of this driver)
     /// whose parameters govern them, allowedSources above all. Without it
     /// a pod's inline volume is refused.
@@ -466,6 +475,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         },
         progress_every: std::time::Duration::from_secs(a.progress_interval_seconds.max(1)),
         modify_node_local: a.modify_node_local_volumes,
+        shared_central: a.shared_by_central_controller,
         inline_class: a.inline_storage_class.clone().filter(|c| !c.is_empty()),
         prefetch: a.prefetch,
         peer: peer_config(a)?,

@@ -81,6 +81,10 @@ pub async fn serve_on(
                 }
             }
             anyhow::ensure!(
+                !cfg.shared_central || cfg.node_id.is_some(),
+                "--shared-by-central-controller is a node driver's flag: it needs --node-id"
+            );
+            anyhow::ensure!(
                 cfg.peer.is_none() || (cfg.kube_api && cfg.node_id.is_some()),
                 "--peer-listen needs --node-id and Kubernetes API access (--kube-api, --kubeconfig)"
             );

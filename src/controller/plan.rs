@@ -266,12 +266,22 @@ fn new_source_capacity(backend: Backend, required: i64, limit: i64) -> Result<i6
     })
 }
 
+/// Whether a class's volumes live on one node (`local`, `xfs` images on
+/// the node) rather than on a filesystem every node mounts.
+pub fn is_node_local(p: &Params) -> bool {
+    // `imageLocation` is accepted for xfs only (`params`).
+    p.backend
+        .unwrap_or(Backend::Local)
+        .store()
+        .placement()
+        .on_node
+        && p.image_location != Some(ImageLocation::Shared)
+}
+
 /// The root a new volume without a content source goes to.
 pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
     let backend = p.backend.unwrap_or(Backend::Local);
-    // `imageLocation` is accepted for xfs only (`params`).
-    let node_local =
-        backend.store().placement().on_node && p.image_location != Some(ImageLocation::Shared);
+    let node_local = is_node_local(p);
     if node_local && cfg.node_id.is_none() {
         // A claim of a node-local class reached the central controller:
         // enabling the backend here would be the wrong fix.
@@ -279,11 +289,13 @@ pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
             "parameters.backend: {backend} keeps each volume on one node, and only that \
              node's driver provisions it (the DaemonSet's external-provisioner, \
              --node-deployment), for a claim the scheduler has placed on the node. This is \
-             the central controller, which holds no node's disk: a claim placed on a node is \
-             that node's driver's to provision (if it stays Pending, that node's driver pod is \
-             not running), and a claim of a class with Immediate binding is placed nowhere: \
-             give the StorageClass volumeBindingMode: WaitForFirstConsumer, or use backend: \
-             shared, or xfs with imageLocation: shared, for a volume every node reaches"
+             the central controller, which holds no node's disk. With volumeBindingMode: \
+             WaitForFirstConsumer the scheduler places the claim; with Immediate a node's \
+             provisioner takes it (--node-deployment-immediate-binding, on any node the \
+             class's allowedTopologies name, with the capacity). If the claim stays Pending, \
+             the driver pod of its node (or of every allowed node) is not running, or no \
+             allowed node has the room; for a volume every node reaches use backend: shared, \
+             or xfs with imageLocation: shared"
         )));
     }
     if !cfg.backend_enabled(backend) {
@@ -754,14 +766,15 @@ mod tests {
             state_dir: d.path().join("state"),
             ..Config::default()
         };
-        // A node-local class's claim at the central controller: the fix
-        // is the class's binding mode, never a backend enabled here,
+        // A node-local class's claim at the central controller: it says
+        // who provisions it instead, never to enable a backend here,
         // whether or not this controller runs that backend.
         for params in [&[][..], &[("backend", "xfs")], &[("backend", "local")]] {
             let e = run(&central, case("a node-local volume", request(params))).unwrap_err();
             assert!(
                 matches!(e, Error::Precondition(ref m)
-                    if m.contains("volumeBindingMode: WaitForFirstConsumer")
+                    if m.contains("--node-deployment-immediate-binding")
+                        && m.contains("allowedTopologies")
                         && m.contains("central controller")
                         && !m.contains("--backends")),
                 "{params:?}: {e}"

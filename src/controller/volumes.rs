@@ -652,13 +652,31 @@ impl Provisioner {
     }
 
     /// Free bytes where a volume with these parameters would go, or 0 for a
-    /// topology segment this controller cannot provision in.
+    /// topology segment this controller cannot provision in, and at a node
+    /// for one claim's shared volume when a central controller provisions
+    /// those.
     pub fn capacity(
         &self,
         params: &HashMap<String, String>,
         topology: Option<&Topology>,
     ) -> Result<i64> {
         let p = Params::parse(params)?;
+        if self.cfg.shared_central
+            && !plan::is_node_local(&p)
+            && params.contains_key(crate::kubeapi::PVC_NAME)
+        {
+            // A question about one claim (external-provisioner's node
+            // deployment asks it, with --extra-create-metadata, before it
+            // takes an Immediate claim): a shared volume is the central
+            // controller's to provision, so this node has no room for it,
+            // or every node would race the controller for each shared
+            // claim (and for one the controller cannot provision yet, take
+            // it and fail the same way). Without a claim it is
+            // CSIStorageCapacity's question, and the room is real: the
+            // scheduler places WaitForFirstConsumer pods of shared classes
+            // by it.
+            return Ok(0);
+        }
         let root = match plan::select_root(&self.cfg, &self.roots, &p) {
             Ok(r) => r,
             Err(Error::Precondition(_)) => return Ok(0),

@@ -21,6 +21,7 @@ mod metrics;
 mod node_scale;
 mod node_trust;
 mod peer_fill;
+mod placement;
 mod pull_s3;
 mod pull_sources;
 mod puller_engine;
