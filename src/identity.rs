@@ -66,7 +66,7 @@ impl Identity for IdentityService {
         if self.controller {
             types.push(ServiceType::ControllerService);
         }
-        let capabilities = types
+        let mut capabilities: Vec<PluginCapability> = types
             .into_iter()
             .map(|t| PluginCapability {
                 r#type: Some(plugin_capability::Type::Service(Service {
@@ -74,6 +74,14 @@ impl Identity for IdentityService {
                 })),
             })
             .collect();
+        // A source grows while a pod writes it (xfs_growfs is online).
+        capabilities.push(PluginCapability {
+            r#type: Some(plugin_capability::Type::VolumeExpansion(
+                plugin_capability::VolumeExpansion {
+                    r#type: plugin_capability::volume_expansion::Type::Online as i32,
+                },
+            )),
+        });
         Ok(Response::new(GetPluginCapabilitiesResponse {
             capabilities,
         }))

@@ -1,5 +1,5 @@
-//! What every gRPC handler does at its edge: require fields, log an error
-//! once inside the call's span, and turn it into a status.
+//! What every gRPC handler does at its edge: require fields, read a capacity
+//! range, log an error once inside the call's span, and turn it into a status.
 
 use tonic::{Response, Status};
 
@@ -54,6 +54,37 @@ fn parse_grpc_timeout(raw: &str) -> Option<std::time::Duration> {
         "n" => Duration::from_nanos(n),
         _ => return None,
     })
+}
+
+/// The size a capacity range asks a volume to grow to: at least
+/// `required_bytes`, else `limit_bytes`.
+pub fn grow_target(range: Option<&crate::csi::CapacityRange>) -> Result<i64> {
+    let Some(r) = range else {
+        return Err(Error::invalid(
+            "capacity_range",
+            "is required: the size to grow the volume to",
+        ));
+    };
+    if r.required_bytes < 0 || r.limit_bytes < 0 {
+        return Err(Error::invalid(
+            "capacity_range",
+            "required_bytes and limit_bytes cannot be negative",
+        ));
+    }
+    if r.limit_bytes > 0 && r.required_bytes > r.limit_bytes {
+        return Err(Error::Unsatisfiable(format!(
+            "capacity_range.required_bytes {} is above its limit_bytes {}",
+            r.required_bytes, r.limit_bytes
+        )));
+    }
+    match (r.required_bytes, r.limit_bytes) {
+        (0, 0) => Err(Error::invalid(
+            "capacity_range",
+            "names no size: set required_bytes to the size to grow to",
+        )),
+        (0, limit) => Ok(limit),
+        (required, _) => Ok(required),
+    }
 }
 
 #[cfg(test)]

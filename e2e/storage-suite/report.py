@@ -32,11 +32,7 @@ REASONS = [
     (r'does not support volume type "CSIInlineVolume"', "ours",
      "inline volumes pull a model with the pod's nodePublishSecretRef, which the suite's "
      "driver definition cannot give; the `inline` flow covers them"),
-    (r"does not support volume expansion|does not support online volume expansion", "ours",
-     {**{c: "a directory source has no size to grow" for c in DIRECTORY},
-      "*": "the driver does not grow XFS images (no EXPAND_VOLUME): a source is sized at "
-           "CreateVolume, and a pull that outgrows its image grows it itself"}),
-    (r"does not provide raw block|doesn't support Block", "ours",
+    (r"does not provide raw block|doesn't support Block|does not support block volume mode", "ours",
      "no raw block volumes: models are files"),
     (r"does not support FsGroup", "ours",
      "fsGroupPolicy: None: kubelet must never chown a model"),

@@ -15,6 +15,7 @@
 
 pub mod copy;
 pub mod evict;
+pub mod grow;
 pub mod layout;
 pub mod lease;
 pub mod manifest;

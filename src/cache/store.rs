@@ -107,6 +107,9 @@ pub trait SourceStore: Sync {
         writable: bool,
         base: MountFlags,
     ) -> Result<()>;
+    /// Grows a writable source staged at `content` (its mount on this
+    /// node) to `size` bytes, online, where a size means something.
+    fn grow_staged(&self, src: &ConfinedSource, content: &Path, size: u64) -> Result<()>;
     /// Whether a mount found at `content` shows this source.
     fn shows(
         &self,
@@ -299,6 +302,11 @@ impl SourceStore for DirStore {
         let data = src.real.data();
         m.bind(&from, content, !writable, base)
             .ctx("bind-mount", &data)
+    }
+
+    /// A directory has no size of its own: its record's is what counts.
+    fn grow_staged(&self, _src: &ConfinedSource, _content: &Path, _size: u64) -> Result<()> {
+        Ok(())
     }
 
     fn shows(
@@ -500,6 +508,11 @@ impl SourceStore for ImageStore {
         let data = if writable { "" } else { xfs::READER_OPTIONS };
         m.mount_device(lo.path(), content, "xfs", !writable, data)
             .ctx("mount", &image)
+    }
+
+    fn grow_staged(&self, src: &ConfinedSource, content: &Path, size: u64) -> Result<()> {
+        let image = src.image(true)?;
+        xfs::grow_image(&image, &src.real.image(), content, size)
     }
 
     fn shows(

@@ -7,7 +7,7 @@
 //! log left dirty by a crashed writer is replayed before anyone reads it
 //! with `norecovery`.
 
-use std::fs::{self, OpenOptions};
+use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -141,6 +141,17 @@ pub fn make_readonly(image: &Path) -> Result<()> {
 /// pull sizes its image from the bytes it will fetch; compressed layers
 /// can unpack to more than that.
 pub fn grow_mounted(image: &Path, mnt: &Path, size: u64) -> Result<()> {
+    let f = OpenOptions::new()
+        .write(true)
+        .open(image)
+        .ctx("open image", image)?;
+    grow_image(&f, image, mnt, size)
+}
+
+/// [`grow_mounted`] for an image already open for writing (`f`, at
+/// `image`). Idempotent: a file, device or filesystem already that large is
+/// left as it is.
+pub fn grow_image(f: &File, image: &Path, mnt: &Path, size: u64) -> Result<()> {
     let devs: Vec<PathBuf> = mount::loopdev::devices_backed_by(image)
         .ctx("find the loop device of", image)?
         .into_iter()
@@ -152,10 +163,6 @@ pub fn grow_mounted(image: &Path, mnt: &Path, size: u64) -> Result<()> {
             image.display()
         )));
     }
-    let f = OpenOptions::new()
-        .write(true)
-        .open(image)
-        .ctx("open image", image)?;
     if f.metadata().ctx("stat", image)?.len() < size {
         f.set_len(size).ctx("grow image", image)?;
     }

@@ -213,6 +213,24 @@ impl ControllerService {
         })
     }
 
+    async fn expand(
+        &self,
+        req: ControllerExpandVolumeRequest,
+    ) -> Result<ControllerExpandVolumeResponse> {
+        require(&req.volume_id, "volume_id")?;
+        let target = crate::rpc::grow_target(req.capacity_range.as_ref())?;
+        if let Some(cap) = &req.volume_capability {
+            capability::parse(cap, "volume_capability")?;
+        }
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let (capacity_bytes, node_expansion_required) =
+            self.provisioner.expand(&req.volume_id, target).await?;
+        Ok(ControllerExpandVolumeResponse {
+            capacity_bytes,
+            node_expansion_required,
+        })
+    }
+
     async fn modify(
         &self,
         req: ControllerModifyVolumeRequest,
@@ -321,6 +339,7 @@ impl Controller for ControllerService {
             RpcType::GetCapacity,
             RpcType::CloneVolume,
             RpcType::ModifyVolume,
+            RpcType::ExpandVolume,
         ]
         .into_iter()
         .map(|t| ControllerServiceCapability {
@@ -364,9 +383,13 @@ impl Controller for ControllerService {
 
     async fn controller_expand_volume(
         &self,
-        _: Request<ControllerExpandVolumeRequest>,
+        request: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
-        unimplemented("ControllerExpandVolume")
+        let req = request.into_inner();
+        let span = info_span!("ControllerExpandVolume", volume.id = %req.volume_id);
+        async { respond(self.expand(req).await) }
+            .instrument(span)
+            .await
     }
 
     async fn controller_get_volume(

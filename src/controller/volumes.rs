@@ -529,6 +529,32 @@ impl Provisioner {
         blocking(move || delete_volume(&root, &id.uuid, &rec)).await
     }
 
+    /// ControllerExpandVolume to `target` bytes. Returns the size and
+    /// whether the node must finish it. A directory source has no size
+    /// beyond its record, which grows here; an image's bytes grow on the
+    /// node that has it staged (NodeExpandVolume), where its loop device
+    /// and mount are, so this only checks that it may and has the room.
+    /// Another node's volume is that node's to check and grow.
+    pub async fn expand(&self, volume_id: &str, target: i64) -> Result<(i64, bool)> {
+        if let Some(id) = VolumeId::parse(volume_id)
+            && self.roots.for_id(&id).is_err()
+        {
+            return Ok((target, true));
+        }
+        let (root, rec) = self.lookup(volume_id).await?;
+        let _g = self.sources.lock(&rec.source).await;
+        blocking(move || {
+            cache::grow::check(&root, &rec, target)?;
+            // An image (a store with a filesystem type) grows where it is
+            // mounted; a directory is its record.
+            if root.backend.store().fs_type().is_some() {
+                return Ok((target.max(rec.capacity_bytes), true));
+            }
+            Ok((cache::grow::record(&root, &rec, target)?, false))
+        })
+        .await
+    }
+
     /// Seals a source volume; a cache volume is sealed by construction.
     pub async fn seal(&self, volume_id: &str) -> Result<Seal> {
         let (root, rec) = self.lookup(volume_id).await?;

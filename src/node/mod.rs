@@ -74,6 +74,32 @@ impl NodeService {
         Ok(NodeStageVolumeResponse {})
     }
 
+    async fn expand(&self, req: NodeExpandVolumeRequest) -> Result<NodeExpandVolumeResponse> {
+        require(&req.volume_id, "volume_id")?;
+        // An unknown volume is the first thing to say (csi-sanity asks for
+        // NotFound before the path is looked at).
+        self.ops.record(&req.volume_id).await?;
+        let volume_path = path(&req.volume_path, "volume_path")?;
+        let staging = match req.staging_target_path.as_str() {
+            "" => None,
+            s => Some(path(s, "staging_target_path")?),
+        };
+        let target = match &req.capacity_range {
+            Some(_) => Some(crate::rpc::grow_target(req.capacity_range.as_ref())?),
+            None => None,
+        };
+        if let Some(cap) = &req.volume_capability {
+            capability::parse(cap, "volume_capability")?;
+        }
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let capacity_bytes = self
+            .ops
+            .expand(&req.volume_id, volume_path, staging, target)
+            .await?;
+        tracing::info!(capacity_bytes, "expanded");
+        Ok(NodeExpandVolumeResponse { capacity_bytes })
+    }
+
     async fn unstage(&self, req: NodeUnstageVolumeRequest) -> Result<NodeUnstageVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
         let staging = path(&req.staging_target_path, "staging_target_path")?;
@@ -239,12 +265,13 @@ impl Node for NodeService {
 
     async fn node_expand_volume(
         &self,
-        _: Request<NodeExpandVolumeRequest>,
+        request: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        Err(crate::error::Error::Unsupported(
-            "NodeExpandVolume is not offered by modelcache-csi".into(),
-        )
-        .into())
+        let req = request.into_inner();
+        let span = info_span!("NodeExpandVolume", volume.id = %req.volume_id);
+        async { respond(self.expand(req).await) }
+            .instrument(span)
+            .await
     }
 
     async fn node_get_capabilities(
@@ -255,6 +282,7 @@ impl Node for NodeService {
             RpcType::StageUnstageVolume,
             RpcType::GetVolumeStats,
             RpcType::VolumeCondition,
+            RpcType::ExpandVolume,
         ]
         .into_iter()
         .map(|t| NodeServiceCapability {

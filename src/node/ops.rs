@@ -294,6 +294,59 @@ impl NodeOps {
     /// Usage of a mounted volume path, and whether it is healthy.
     /// `staging`, when the CO passes it, is checked too: a publish can
     /// outlive a staging mount that was torn away underneath it.
+    /// Whether this node knows `volume_id`: NotFound if not.
+    pub async fn record(&self, volume_id: &str) -> Result<()> {
+        cache::lookup_off_runtime(&self.roots, volume_id)
+            .await
+            .map(|_| ())
+    }
+
+    /// NodeExpandVolume: grows a writable source where this node has it
+    /// mounted (the staging path kubelet names, else the published path),
+    /// to `target` bytes (None: to its recorded size, e.g. after a crash
+    /// between the bytes and the record). Returns the size recorded.
+    pub async fn expand(
+        &self,
+        volume_id: &str,
+        volume_path: PathBuf,
+        staging: Option<PathBuf>,
+        target: Option<i64>,
+    ) -> Result<i64> {
+        let (root, rec) = cache::lookup_off_runtime(&self.roots, volume_id).await?;
+        let store = root.backend.store();
+        let _g = match store.one_mount_at_a_time() {
+            true => Some(self.sources.lock(&rec.source).await),
+            false => None,
+        };
+        let (vid, m) = (volume_id.to_string(), self.mounter.clone());
+        blocking(move || {
+            let at = match staging.as_deref().map(|s| staged(&*m, s)).transpose()? {
+                Some(Some(found)) => Some(found),
+                _ => mount_entry(&*m, &volume_path)?.map(|e| (volume_path.clone(), e)),
+            };
+            let Some((content, entry)) = at else {
+                return Err(Error::NotFound(format!(
+                    "volume {vid} is not mounted at {}{}",
+                    volume_path.display(),
+                    staging
+                        .as_deref()
+                        .map(|s| format!(" nor staged at {}", s.display()))
+                        .unwrap_or_default()
+                )));
+            };
+            let src = root.open_source(&rec.source)?;
+            if !store.shows(&*m, &src, &content, &entry)? {
+                return Err(Error::Precondition(format!(
+                    "{} does not show volume {vid}'s source; refusing to grow what is mounted there",
+                    content.display()
+                )));
+            }
+            let target = target.unwrap_or(rec.capacity_bytes);
+            cache::grow::grow_staged(&root, &rec, &content, target)
+        })
+        .await
+    }
+
     pub async fn stats(
         &self,
         volume_id: &str,

@@ -13,6 +13,7 @@ mod any_client;
 mod concurrency;
 mod deploy;
 mod errors;
+mod expansion;
 mod hostile;
 mod idempotency;
 mod informers;

@@ -29,7 +29,7 @@ run() {
   set +e
   unshare -m --propagation private bash -c '
     set -u
-    dir="$1"; bin="$2"; sanity="$3"; junit="$4"; split="$5"; size="$6"; shift 6
+    dir="$1"; bin="$2"; sanity="$3"; junit="$4"; split="$5"; size="$6"; skip="$7"; shift 7
     pids=()
     if [ "$split" = split ]; then
       "$bin" --mode controller --endpoint "unix://$dir/controller.sock" "$@" >"$dir/controller.log" 2>&1 & pids+=($!)
@@ -48,11 +48,12 @@ run() {
       --csi.testvolumeparameters "$dir/params.yaml" \
       --csi.testvolumemutableparameters "$dir/mutable.yaml" \
       --csi.testvolumesize "$size" \
+      ${skip:+--ginkgo.skip "$skip"} \
       --ginkgo.no-color --ginkgo.junit-report "$junit"
     rc=$?
     kill "${pids[@]}" 2>/dev/null; wait
     exit $rc
-  ' _ "$dir" "$BIN" "$CSI_SANITY" "$OUT/$name.xml" "${SPLIT:-one}" "${SIZE:-104857600}" "${flags[@]}" >"$OUT/$name.log" 2>&1
+  ' _ "$dir" "$BIN" "$CSI_SANITY" "$OUT/$name.xml" "${SPLIT:-one}" "${SIZE:-104857600}" "${SANITY_SKIP:-}" "${flags[@]}" >"$OUT/$name.log" 2>&1
   local rc=$?
   set -e
   cat "$dir"/*.log >> "$OUT/$name.driver.log" 2>/dev/null || true
@@ -76,13 +77,17 @@ run() {
 
 PASSED=(); FAILED=()
 common=(--node-id sanity-node --state-dir "@DIR@/state")
-PARAMS=$'backend: local\nsource: file://@DIR@/model' run local-cache "${common[@]}"
+# Cache volumes are read-only and the size of their model: they refuse to
+# grow (FAILED_PRECONDITION naming why; tests/it/expansion.rs checks it), so
+# the specs that expect every volume to grow run on the source runs only.
+cache_skip='ExpandVolume.*should work'
+SANITY_SKIP=$cache_skip PARAMS=$'backend: local\nsource: file://@DIR@/model' run local-cache "${common[@]}"
 PARAMS=$'backend: local\nrole: source' run local-source "${common[@]}"
-PARAMS=$'backend: shared\nsource: file://@DIR@/model' run shared-cache "${common[@]}" --shared-path "@DIR@/shared"
+SANITY_SKIP=$cache_skip PARAMS=$'backend: shared\nsource: file://@DIR@/model' run shared-cache "${common[@]}" --shared-path "@DIR@/shared"
 PARAMS=$'backend: shared\nrole: source' run shared-source "${common[@]}" --shared-path "@DIR@/shared"
-PARAMS=$'backend: xfs\nsource: file://@DIR@/model' run xfs-cache "${common[@]}"
+SANITY_SKIP=$cache_skip PARAMS=$'backend: xfs\nsource: file://@DIR@/model' run xfs-cache "${common[@]}"
 SIZE=314572800 PARAMS=$'backend: xfs\nimageLocation: shared\nrole: source' run xfs-shared-source "${common[@]}" --shared-path "@DIR@/shared"
-PARAMS=$'backend: shared\nsource: file://@DIR@/model' SPLIT=split run split-shared-cache "${common[@]}" --shared-path "@DIR@/shared"
+SANITY_SKIP=$cache_skip PARAMS=$'backend: shared\nsource: file://@DIR@/model' SPLIT=split run split-shared-cache "${common[@]}" --shared-path "@DIR@/shared"
 
 echo "csi-sanity runs: ${#PASSED[@]} passed, ${#FAILED[@]} failed${FAILED:+ (${FAILED[*]})}" >&2
 [ ${#FAILED[@]} -eq 0 ]
