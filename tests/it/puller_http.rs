@@ -5,21 +5,20 @@
 //! reaches the caller.
 
 use crate::support::fixtures;
+use crate::support::reading::{read_all, sha256};
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
 use fixtures::{FileServer, HUB_SHA, HubServer, RegistryServer};
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use modelcache_csi::error::Error;
 use modelcache_csi::puller::SourceOptions;
 use modelcache_csi::puller::hf::HfSource;
 use modelcache_csi::puller::http::HttpSource;
 use modelcache_csi::puller::registry;
 use modelcache_csi::puller::source::{RemoteFile, Resolved, Source};
-use sha2::{Digest, Sha256};
 
 fn opts(params: &[(&str, &str)], secrets: &[(&str, &str)]) -> SourceOptions {
     let map = |kv: &[(&str, &str)]| -> BTreeMap<String, String> {
@@ -36,21 +35,6 @@ fn opts(params: &[(&str, &str)], secrets: &[(&str, &str)]) -> SourceOptions {
 
 fn http(uri: &str) -> HttpSource {
     HttpSource::new(uri, &SourceOptions::default()).expect("valid http source")
-}
-
-async fn read_all(src: &dyn Source, file: &RemoteFile, offset: u64, len: Option<u64>) -> Vec<u8> {
-    let chunks: Vec<Bytes> = src
-        .read(file, offset, len)
-        .await
-        .unwrap_or_else(|e| panic!("read {}: {e}", file.path))
-        .try_collect()
-        .await
-        .unwrap_or_else(|e| panic!("stream {}: {e}", file.path));
-    chunks.concat()
-}
-
-fn sha256(data: &[u8]) -> String {
-    hex::encode(Sha256::digest(data))
 }
 
 fn file<'a>(r: &'a Resolved, path: &str) -> &'a RemoteFile {

@@ -2,6 +2,7 @@
 //! loopback, with the real all-MiniLM-L6-v2 model pushed as an ORAS-style
 //! artifact and as a modelcar image.
 
+use crate::support::reading::read_all;
 use crate::support::registry;
 
 use std::fs;
@@ -45,15 +46,6 @@ fn sha256_file(path: &Path) -> String {
 
 fn source(reg: &Registry, rest: &str) -> OciSource {
     OciSource::new(&reg.uri(rest), &reg.options()).expect("valid source")
-}
-
-async fn read_all(src: &OciSource, f: &RemoteFile, offset: u64, len: Option<u64>) -> Vec<u8> {
-    let mut s = src.read(f, offset, len).await.expect("start read");
-    let mut out = Vec::new();
-    while let Some(chunk) = s.next().await {
-        out.extend_from_slice(&chunk.expect("read chunk"));
-    }
-    out
 }
 
 /// Streams a whole blob to `path` and returns its sha256.

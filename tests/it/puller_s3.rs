@@ -3,6 +3,7 @@
 //! pinning, and how each failure maps to a domain error.
 
 use crate::support::minio;
+use crate::support::reading::{read_all, sha256};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,8 +15,7 @@ use minio::Minio;
 use modelcache_csi::error::Error;
 use modelcache_csi::puller::SourceOptions;
 use modelcache_csi::puller::s3::{self, S3Source};
-use modelcache_csi::puller::source::{RemoteFile, Source, Unpack};
-use sha2::{Digest, Sha256};
+use modelcache_csi::puller::source::{Source, Unpack};
 
 fn model_dir() -> PathBuf {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/deps/model.sh");
@@ -37,21 +37,6 @@ fn options(minio: &Minio) -> SourceOptions {
 
 fn source(minio: &Minio, uri: &str) -> S3Source {
     s3::new(uri, &options(minio)).expect("valid source")
-}
-
-async fn read_all(src: &S3Source, file: &RemoteFile, offset: u64, len: Option<u64>) -> Vec<u8> {
-    let chunks: Vec<Bytes> = src
-        .read(file, offset, len)
-        .await
-        .unwrap_or_else(|e| panic!("read {}: {e}", file.path))
-        .try_collect()
-        .await
-        .unwrap_or_else(|e| panic!("stream {}: {e}", file.path));
-    chunks.concat()
-}
-
-fn sha256(data: &[u8]) -> String {
-    hex::encode(Sha256::digest(data))
 }
 
 /// Everything that needs the real model, on one upload of it.

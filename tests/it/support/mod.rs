@@ -5,4 +5,5 @@ pub mod apiserver;
 pub mod fixtures;
 pub mod harness;
 pub mod minio;
+pub mod reading;
 pub mod registry;

@@ -21,6 +21,8 @@ use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use sha2::{Digest, Sha256};
 
+use super::harness::free_port;
+
 pub const TITLE: &str = "org.opencontainers.image.title";
 /// What ORAS gives a plain file when no type is named: a tar type, although
 /// the blob is not a tar. The title annotation is what says "file".
@@ -95,13 +97,6 @@ fn registry_binary() -> PathBuf {
         .trim()
         .to_string();
     PathBuf::from(path)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port")
-        .port()
 }
 
 fn collect_lines(stream: impl Read + Send + 'static, log: Arc<Mutex<Vec<String>>>) {
