@@ -686,11 +686,18 @@ impl Provisioner {
         params: &HashMap<String, String>,
         topology: Option<&Topology>,
     ) -> Result<i64> {
-        let p = Params::parse(params)?;
-        if self.cfg.shared_central
-            && !plan::is_node_local(&p)
-            && params.contains_key(crate::kubeapi::PVC_NAME)
-        {
+        // Read before the class is judged whole: a shared class with a bad
+        // parameter is still the central controller's (which names the
+        // parameter), never a node's to take and fail the same way.
+        let says_shared = |key: &str| params.get(key).is_some_and(|v| v == "shared");
+        let names_shared =
+            says_shared(super::params::BACKEND) || says_shared(super::params::IMAGE_LOCATION);
+        let parsed = Params::parse(params);
+        let shared = match &parsed {
+            Ok(p) => !plan::is_node_local(p),
+            Err(_) => names_shared,
+        };
+        if self.cfg.shared_central && shared && params.contains_key(crate::kubeapi::PVC_NAME) {
             // A question about one claim (external-provisioner's node
             // deployment asks it, with --extra-create-metadata, before it
             // takes an Immediate claim): a shared volume is the central
@@ -703,6 +710,7 @@ impl Provisioner {
             // by it.
             return Ok(0);
         }
+        let p = parsed?;
         let root = match plan::select_root(&self.cfg, &self.roots, &p) {
             Ok(r) => r,
             Err(Error::Precondition(_)) => return Ok(0),

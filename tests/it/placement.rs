@@ -68,6 +68,10 @@ async fn a_node_has_no_room_for_a_shared_claim_when_a_central_controller_provisi
             );
         }
     }
+    // A shared class with a parameter the driver refuses is still no
+    // node's to take: the central controller names the parameter.
+    let bad_shared = [("backend", "shared"), ("role", "sauce")];
+    assert_eq!(capacity(&node, &bad_shared, Some(NODE), true).await, 0);
     for params in [&local[..], &node_xfs] {
         for claim in [false, true] {
             assert!(
