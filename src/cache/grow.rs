@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use super::layout::Root;
+use super::layout::{ConfinedSource, Root};
 use super::record::{Role, VolumeRecord};
 use crate::error::{Error, Result};
 
@@ -63,13 +63,19 @@ pub fn record(root: &Root, rec: &VolumeRecord, target: i64) -> Result<i64> {
     Ok(target)
 }
 
-/// Grows a writable source staged at `content` on this node to `target`
-/// bytes: its bytes first (an image, its loop device, its filesystem),
-/// then its record, so a crash in between is redone by a retry.
-pub fn grow_staged(root: &Root, rec: &VolumeRecord, content: &Path, target: i64) -> Result<i64> {
+/// Grows writable source `src` (opened from `rec`), staged at `content` on
+/// this node, to `target` bytes: its bytes first (an image, its loop
+/// device, its filesystem), then its record, so a crash in between is
+/// redone by a retry.
+pub fn grow_staged(
+    root: &Root,
+    rec: &VolumeRecord,
+    src: &ConfinedSource,
+    content: &Path,
+    target: i64,
+) -> Result<i64> {
     check(root, rec, target)?;
-    let src = root.open_source(&rec.source)?;
     let size = target.max(rec.capacity_bytes).max(0) as u64;
-    root.backend.store().grow_staged(&src, content, size)?;
+    root.backend.store().grow_staged(src, content, size)?;
     record(root, rec, target)
 }

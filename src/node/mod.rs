@@ -76,9 +76,11 @@ impl NodeService {
 
     async fn expand(&self, req: NodeExpandVolumeRequest) -> Result<NodeExpandVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
-        // An unknown volume is the first thing to say (csi-sanity asks for
-        // NotFound before the path is looked at).
-        self.ops.record(&req.volume_id).await?;
+        // The record is read under the volume's lock, so a grow that just
+        // finished is seen; and an unknown volume is the first thing to say
+        // (csi-sanity asks for NotFound before the path is looked at).
+        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let found = self.ops.lookup(&req.volume_id).await?;
         let volume_path = path(&req.volume_path, "volume_path")?;
         let staging = match req.staging_target_path.as_str() {
             "" => None,
@@ -91,11 +93,7 @@ impl NodeService {
         if let Some(cap) = &req.volume_capability {
             capability::parse(cap, "volume_capability")?;
         }
-        let _guard = self.locks.try_lock(&req.volume_id)?;
-        let capacity_bytes = self
-            .ops
-            .expand(&req.volume_id, volume_path, staging, target)
-            .await?;
+        let capacity_bytes = self.ops.expand(found, volume_path, staging, target).await?;
         tracing::info!(capacity_bytes, "expanded");
         Ok(NodeExpandVolumeResponse { capacity_bytes })
     }

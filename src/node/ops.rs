@@ -294,11 +294,9 @@ impl NodeOps {
     /// Usage of a mounted volume path, and whether it is healthy.
     /// `staging`, when the CO passes it, is checked too: a publish can
     /// outlive a staging mount that was torn away underneath it.
-    /// Whether this node knows `volume_id`: NotFound if not.
-    pub async fn record(&self, volume_id: &str) -> Result<()> {
-        cache::lookup_off_runtime(&self.roots, volume_id)
-            .await
-            .map(|_| ())
+    /// A volume's root and record on this node: NotFound if it has none.
+    pub async fn lookup(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
+        cache::lookup_off_runtime(&self.roots, volume_id).await
     }
 
     /// NodeExpandVolume: grows a writable source where this node has it
@@ -307,18 +305,17 @@ impl NodeOps {
     /// between the bytes and the record). Returns the size recorded.
     pub async fn expand(
         &self,
-        volume_id: &str,
+        (root, rec): (Root, VolumeRecord),
         volume_path: PathBuf,
         staging: Option<PathBuf>,
         target: Option<i64>,
     ) -> Result<i64> {
-        let (root, rec) = cache::lookup_off_runtime(&self.roots, volume_id).await?;
         let store = root.backend.store();
         let _g = match store.one_mount_at_a_time() {
             true => Some(self.sources.lock(&rec.source).await),
             false => None,
         };
-        let (vid, m) = (volume_id.to_string(), self.mounter.clone());
+        let (vid, m) = (rec.id.clone(), self.mounter.clone());
         blocking(move || {
             let at = match staging.as_deref().map(|s| staged(&*m, s)).transpose()? {
                 Some(Some(found)) => Some(found),
@@ -342,7 +339,7 @@ impl NodeOps {
                 )));
             }
             let target = target.unwrap_or(rec.capacity_bytes);
-            cache::grow::grow_staged(&root, &rec, &content, target)
+            cache::grow::grow_staged(&root, &rec, &src, &content, target)
         })
         .await
     }
