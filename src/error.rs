@@ -164,6 +164,16 @@ impl From<Error> for tonic::Status {
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::EROFS) => {
                 Code::FailedPrecondition
             }
+            // A network filesystem's server away or a name replaced under
+            // this client: the same call succeeds once it is back.
+            Error::Io { source, .. }
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::ENOTCONN | libc::ESTALE | libc::ETIMEDOUT | libc::EHOSTUNREACH)
+                ) =>
+            {
+                Code::Unavailable
+            }
             Error::Io { .. } | Error::Internal(_) => Code::Internal,
         };
         tonic::Status::new(code, err.to_string())

@@ -3,10 +3,15 @@
 //!
 //! A reader sees either the old record or the new one, never a torn write,
 //! even after `kill -9` or a power cut. Nothing here holds locks; callers do.
+//!
+//! On a network filesystem another client may have replaced or removed
+//! what this client's cache still names: reads retry `ESTALE` until the
+//! client looks the name up again (see docs/design.md, *Shared filesystems*).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -44,6 +49,32 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> io::Result<()> {
 /// model; 64 MiB holds a few hundred thousand entries.
 pub const MAX_RECORD_BYTES: u64 = 64 << 20;
 
+/// How long a read retries `ESTALE`. A GlusterFS client answers it for
+/// about its entry timeout (1 s by default) after another client replaced
+/// the file; NFS clients retry once themselves and then pass it on.
+pub const STALE_RETRY: Duration = Duration::from_secs(5);
+
+/// Runs `op` again while it fails with `ESTALE`, for up to `STALE_RETRY`:
+/// the name is looked up afresh once the client's cached entry expires.
+/// Blocking: call it off the async runtime, as every caller here is.
+pub fn retry_stale<T>(mut op: impl FnMut() -> io::Result<T>) -> io::Result<T> {
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(20);
+    loop {
+        match op() {
+            Err(e) if is_stale(&e) && start.elapsed() < STALE_RETRY => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(400));
+            }
+            r => return r,
+        }
+    }
+}
+
+pub fn is_stale(e: &io::Error) -> bool {
+    e.raw_os_error() == Some(libc::ESTALE)
+}
+
 /// Reads a JSON record; `Ok(None)` when it does not exist.
 ///
 /// Records on a shared filesystem are written by other nodes, so the read
@@ -52,6 +83,10 @@ pub const MAX_RECORD_BYTES: u64 = 64 << 20;
 /// block forever, a device would never end) or one larger than
 /// `MAX_RECORD_BYTES`.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> io::Result<Option<T>> {
+    retry_stale(|| read_json_once(path))
+}
+
+fn read_json_once<T: DeserializeOwned>(path: &Path) -> io::Result<Option<T>> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let file = match OpenOptions::new()
@@ -99,6 +134,43 @@ pub fn read_json<T: DeserializeOwned>(path: &Path) -> io::Result<Option<T>> {
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{e}")))
 }
 
+/// Whether `path` exists as a listing of each directory from `top` down
+/// shows it. A miss by name on a network filesystem may come from the
+/// client's cache of "no such file" (NFS's lookup cache, GlusterFS's
+/// negative-timeout); a listing reaches the server, and on a FUSE client
+/// it also replaces the cached miss, so a lookup after it sees the file.
+/// A readdir per level: for misses that must not be stale, not for every
+/// read.
+pub fn listed(path: &Path, top: &Path) -> io::Result<bool> {
+    let Ok(rel) = path.strip_prefix(top) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not below {}", path.display(), top.display()),
+        ));
+    };
+    let mut dir = top.to_path_buf();
+    for part in rel.components() {
+        let name = part.as_os_str().to_string_lossy();
+        let found = retry_stale(|| match fs::read_dir(&dir) {
+            Ok(entries) => {
+                for entry in entries {
+                    if entry?.file_name().to_string_lossy() == name {
+                        return Ok(true);
+                    }
+                }
+                Ok(false)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        })?;
+        if !found {
+            return Ok(false);
+        }
+        dir.push(part);
+    }
+    Ok(true)
+}
+
 /// Creates an empty marker file durably; `Ok(false)` if it already existed.
 pub fn create_marker(path: &Path, content: &[u8]) -> io::Result<bool> {
     let dir = path
@@ -131,8 +203,15 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// Names of the entries of `dir`, sorted, skipping our temporary files;
-/// a missing directory is empty.
+/// a missing directory is empty. A listing reaches the server of a
+/// network filesystem (where a lookup by name may be answered from the
+/// client's cache), so it is how another node's new files are looked for
+/// when a stale answer would break a fence.
 pub fn list_names(dir: &Path) -> io::Result<Vec<String>> {
+    retry_stale(|| list_names_once(dir))
+}
+
+fn list_names_once(dir: &Path) -> io::Result<Vec<String>> {
     let mut names = Vec::new();
     match fs::read_dir(dir) {
         Ok(entries) => {

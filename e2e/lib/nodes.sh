@@ -11,8 +11,9 @@
 #     MinIO, test origins      kube-proxy (iptables, in the node's netns only)
 #                              /var/lib/kubelet        <- nodes/NAME/kubelet (rshared)
 #                              /var/lib/modelcache-csi <- nodes/NAME/state   (rshared)
-#                              /mnt/models             <- shared/ (one dir, every node:
-#                                                         the shared filesystem)
+#                              /mnt/models             <- the shared filesystem: a
+#                                                         GlusterFS volume served by the
+#                                                         host (gluster.sh), or shared/
 #                              cgroups under /<NAME>/ in every hierarchy
 #
 # The host's own iptables, routes, forwarding and /var/lib/kubelet are not
@@ -33,6 +34,7 @@ NODES_HOST_IP=10.213.0.1
 NODES_CLUSTER_CIDR=10.214.0.0/16
 NODES_DIR=$E2E_DIR/nodes
 SHARED_DIR=$E2E_DIR/shared
+. "$E2E_ROOT/lib/gluster.sh"
 
 node_name() { echo "e2e-node-$1"; }
 node_ip() { echo "10.213.0.$((10 + $1))"; }
@@ -90,8 +92,9 @@ nodes_bridge_up() {
 # node_namespaces_up K: the netns with its veth and address, and a holder
 # process that owns the node's mount and UTS namespaces (the node's "init").
 node_namespaces_up() {
-    local k=$1 name ns nd ip
+    local k=$1 name ns nd ip shared_mount
     name=$(node_name "$k") ns=$(node_netns "$k") nd=$(node_dir "$k") ip=$(node_ip "$k")
+    shared_mount=$(shared_fs_mount_cmd /mnt/models "$nd/shared-fs-client.log")
     mkdir -p "$nd"/{kubelet,state,pki,containerd/{root,state,runc,opt},cni/{net.d,ipam},pod-logs,volume-plugins} "$SHARED_DIR"
     # A node that comes back (nodedeath) finds its old netns name and host
     # veth, which the kernel drops only once the last process left.
@@ -124,7 +127,7 @@ node_namespaces_up() {
             hostname $name
             mount --bind $nd/kubelet $KUBELET_ROOT && mount --make-rshared $KUBELET_ROOT
             mount --bind $nd/state /var/lib/modelcache-csi && mount --make-rshared /var/lib/modelcache-csi
-            mount --bind $SHARED_DIR /mnt/models && mount --make-rshared /mnt/models
+            $shared_mount && mount --make-rshared /mnt/models
             touch $nd/ns-ready
             exec sleep infinity"
     wait_until 10 "node $name's namespaces" test -e "$nd/ns-ready" || { require_alive "$name-ns"; return 1; }

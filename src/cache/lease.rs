@@ -125,7 +125,7 @@ pub fn acquire(
         Share::Exclusive => acquire_exclusive(src, sid, &lease)?,
         Share::MultiNode => acquire_shared(src, sid, &lease)?,
     };
-    if src.via.seal().exists() || src.via.sealing().exists() {
+    if sealed_or_sealing(src)? {
         if created {
             release(root, src, node, staging)?;
         }
@@ -134,6 +134,22 @@ pub fn acquire(
         )));
     }
     Ok(created)
+}
+
+/// Whether the source is sealed or being sealed, asked of its directory's
+/// listing rather than by name: a network filesystem's client may answer a
+/// lookup from a cached "no such file" (NFS's lookupcache, GlusterFS's
+/// negative-timeout) for the marker another node's controller has just
+/// created, while a listing reaches the server. This is the half of the
+/// fence (see `cache`) that runs on the writer's node, so it must never be
+/// answered stale.
+fn sealed_or_sealing(src: &ConfinedSource) -> Result<bool> {
+    let names = state::list_names(&src.via.dir).ctx("list", &src.real.dir)?;
+    let named = |p: std::path::PathBuf| {
+        p.file_name()
+            .is_some_and(|n| names.iter().any(|m| n == m.as_str()))
+    };
+    Ok(named(src.via.seal()) || named(src.via.sealing()))
 }
 
 fn acquire_exclusive(src: &ConfinedSource, sid: &str, lease: &Lease) -> Result<bool> {

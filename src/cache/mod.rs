@@ -150,7 +150,23 @@ pub fn read_seal(root: &Root, sid: &str) -> Result<Option<Seal>> {
         )));
     }
     let path = root.source(sid).seal();
-    let seal: Option<Seal> = state::read_json(&path).map_err(|e| invalid(&path, e))?;
+    let mut seal: Option<Seal> = state::read_json(&path).map_err(|e| invalid(&path, e))?;
+    // Another node's seal must never look absent here (a second pull, a
+    // writable stage of a sealed source): a miss is confirmed by listing,
+    // and a seal the server has is read again until this client sees it.
+    if seal.is_none() && state::listed(&path, &root.dir).ctx("look for", &path)? {
+        let start = std::time::Instant::now();
+        while seal.is_none() && start.elapsed() < state::STALE_RETRY {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            seal = state::read_json(&path).map_err(|e| invalid(&path, e))?;
+        }
+        if seal.is_none() {
+            return Err(Error::Transient(format!(
+                "{} is listed by its directory but this node cannot open it yet; retry",
+                path.display()
+            )));
+        }
+    }
     if let Some(seal) = &seal {
         seal.check(sid).map_err(|why| {
             Error::Precondition(format!(

@@ -33,6 +33,7 @@ mod read_only;
 mod registration;
 mod rescheduler;
 mod restart;
+mod shared_fs;
 mod signatures;
 mod source_lifecycle;
 mod sub_path;

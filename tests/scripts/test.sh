@@ -22,7 +22,7 @@ mkdir -p "$TARGET"
 # tools (Go builds of csi-sanity, MinIO and Kubernetes, the model, grpcio,
 # cargo-fuzz) install beside the lints and the build: on a cold machine
 # much of their time is downloads, during which the compiler has the CPU.
-apt_install xfsprogs util-linux e2fsprogs openssl curl g++
+apt_install xfsprogs util-linux e2fsprogs openssl curl g++ glusterfs-server glusterfs-client
 command -v rustfmt >/dev/null && command -v cargo-clippy >/dev/null || rustup component add rustfmt clippy
 log "test tools in the background (tests/scripts/install-test-deps.sh; log: $TARGET/test-deps.log)"
 "$ROOT/tests/scripts/install-test-deps.sh" >"$TARGET/test-deps.log" 2>&1 &

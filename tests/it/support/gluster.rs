@@ -1,0 +1,146 @@
+//! A real GlusterFS volume on this host, mounted by several native FUSE
+//! clients, each standing for one node's mount of the shared filesystem.
+//!
+//! Needs Debian's glusterfs-server and glusterfs-client (tests/scripts/test.sh
+//! installs them). glusterd is started when none runs and left running for
+//! the other tests; the volume, its brick and every mount go on drop.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub struct Gluster {
+    name: String,
+    dir: tempfile::TempDir,
+    mounts: Vec<PathBuf>,
+}
+
+fn gluster(args: &[&str]) -> std::io::Result<std::process::Output> {
+    Command::new("gluster")
+        .arg("--mode=script")
+        .args(args)
+        .output()
+}
+
+fn ok(out: std::io::Result<std::process::Output>, what: &str) {
+    let out = out.unwrap_or_else(|e| {
+        panic!("{what}: cannot run it ({e}); install glusterfs-server and glusterfs-client")
+    });
+    assert!(
+        out.status.success(),
+        "{what}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn hostname() -> String {
+    String::from_utf8(Command::new("hostname").output().unwrap().stdout)
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+fn glusterd_up() {
+    let running = Command::new("pgrep")
+        .args(["-x", "glusterd"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !running {
+        let st = Command::new("glusterd")
+            .arg("--log-file=/tmp/modelcache-it-glusterd.log")
+            .status()
+            .expect("glusterd (Debian's glusterfs-server) is not installed");
+        assert!(st.success(), "glusterd did not start");
+    }
+    let t0 = Instant::now();
+    while !gluster(&["volume", "list"]).is_ok_and(|o| o.status.success()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "glusterd does not answer"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+impl Gluster {
+    /// A one-brick volume, started, not yet mounted.
+    pub fn volume() -> Gluster {
+        static N: AtomicU32 = AtomicU32::new(0);
+        glusterd_up();
+        let name = format!(
+            "mcit-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let dir = tempfile::Builder::new()
+            .prefix("mc-gluster-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let brick = dir.path().join("brick");
+        std::fs::create_dir(&brick).unwrap();
+        let host = hostname();
+        // force: a brick on the root filesystem.
+        ok(
+            gluster(&[
+                "volume",
+                "create",
+                &name,
+                &format!("{host}:{}", brick.display()),
+                "force",
+            ]),
+            "volume create",
+        );
+        ok(gluster(&["volume", "start", &name]), "volume start");
+        Gluster {
+            name,
+            dir,
+            mounts: Vec::new(),
+        }
+    }
+
+    /// Mounts the volume once more (another client, another "node") with
+    /// the FUSE client's `options` (comma-separated, may be empty).
+    pub fn mount(&mut self, options: &str) -> PathBuf {
+        let at = self.dir.path().join(format!("m{}", self.mounts.len()));
+        std::fs::create_dir(&at).unwrap();
+        let log = self
+            .dir
+            .path()
+            .join(format!("client{}.log", self.mounts.len()));
+        let mut opts = format!("log-file={}", log.display());
+        if !options.is_empty() {
+            opts = format!("{opts},{options}");
+        }
+        let host = hostname();
+        // output(): mount.glusterfs prints the client's pid.
+        ok(
+            Command::new("mount")
+                .args(["-t", "glusterfs", "-o", &opts])
+                .arg(format!("{host}:/{}", self.name))
+                .arg(&at)
+                .output(),
+            "mount -t glusterfs",
+        );
+        self.mounts.push(at.clone());
+        at
+    }
+}
+
+impl Drop for Gluster {
+    fn drop(&mut self) {
+        for m in self.mounts.iter().rev() {
+            if Command::new("umount")
+                .arg(m)
+                .status()
+                .is_ok_and(|s| s.success())
+            {
+                continue;
+            }
+            let _ = Command::new("umount").arg("-l").arg(m).status();
+        }
+        let _ = gluster(&["volume", "stop", &self.name, "force"]);
+        let _ = gluster(&["volume", "delete", &self.name]);
+    }
+}
