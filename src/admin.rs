@@ -41,6 +41,16 @@ pub enum CacheCommand {
     Unpin { id: String },
     /// Remove a pulled model now; refused while a volume uses it or it is pinned.
     Evict { id: String },
+    /// Drop the writer lease that NODE holds on an unsealed source volume,
+    /// so another node can stage it writable, or it can be sealed. Only
+    /// for a node that is gone (deleted, or down for good): a live node's
+    /// pods would go on writing what another node then writes too.
+    ReleaseWriter {
+        id: String,
+        /// The node whose lease to drop (as `cache show` lists it under Writers).
+        #[arg(long)]
+        node: String,
+    },
     /// Pull a model URI into the cache before any pod asks for it.
     Prefetch {
         uri: String,
@@ -202,6 +212,21 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
             let root = find(&roots, &id)?;
             let gone = blocking(move || do_evict(&root, &id)).await?;
             print(output, &gone, || format!("{} evicted", gone.id))
+        }
+        CacheCommand::ReleaseWriter { id, node } => {
+            let root = find(&roots, &id)?;
+            let held = blocking(move || {
+                let src = root.open_source(&id)?;
+                cache::lease::break_lease(&src, &id, &node).map(|h| (id, h))
+            })
+            .await?;
+            let (id, h) = held;
+            let staging = h.lease.as_ref().map(|l| l.staging.clone());
+            print(
+                output,
+                &serde_json::json!({"id": id, "node": h.node, "staging": staging}),
+                || format!("{id}: the writer lease of {} is released", h.describe()),
+            )
         }
         CacheCommand::Prefetch {
             uri,

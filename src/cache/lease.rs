@@ -55,7 +55,7 @@ pub struct Holder {
 }
 
 impl Holder {
-    fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         match &self.lease {
             Some(l) => format!("node {} (staged at {})", self.node, l.staging),
             None => format!("node {}", self.node),
@@ -251,6 +251,29 @@ pub fn release(_root: &Root, src: &ConfinedSource, node: &str, staging: &Path) -
         Ok(Some(_)) | Err(_) => {}
     }
     state::remove_file(&path).ctx("remove writer lease", &real)
+}
+
+/// Drops `node`'s lease whatever staging path it names: an operator's
+/// recovery of a source whose writer node died holding it (nothing on a
+/// dead node can release it, and the driver never breaks another node's
+/// lease by itself). Returns the holder removed; NotFound, naming the
+/// holders there are, when `node` holds none.
+pub fn break_lease(src: &ConfinedSource, sid: &str, node: &str) -> Result<Holder> {
+    let all = holders(src)?;
+    let Some(held) = all.iter().find(|h| h.node == node).cloned() else {
+        let who: Vec<String> = all.iter().map(Holder::describe).collect();
+        return Err(Error::NotFound(format!(
+            "source {sid} has no writer lease of node {node}; {}",
+            if who.is_empty() {
+                "it has no writer at all".to_string()
+            } else {
+                format!("its writers: {}", who.join(", "))
+            }
+        )));
+    };
+    let path = src.via.writers().join(node);
+    state::remove_file(&path).ctx("remove writer lease", &src.real.writers().join(node))?;
+    Ok(held)
 }
 
 fn lease_bytes(lease: &Lease) -> Vec<u8> {

@@ -127,3 +127,48 @@ fn records_replaced_on_one_client_read_whole_on_another() {
         "40 rounds: {stale_raw} bare stats saw ESTALE, {old} reads returned the previous record"
     );
 }
+
+/// A writer node that dies holding its lease: the source stays fenced for
+/// every other node until an operator runs `cache release-writer` (from
+/// any node's client), which names what it dropped and refuses a node
+/// that holds nothing.
+#[test]
+fn an_operator_releases_the_lease_of_a_dead_writer_node() {
+    let mut g = Gluster::volume();
+    let (a, b) = (g.mount(""), g.mount(""));
+    let (ra, rb) = (root_at(&a), root_at(&b));
+    fs::create_dir_all(ra.source(SID).data()).unwrap();
+    assert!(take(&ra, "node-a", "/staging/a").unwrap());
+    // Node A is gone: its client too.
+    g.unmount(&a);
+    assert!(take(&rb, "node-b", "/staging/b").is_err());
+    let cli = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
+            .args(["cache", "--shared-path"])
+            .arg(&b)
+            .args(["--backends", "shared", "--node-id", "admin-host"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = cli(&["release-writer", SID, "--node", "node-x"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("no writer lease of node node-x")
+            && err.contains("node node-a (staged at /staging/a)"),
+        "{err}"
+    );
+    let out = cli(&["release-writer", SID, "--node", "node-a"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("node node-a (staged at /staging/a)"),
+        "{said}"
+    );
+    assert!(take(&rb, "node-b", "/staging/b").unwrap());
+}

@@ -126,19 +126,29 @@ impl Gluster {
         self.mounts.push(at.clone());
         at
     }
+
+    /// Unmounts one client (a node gone with its mount).
+    pub fn unmount(&mut self, at: &std::path::Path) {
+        if let Some(i) = self.mounts.iter().position(|m| m == at) {
+            umount(&self.mounts.remove(i));
+        }
+    }
+}
+
+fn umount(m: &std::path::Path) {
+    if !Command::new("umount")
+        .arg(m)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        let _ = Command::new("umount").arg("-l").arg(m).status();
+    }
 }
 
 impl Drop for Gluster {
     fn drop(&mut self) {
         for m in self.mounts.iter().rev() {
-            if Command::new("umount")
-                .arg(m)
-                .status()
-                .is_ok_and(|s| s.success())
-            {
-                continue;
-            }
-            let _ = Command::new("umount").arg("-l").arg(m).status();
+            umount(m);
         }
         let _ = gluster(&["volume", "stop", &self.name, "force"]);
         let _ = gluster(&["volume", "delete", &self.name]);
