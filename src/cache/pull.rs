@@ -13,8 +13,6 @@ use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use nix::fcntl::{Flock, FlockArg};
-
 use super::layout::{PULL_PREFIX, Root, SourceId, SourcePaths};
 use super::manifest::{FileEntry, LinkEntry, Seal, Tree};
 use super::partial::Partial;
@@ -38,9 +36,12 @@ pub struct PullArea {
     data: PathBuf,
     partial: PathBuf,
     store: &'static dyn SourceStore,
-    /// Released on drop, after the area's mount is undone, or by the
-    /// kernel when the process dies.
-    lock: Option<Flock<File>>,
+    /// An flock on the area's `lock` file (`File::try_lock`), released
+    /// when the file is closed: on drop, after the area's mount is undone,
+    /// or by the kernel when the process dies. Closing cannot fail the way
+    /// an explicit unlock can on a network filesystem whose server went
+    /// away (nix's `Flock` panics on that in its drop).
+    lock: Option<File>,
     /// What has arrived so far, for peers (`partial`).
     view: Arc<Partial>,
 }
@@ -59,11 +60,15 @@ impl PullArea {
             .write(true)
             .open(&lock_path)
             .ctx("open", &lock_path)?;
-        let lock = Flock::lock(lock, FlockArg::LockExclusiveNonblock).map_err(|_| {
-            Error::Busy(format!(
-                "model {sid} is being pulled by another process; retry later"
-            ))
-        })?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(Error::Busy(format!(
+                    "model {sid} is being pulled by another process; retry later"
+                )));
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("lock", &lock_path, e)),
+        }
         for sub in ["state", "blobs"] {
             let p = dir.join(sub);
             fs::create_dir_all(&p).ctx("create", &p)?;
@@ -257,9 +262,10 @@ pub fn remove_abandoned(root: &Root, except: &SourceId) -> Result<usize> {
             continue;
         };
         // Held by a live pull (here or in another process): leave it.
-        let Ok(_held) = Flock::lock(lock, FlockArg::LockExclusiveNonblock) else {
+        // Released when `lock` is closed, at the end of this iteration.
+        if lock.try_lock().is_err() {
             continue;
-        };
+        }
         let paths = SourcePaths { dir: area.clone() };
         if root.backend.store().release_pull(&paths).is_err() {
             continue;

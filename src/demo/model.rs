@@ -114,7 +114,7 @@ pub fn safetensors_header(tensor: &str, rows: u64) -> Vec<u8> {
     })
     .to_string();
     let mut header = json.into_bytes();
-    while (8 + header.len()) % 8 != 0 {
+    while !(8 + header.len()).is_multiple_of(8) {
         header.push(b' ');
     }
     let mut out = (header.len() as u64).to_le_bytes().to_vec();

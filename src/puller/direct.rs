@@ -86,7 +86,7 @@ impl PartFile {
     }
 
     fn direct_at(&self, at: u64) -> Option<&File> {
-        if at % ALIGN as u64 != 0 || !self.direct_ok.load(Ordering::Relaxed) {
+        if !at.is_multiple_of(ALIGN as u64) || !self.direct_ok.load(Ordering::Relaxed) {
             return None;
         }
         self.direct.as_ref()

@@ -12,7 +12,13 @@ use modelcache_csi::config::Config;
 use modelcache_csi::error::Error;
 use modelcache_csi::state;
 
+use std::time::{Duration, Instant};
+
+use tonic::Code;
+
+use crate::support::fixtures::{self, FileServer};
 use crate::support::gluster::Gluster;
+use crate::support::harness::*;
 
 const SID: &str = "0123456789abcdef0123456789abcdef";
 const SID2: &str = "fedcba9876543210fedcba9876543210";
@@ -171,4 +177,170 @@ fn an_operator_releases_the_lease_of_a_dead_writer_node() {
         "{said}"
     );
     assert!(take(&rb, "node-b", "/staging/b").unwrap());
+}
+
+/// Files of `n` bytes each, pseudo-random, under `dir`; returns their
+/// (relative path, sha256).
+fn write_files(dir: &Path, sizes: &[usize]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (i, size) in sizes.iter().enumerate() {
+        let name = format!("shard-{i:02}.bin");
+        let mut seed = 0x2545_f491_4f6c_dd1du64 ^ (i as u64 + 7);
+        let bytes: Vec<u8> = (0..*size)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect();
+        fs::create_dir_all(dir).unwrap();
+        fs::write(dir.join(&name), &bytes).unwrap();
+        out.push((name.clone(), fixtures::sha256_file(&dir.join(&name))));
+    }
+    out
+}
+
+/// Every file read through `dir` is the origin's, byte for byte.
+fn exact(dir: &Path, files: &[(String, String)]) -> bool {
+    files.iter().all(|(name, sha)| {
+        dir.join(name).is_file() && fixtures::sha256_file(&dir.join(name)) == *sha
+    })
+}
+
+/// The Gluster server goes away mid-pull and while a pod reads the sealed
+/// model: every RPC answers within seconds with a retryable code, a read
+/// fails with the filesystem's error and never returns wrong bytes,
+/// nothing half-pulled is sealed, and once the server is back the pull
+/// completes and the reads are exact again. One node: the root's key
+/// comes from its mount path, so two drivers of one volume need one path
+/// in two mount namespaces (the multi-node e2e has that).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_going_away_mid_pull_and_mid_read_is_retryable_and_never_wrong_bytes() {
+    let mut g = Gluster::volume();
+    let a = g.mount("");
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    let files = write_files(&model, &[6 << 20, 6 << 20, 6 << 20]);
+    let origin = FileServer::start(&model).await;
+    origin.put("manifest.json", fixtures::manifest_for(&model, true));
+    let uri = format!("{}#manifest", origin.url("manifest.json"));
+    // 1 MiB/s per connection: several seconds for the whole model, so the
+    // server is stopped in the middle.
+    origin.throttle(1 << 20);
+    let na = Driver::start_node("node-a", Some(&a), &[]).await;
+    let params = [("backend", "shared"), ("source", uri.as_str())];
+
+    let pull = {
+        let req = create_req("pvc-pull", &params, READER);
+        let mut controller = na.client.controller.clone();
+        tokio::spawn(async move { controller.create_volume(req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    g.stop_server();
+    let stopped = Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(60), pull)
+        .await
+        .expect("CreateVolume answers with the server gone")
+        .unwrap();
+    let st = answer
+        .map(|r| r.into_inner())
+        .expect_err("a pull whose shared filesystem went away cannot succeed");
+    assert!(
+        matches!(st.code(), Code::Unavailable | Code::Aborted),
+        "{:?}: {}",
+        st.code(),
+        st.message()
+    );
+    eprintln!(
+        "CreateVolume answered {:?} {:.1} s after the server stopped: {}",
+        st.code(),
+        stopped.elapsed().as_secs_f64(),
+        st.message()
+    );
+    // Asked again while the server is away: retryable, at once.
+    let t0 = Instant::now();
+    let st = na
+        .create(create_req("pvc-pull", &params, READER))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(st.code(), Code::Unavailable | Code::Aborted),
+        "{:?}: {}",
+        st.code(),
+        st.message()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+
+    // The server returns: the same request completes, and the seal holds
+    // exactly the origin's bytes.
+    g.start_server();
+    let mut vol = None;
+    for _ in 0..60 {
+        match na.create(create_req("pvc-pull", &params, READER)).await {
+            Ok(v) => {
+                vol = Some(v);
+                break;
+            }
+            Err(st) => {
+                assert!(
+                    matches!(st.code(), Code::Unavailable | Code::Aborted),
+                    "{:?}: {}",
+                    st.code(),
+                    st.message()
+                );
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+    let vol = vol.expect("the pull completes once the server is back");
+
+    // A pod's stage and publish read it exactly.
+    let (staging, target) = (na.staging("v"), na.target("pod-1"));
+    na.stage(&vol.volume_id, &staging, READER).await.unwrap();
+    na.publish(&vol.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    assert!(
+        exact(&target, &files),
+        "the pod reads the sealed model exactly"
+    );
+
+    // The server goes away while the pod reads: reads fail (the
+    // filesystem's error), and never return other bytes.
+    g.stop_server();
+    for (name, sha) in &files {
+        match fs::read(target.join(name)) {
+            Err(e) => eprintln!("reading {name} with the server gone: {e}"),
+            Ok(bytes) => assert_eq!(
+                crate::support::reading::sha256(&bytes),
+                *sha,
+                "{name} read with the server gone is not the sealed file"
+            ),
+        }
+    }
+    // A stage on a fresh path (another pod's): retryable
+    // answers within seconds, nothing mounted.
+    let t0 = Instant::now();
+    let st = na
+        .stage(&vol.volume_id, &na.staging("v2"), READER)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(st.code(), Code::Unavailable | Code::Aborted),
+        "{:?}: {}",
+        st.code(),
+        st.message()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    assert_not_mounted(&na.staging("v2"));
+
+    g.start_server();
+    assert!(
+        eventually(Duration::from_secs(60), || exact(&target, &files)),
+        "reads are exact again once the server is back"
+    );
+    na.stage(&vol.volume_id, &na.staging("v2"), READER)
+        .await
+        .unwrap();
 }

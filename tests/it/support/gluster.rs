@@ -127,6 +127,22 @@ impl Gluster {
         at
     }
 
+    /// Stops the volume's brick processes: every client loses its server.
+    pub fn stop_server(&self) {
+        ok(
+            gluster(&["volume", "stop", &self.name, "force"]),
+            "volume stop",
+        );
+    }
+
+    /// Starts the bricks again; clients reconnect by themselves.
+    pub fn start_server(&self) {
+        ok(
+            gluster(&["volume", "start", &self.name, "force"]),
+            "volume start",
+        );
+    }
+
     /// Unmounts one client (a node gone with its mount).
     pub fn unmount(&mut self, at: &std::path::Path) {
         if let Some(i) = self.mounts.iter().position(|m| m == at) {
