@@ -6,7 +6,9 @@
 //!
 //! On a network filesystem another client may have replaced or removed
 //! what this client's cache still names: reads retry `ESTALE` until the
-//! client looks the name up again (see docs/design.md, *Shared filesystems*).
+//! client looks the name up again, and a file another node wrote is read
+//! past this client's cached pages (see docs/design.md, *Shared
+//! filesystems*).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -169,6 +171,18 @@ pub fn listed(path: &Path, top: &Path) -> io::Result<bool> {
         dir.push(part);
     }
     Ok(true)
+}
+
+/// Drops this client's cached pages of `f`, so that what is read next
+/// comes from the filesystem. A network filesystem's client may keep pages
+/// of a file that another node has since changed: a GlusterFS client that
+/// made an XFS image kept the empty filesystem's pages after another
+/// node's writer filled the image, and a loop device over it showed them
+/// (a seal of nothing). Only clean pages go; best effort.
+pub fn forget_cached_pages(f: &File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain advice on an fd we hold open for the whole call.
+    let _ = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
 }
 
 /// Creates an empty marker file durably; `Ok(false)` if it already existed.

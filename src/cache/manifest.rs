@@ -266,6 +266,12 @@ pub fn scan(root: &Path) -> Result<Tree> {
                         "source file {rel_str} has a setuid or setgid bit; models must not carry them"
                     )));
                 }
+                // A seal hashes what the filesystem holds, not pages this
+                // node's client kept from before another node's writer
+                // changed the file (a shared root).
+                if let Ok(f) = File::open(&path) {
+                    crate::state::forget_cached_pages(&f);
+                }
                 let (size, sha256, chunks) = hash_file_chunked(&path)?;
                 tree.files.push(FileEntry {
                     path: rel_str,

@@ -390,6 +390,7 @@ impl SourceStore for ImageStore {
     /// whatever it holds is only ever mounted nosuid,nodev.
     fn copy(&self, src: &ConfinedSource, tmp: &Path) -> Result<()> {
         let image = src.image(false)?;
+        crate::state::forget_cached_pages(&image);
         // cp opens the very file checked above, through this process's fd.
         let from = format!(
             "/proc/{}/fd/{}",

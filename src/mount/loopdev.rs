@@ -193,6 +193,9 @@ fn attach_new(image: &Path, backing: &File, readonly: bool) -> io::Result<LoopHa
         .write(true)
         .open("/dev/loop-control")
         .map_err(|e| with_context(e, "open /dev/loop-control"))?;
+    // The device must show the image as the filesystem holds it now, not
+    // as this client cached it before another node wrote it.
+    crate::state::forget_cached_pages(backing);
     let mut flags = LO_FLAGS_AUTOCLEAR;
     if readonly {
         flags |= LO_FLAGS_READ_ONLY;

@@ -344,3 +344,173 @@ async fn the_server_going_away_mid_pull_and_mid_read_is_retryable_and_never_wron
         .await
         .unwrap();
 }
+
+/// FOP counts of a Gluster volume's bricks since the last call, from
+/// `gluster volume profile NAME info incremental`: {"LOOKUP": n, ...}.
+fn fops(g: &Gluster) -> std::collections::BTreeMap<String, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    let text = g.profile_incremental();
+    // Each brick's table has rows "… <calls> <FOP>"; replica 2 counts a
+    // read once (one brick) and a write or lookup on both.
+    for line in text.lines() {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.len() >= 2
+            && let (Some(fop), Ok(calls)) = (cols.last(), cols[cols.len() - 2].parse::<u64>())
+            && fop.chars().all(|c| c.is_ascii_uppercase())
+        {
+            *out.entry(fop.to_string()).or_default() += calls;
+        }
+    }
+    out
+}
+
+/// The cost of a shared root on GlusterFS against a local directory on
+/// the same disk, side by side: pull throughput (a 512 MiB model from a
+/// loopback origin, fetched, hashed, fsynced and sealed), stage and
+/// publish latency of the sealed volume, and the calls one stage and
+/// publish make on the shared filesystem. docs/benchmarks.md, *Shared
+/// filesystem*:
+///
+///     unshare -m --propagation private cargo test --test it -- \
+///       --ignored --nocapture shared_fs::bench
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: docs/benchmarks.md, shared filesystem"]
+async fn bench() {
+    let mut g = Gluster::volume();
+    let gluster_root = g.mount("");
+    let local = tempfile::Builder::new()
+        .prefix("mc-bench-local-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let work = tempfile::tempdir_in("/var/tmp").unwrap();
+    let model = work.path().join("model");
+    let sizes = [128usize << 20; 4];
+    write_files(&model, &sizes);
+    let total: usize = sizes.iter().sum();
+    let origin = FileServer::start(&model).await;
+    origin.put("manifest.json", fixtures::manifest_for(&model, true));
+    const PUBLISHES: usize = 20;
+    println!(
+        "| run | root | pull MiB/s | stage ms (median) | publish ms (median of {PUBLISHES}) |"
+    );
+    println!("| --- | --- | --- | --- | --- |");
+    for run in 1..=2 {
+        for (label, root) in [
+            ("GlusterFS", gluster_root.as_path()),
+            ("local dir", local.path()),
+        ] {
+            let d = Driver::start_node(&format!("bench-{run}"), Some(root), &[]).await;
+            // A fresh URI each time, so every run pulls the whole model.
+            let name = format!("m-{run}-{}.json", label.len());
+            origin.put(&name, fixtures::manifest_for(&model, true));
+            let uri = format!("{}#manifest", origin.url(&name));
+            let t0 = Instant::now();
+            let vol = d
+                .create(create_req(
+                    &format!("pvc-{run}-{label}"),
+                    &[("backend", "shared"), ("source", uri.as_str())],
+                    READER,
+                ))
+                .await
+                .unwrap();
+            let pull = t0.elapsed().as_secs_f64();
+            let is_gluster = root == gluster_root.as_path();
+            if is_gluster {
+                g.profile_start();
+            }
+            let (mut stage, mut publish) = (Vec::new(), Vec::new());
+            for i in 0..PUBLISHES {
+                let staging = d.staging(&format!("s{i}"));
+                let t = Instant::now();
+                d.stage(&vol.volume_id, &staging, READER).await.unwrap();
+                stage.push(t.elapsed().as_secs_f64() * 1e3);
+                let target = d.target(&format!("p{i}"));
+                let t = Instant::now();
+                d.publish(&vol.volume_id, &staging, &target, READER, true)
+                    .await
+                    .unwrap();
+                publish.push(t.elapsed().as_secs_f64() * 1e3);
+                if is_gluster && i == 0 {
+                    println!(
+                        "<!-- {label}: calls on the shared filesystem for one stage and publish: {:?} -->",
+                        fops(&g)
+                    );
+                }
+            }
+            for i in 0..PUBLISHES {
+                d.unpublish(&vol.volume_id, &d.target(&format!("p{i}")))
+                    .await
+                    .unwrap();
+                d.unstage(&vol.volume_id, &d.staging(&format!("s{i}")))
+                    .await
+                    .unwrap();
+            }
+            if is_gluster {
+                println!(
+                    "<!-- {label}: calls for the other {} stages and publishes, and the unpublishes and unstages: {:?} -->",
+                    PUBLISHES - 1,
+                    fops(&g)
+                );
+                g.profile_stop();
+            }
+            d.delete(&vol.volume_id).await.unwrap();
+            let med = |v: &mut Vec<f64>| {
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                v[v.len() / 2]
+            };
+            println!(
+                "| {run} | {label} | {:.0} | {:.1} | {:.1} |",
+                total as f64 / (1 << 20) as f64 / pull,
+                med(&mut stage),
+                med(&mut publish)
+            );
+        }
+    }
+}
+
+/// An XFS image made through one client (the controller's), filled by a
+/// writer through another (the writer node's), is seen filled when the
+/// first client attaches it again, as the seal does: that client's cached
+/// pages of the empty filesystem are not what its loop device reads. Without
+/// `state::forget_cached_pages` in the loop attach this fails, and the
+/// multi-node e2e's `shared` flow on GlusterFS sealed an empty filesystem.
+#[test]
+fn an_image_filled_through_one_client_is_read_filled_through_the_client_that_made_it() {
+    use modelcache_csi::mount::loopdev;
+    let mut g = Gluster::volume();
+    let (a, b) = (g.mount(""), g.mount(""));
+    let at = tempfile::tempdir().unwrap();
+    let mnt = |dev: &Path, opts: &str| {
+        let st = std::process::Command::new("mount")
+            .args(["-t", "xfs", "-o", opts])
+            .arg(dev)
+            .arg(at.path())
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount {} -o {opts}", dev.display());
+    };
+    let umnt = || {
+        assert!(
+            std::process::Command::new("umount")
+                .arg(at.path())
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    cache::xfs::create_image(&a.join("image.xfs"), 300 << 20).unwrap();
+    // The writer, through client B.
+    let dev = loopdev::attach(&b.join("image.xfs"), false).unwrap();
+    mnt(dev.path(), "rw");
+    fs::write(at.path().join("weights.bin"), vec![7u8; 3 << 20]).unwrap();
+    umnt();
+    drop(dev);
+    // Client A again, as the seal's private mount and every reader's.
+    let dev = loopdev::attach(&a.join("image.xfs"), true).unwrap();
+    mnt(dev.path(), "ro,norecovery,nouuid");
+    let got = fs::read(at.path().join("weights.bin"));
+    umnt();
+    drop(dev);
+    let got = got.expect("client A's loop device shows the file client B's writer made");
+    assert_eq!(got, vec![7u8; 3 << 20]);
+}

@@ -143,6 +143,28 @@ impl Gluster {
         );
     }
 
+    /// Starts counting the bricks' file operations (`volume profile`).
+    pub fn profile_start(&self) {
+        ok(
+            gluster(&["volume", "profile", &self.name, "start"]),
+            "profile start",
+        );
+        let _ = self.profile_incremental();
+    }
+
+    pub fn profile_stop(&self) {
+        ok(
+            gluster(&["volume", "profile", &self.name, "stop"]),
+            "profile stop",
+        );
+    }
+
+    /// The bricks' operation counts since the last call, as gluster prints them.
+    pub fn profile_incremental(&self) -> String {
+        let out = gluster(&["volume", "profile", &self.name, "info", "incremental"]).unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// Unmounts one client (a node gone with its mount).
     pub fn unmount(&mut self, at: &std::path::Path) {
         if let Some(i) = self.mounts.iter().position(|m| m == at) {
