@@ -14,6 +14,7 @@ use modelcache_csi::state;
 
 use std::time::{Duration, Instant};
 
+use modelcache_csi::csi::ControllerModifyVolumeRequest;
 use tonic::Code;
 
 use crate::support::fixtures::{self, FileServer};
@@ -513,4 +514,83 @@ fn an_image_filled_through_one_client_is_read_filled_through_the_client_that_mad
     drop(dev);
     let got = got.expect("client A's loop device shows the file client B's writer made");
     assert_eq!(got, vec![7u8; 3 << 20]);
+}
+
+/// The Gluster server goes away while a source volume is being sealed:
+/// the seal fails with a retryable code, nothing is sealed on the server
+/// (its brick holds no seal.json), and the seal goes through once the
+/// server is back, over exactly the bytes the writer wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_going_away_mid_seal_seals_nothing_and_the_seal_completes_after() {
+    let mut g = Gluster::volume();
+    let a = g.mount("");
+    let na = Driver::start_node("node-a", Some(&a), &[]).await;
+    let src = na.create_source("pvc-src", "shared").await;
+    let sid = src.volume_context["source"].clone();
+    let staging = na.staging("src");
+    na.stage(&src.volume_id, &staging, WRITER).await.unwrap();
+    let files = write_files(&content(&staging), &[96 << 20; 3]);
+    na.unstage(&src.volume_id, &staging).await.unwrap();
+
+    let seal = {
+        let req = ControllerModifyVolumeRequest {
+            volume_id: src.volume_id.clone(),
+            mutable_parameters: map(&[("sealed", "true")]),
+            ..Default::default()
+        };
+        let mut controller = na.client.controller.clone();
+        tokio::spawn(async move { controller.controller_modify_volume(req).await })
+    };
+    // Hashing 288 MiB takes seconds: the server goes away in the middle.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    g.stop_server();
+    let st = tokio::time::timeout(Duration::from_secs(60), seal)
+        .await
+        .expect("the seal answers with the server gone")
+        .unwrap()
+        .map(|r| r.into_inner())
+        .expect_err("a seal whose filesystem went away mid-way cannot succeed");
+    assert!(
+        matches!(st.code(), Code::Unavailable | Code::Aborted),
+        "{:?}: {}",
+        st.code(),
+        st.message()
+    );
+    let on_server = g.on_server(&sid).expect("the source is on the server");
+    assert!(on_server.join("data").is_dir(), "{}", on_server.display());
+    assert!(
+        !on_server.join("seal.json").exists(),
+        "a seal cut short is on the server"
+    );
+
+    g.start_server();
+    let mut sealed = false;
+    for _ in 0..60 {
+        match na.seal(&src.volume_id).await {
+            Ok(()) => {
+                sealed = true;
+                break;
+            }
+            Err(st) => {
+                assert!(
+                    matches!(st.code(), Code::Unavailable | Code::Aborted),
+                    "{:?}: {}",
+                    st.code(),
+                    st.message()
+                );
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+    assert!(sealed, "the seal goes through once the server is back");
+    let clone = na
+        .create_cache("pvc-clone", &src.volume_id, &[])
+        .await
+        .unwrap();
+    let s = na.staging("clone");
+    na.stage(&clone.volume_id, &s, READER).await.unwrap();
+    assert!(
+        exact(&content(&s), &files),
+        "the clone holds the writer's bytes"
+    );
 }

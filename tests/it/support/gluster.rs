@@ -45,8 +45,8 @@ fn hostname() -> String {
 fn glusterd_up() {
     let running = Command::new("pgrep")
         .args(["-x", "glusterd"])
-        .status()
-        .is_ok_and(|s| s.success());
+        .output()
+        .is_ok_and(|o| o.status.success());
     if !running {
         let st = Command::new("glusterd")
             .arg("--log-file=/tmp/modelcache-it-glusterd.log")
@@ -163,6 +163,25 @@ impl Gluster {
     pub fn profile_incremental(&self) -> String {
         let out = gluster(&["volume", "profile", &self.name, "info", "incremental"]).unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The server's copy of a directory named `name` (the first found,
+    /// depth first), read from the brick, past every client.
+    pub fn on_server(&self, name: &str) -> Option<PathBuf> {
+        let mut stack = vec![self.dir.path().join("brick")];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).ok()?.flatten() {
+                let p = e.path();
+                if e.file_name() == ".glusterfs" || !p.is_dir() {
+                    continue;
+                }
+                if e.file_name() == name {
+                    return Some(p);
+                }
+                stack.push(p);
+            }
+        }
+        None
     }
 
     /// Unmounts one client (a node gone with its mount).
