@@ -130,10 +130,13 @@ pub fn bind_writable(src: &Path, dst: &Path, flags: MountFlags) -> io::Result<()
 
 fn bind_and_remount(src: &Path, dst: &Path, add: MsFlags) -> io::Result<()> {
     bind(src, dst)?;
-    let remounted = inherited_restrictions(dst).and_then(|inherited| {
-        let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | inherited | add;
-        mount(None::<&str>, dst, None::<&str>, flags, None::<&str>)
-            .map_err(|e| with_context(e, format_args!("remount {} with {flags:?}", dst.display())))
+    let remounted = set_attrs(dst, add).unwrap_or_else(|| {
+        inherited_restrictions(dst).and_then(|inherited| {
+            let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | inherited | add;
+            mount(None::<&str>, dst, None::<&str>, flags, None::<&str>).map_err(|e| {
+                with_context(e, format_args!("remount {} with {flags:?}", dst.display()))
+            })
+        })
     });
     if remounted.is_err() {
         // The bind must not outlive a failed remount: it would expose the source with the
@@ -143,6 +146,81 @@ fn bind_and_remount(src: &Path, dst: &Path, add: MsFlags) -> io::Result<()> {
         }
     }
     remounted
+}
+
+/// `struct mount_attr` from <linux/mount.h>.
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// Adds `add` to the mount at `dst` with mount_setattr(2), which changes only the attributes
+/// it names: what the bind inherited stays without being read back first (a statvfs of a
+/// FUSE or network filesystem is a round trip to its server, one per stage and publish on a
+/// shared root). `None` where the kernel has no mount_setattr (before 5.12): remount then.
+fn set_attrs(dst: &Path, add: MsFlags) -> Option<io::Result<()>> {
+    const RDONLY: u64 = 0x1;
+    const NOSUID: u64 = 0x2;
+    const NODEV: u64 = 0x4;
+    const NOEXEC: u64 = 0x8;
+    const ATIME_MASK: u64 = 0x70;
+    const NOATIME: u64 = 0x10;
+    const STRICTATIME: u64 = 0x20;
+    const NODIRATIME: u64 = 0x80;
+    let mut attr = MountAttr {
+        attr_set: 0,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    for (ms, set) in [
+        (MsFlags::MS_RDONLY, RDONLY),
+        (MsFlags::MS_NOSUID, NOSUID),
+        (MsFlags::MS_NODEV, NODEV),
+        (MsFlags::MS_NOEXEC, NOEXEC),
+        (MsFlags::MS_NODIRATIME, NODIRATIME),
+    ] {
+        if add.contains(ms) {
+            attr.attr_set |= set;
+        }
+    }
+    // The atime mode is one value under a mask: relatime is 0 within it.
+    for (ms, set) in [
+        (MsFlags::MS_NOATIME, NOATIME),
+        (MsFlags::MS_STRICTATIME, STRICTATIME),
+        (MsFlags::MS_RELATIME, 0),
+    ] {
+        if add.contains(ms) {
+            attr.attr_clr |= ATIME_MASK;
+            attr.attr_set |= set;
+        }
+    }
+    let path = std::ffi::CString::new(dst.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: a valid C string and a mount_attr of the size passed, both alive for the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            0,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc == 0 {
+        return Some(Ok(()));
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::ENOSYS) {
+        return None;
+    }
+    Some(Err(with_context(
+        e,
+        format_args!("mount_setattr {} with {add:?}", dst.display()),
+    )))
 }
 
 /// The restricting flags the new bind inherited from its source. A bind remount replaces the
