@@ -258,15 +258,7 @@ fn pull_dirs(root: &Root) -> Vec<String> {
 }
 
 fn noise(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    fixtures::pseudo_random(seed | 1, n)
 }
 
 // ------------------------------------------------------------ listings

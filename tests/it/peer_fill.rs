@@ -42,15 +42,8 @@ fn write_model(dir: &Path) -> u64 {
     for (i, (path, size)) in FILES.iter().enumerate() {
         let at = dir.join(path);
         fs::create_dir_all(at.parent().unwrap()).unwrap();
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ (i as u64 + 1);
-        let bytes: Vec<u8> = (0..*size)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed as u8
-            })
-            .collect();
+        let bytes =
+            fixtures::pseudo_random(0x9e37_79b9_7f4a_7c15u64 ^ (i as u64 + 1), *size as usize);
         fs::write(&at, bytes).unwrap();
         total += size;
     }

@@ -186,20 +186,37 @@ fn write_files(dir: &Path, sizes: &[usize]) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for (i, size) in sizes.iter().enumerate() {
         let name = format!("shard-{i:02}.bin");
-        let mut seed = 0x2545_f491_4f6c_dd1du64 ^ (i as u64 + 7);
-        let bytes: Vec<u8> = (0..*size)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed as u8
-            })
-            .collect();
+        let bytes = fixtures::pseudo_random(0x2545_f491_4f6c_dd1du64 ^ (i as u64 + 7), *size);
         fs::create_dir_all(dir).unwrap();
         fs::write(dir.join(&name), &bytes).unwrap();
         out.push((name.clone(), fixtures::sha256_file(&dir.join(&name))));
     }
     out
+}
+
+#[track_caller]
+fn assert_retryable(st: &tonic::Status) {
+    assert!(
+        matches!(st.code(), Code::Unavailable | Code::Aborted),
+        "{:?}: {}",
+        st.code(),
+        st.message()
+    );
+}
+
+/// Calls `f` once a second until it succeeds (up to a minute), every
+/// failure meanwhile a retryable one: a server coming back.
+async fn once_back<T, F: std::future::Future<Output = Result<T, tonic::Status>>>(
+    mut f: impl FnMut() -> F,
+) -> T {
+    for _ in 0..60 {
+        match f().await {
+            Ok(v) => return v,
+            Err(st) => assert_retryable(&st),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    panic!("still failing a minute after the server came back");
 }
 
 /// Every file read through `dir` is the origin's, byte for byte.
@@ -247,12 +264,7 @@ async fn the_server_going_away_mid_pull_and_mid_read_is_retryable_and_never_wron
     let st = answer
         .map(|r| r.into_inner())
         .expect_err("a pull whose shared filesystem went away cannot succeed");
-    assert!(
-        matches!(st.code(), Code::Unavailable | Code::Aborted),
-        "{:?}: {}",
-        st.code(),
-        st.message()
-    );
+    assert_retryable(&st);
     eprintln!(
         "CreateVolume answered {:?} {:.1} s after the server stopped: {}",
         st.code(),
@@ -265,36 +277,13 @@ async fn the_server_going_away_mid_pull_and_mid_read_is_retryable_and_never_wron
         .create(create_req("pvc-pull", &params, READER))
         .await
         .unwrap_err();
-    assert!(
-        matches!(st.code(), Code::Unavailable | Code::Aborted),
-        "{:?}: {}",
-        st.code(),
-        st.message()
-    );
+    assert_retryable(&st);
     assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
 
     // The server returns: the same request completes, and the seal holds
     // exactly the origin's bytes.
     g.start_server();
-    let mut vol = None;
-    for _ in 0..60 {
-        match na.create(create_req("pvc-pull", &params, READER)).await {
-            Ok(v) => {
-                vol = Some(v);
-                break;
-            }
-            Err(st) => {
-                assert!(
-                    matches!(st.code(), Code::Unavailable | Code::Aborted),
-                    "{:?}: {}",
-                    st.code(),
-                    st.message()
-                );
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    }
-    let vol = vol.expect("the pull completes once the server is back");
+    let vol = once_back(|| na.create(create_req("pvc-pull", &params, READER))).await;
 
     // A pod's stage and publish read it exactly.
     let (staging, target) = (na.staging("v"), na.target("pod-1"));
@@ -327,12 +316,7 @@ async fn the_server_going_away_mid_pull_and_mid_read_is_retryable_and_never_wron
         .stage(&vol.volume_id, &na.staging("v2"), READER)
         .await
         .unwrap_err();
-    assert!(
-        matches!(st.code(), Code::Unavailable | Code::Aborted),
-        "{:?}: {}",
-        st.code(),
-        st.message()
-    );
+    assert_retryable(&st);
     assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
     assert_not_mounted(&na.staging("v2"));
 
@@ -550,12 +534,7 @@ async fn the_server_going_away_mid_seal_seals_nothing_and_the_seal_completes_aft
         .unwrap()
         .map(|r| r.into_inner())
         .expect_err("a seal whose filesystem went away mid-way cannot succeed");
-    assert!(
-        matches!(st.code(), Code::Unavailable | Code::Aborted),
-        "{:?}: {}",
-        st.code(),
-        st.message()
-    );
+    assert_retryable(&st);
     let on_server = g.on_server(&sid).expect("the source is on the server");
     assert!(on_server.join("data").is_dir(), "{}", on_server.display());
     assert!(
@@ -564,25 +543,7 @@ async fn the_server_going_away_mid_seal_seals_nothing_and_the_seal_completes_aft
     );
 
     g.start_server();
-    let mut sealed = false;
-    for _ in 0..60 {
-        match na.seal(&src.volume_id).await {
-            Ok(()) => {
-                sealed = true;
-                break;
-            }
-            Err(st) => {
-                assert!(
-                    matches!(st.code(), Code::Unavailable | Code::Aborted),
-                    "{:?}: {}",
-                    st.code(),
-                    st.message()
-                );
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    }
-    assert!(sealed, "the seal goes through once the server is back");
+    once_back(|| na.seal(&src.volume_id)).await;
     let clone = na
         .create_cache("pvc-clone", &src.volume_id, &[])
         .await

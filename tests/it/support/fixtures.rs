@@ -69,6 +69,19 @@ pub fn tree_files(dir: &Path) -> Vec<(String, u64)> {
 }
 
 /// Lowercase hex sha256 of a file.
+/// `n` bytes of an xorshift stream from `seed`: incompressible, and the
+/// same for the same seed.
+pub fn pseudo_random(mut seed: u64, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed as u8
+        })
+        .collect()
+}
+
 pub fn sha256_file(path: &Path) -> String {
     let mut f = fs::File::open(path).unwrap();
     let mut h = Sha256::new();
