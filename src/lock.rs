@@ -28,12 +28,47 @@ pub struct OpLocks {
     held: Table,
 }
 
-/// Releases its key (or its path of the key) on drop, on every return
-/// path, including panics.
-pub struct OpGuard {
+/// Holds its key (or its path of the key) until it is dropped, on every
+/// return path, including panics, and until the blocking work started
+/// under `hold` has ended.
+pub struct OpGuard(Arc<Release>);
+
+/// Releases the key when the last holder goes: the guard, or blocking work
+/// that outlived its call (`hold`).
+struct Release {
     held: Table,
     key: String,
     at: Option<String>,
+}
+
+tokio::task_local! {
+    /// The keys the running call holds (`OpGuard::hold`), for blocking work
+    /// it starts to keep.
+    static HELD: Vec<Arc<Release>>;
+}
+
+/// What blocking work started now must keep held until it ends: the keys
+/// of the call that starts it. Opaque; dropped when the work ends.
+pub struct Kept(#[allow(dead_code, reason = "held for its drop")] Vec<Arc<Release>>);
+
+/// The keys held by the running call, for blocking work to keep (see
+/// `OpGuard::hold`).
+pub fn kept() -> Kept {
+    Kept(HELD.try_with(Clone::clone).unwrap_or_default())
+}
+
+impl OpGuard {
+    /// Runs `fut` holding the key, and lets blocking work it starts
+    /// (`offload::blocking`) keep the key until that work has ended. When
+    /// the caller gives up (its deadline passes and `fut` is dropped), a
+    /// call stuck inside a filesystem (a network one whose server went
+    /// away) still holds the volume: a retry gets ABORTED ("in progress")
+    /// instead of running beside it, until the stuck call returns.
+    pub async fn hold<F: std::future::Future>(self, fut: F) -> F::Output {
+        let mut keys = HELD.try_with(Clone::clone).unwrap_or_default();
+        keys.push(self.0);
+        HELD.scope(keys, fut).await
+    }
 }
 
 impl OpLocks {
@@ -46,11 +81,11 @@ impl OpLocks {
             )));
         }
         held.insert(key.to_string(), Held::Whole);
-        Ok(OpGuard {
+        Ok(OpGuard(Arc::new(Release {
             held: self.held.clone(),
             key: key.to_string(),
             at: None,
-        })
+        })))
     }
 
     /// The key at one path: operations at other paths of it run alongside,
@@ -74,15 +109,15 @@ impl OpLocks {
                 "an operation on {key} at {at} is already in progress; retry later"
             )));
         }
-        Ok(OpGuard {
+        Ok(OpGuard(Arc::new(Release {
             held: self.held.clone(),
             key: key.to_string(),
             at: Some(at),
-        })
+        })))
     }
 }
 
-impl Drop for OpGuard {
+impl Drop for Release {
     fn drop(&mut self) {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let last = match (held.get_mut(&self.key), &self.at) {

@@ -23,7 +23,14 @@ pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
     let slot = RUNNING.acquire().await;
-    let mut task = tokio::task::spawn_blocking(f);
+    // The calling RPC's volume stays held until this work ends, even if
+    // the RPC is cancelled first (`lock::OpGuard::hold`).
+    let kept = crate::lock::kept();
+    let mut task = tokio::task::spawn_blocking(move || {
+        let done = f();
+        drop(kept);
+        done
+    });
     let done = tokio::select! {
         done = &mut task => done,
         () = tokio::time::sleep(SLOW) => {
@@ -37,6 +44,43 @@ pub async fn blocking<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call whose caller gave up (its future dropped at the deadline)
+    /// while its blocking work is stuck in a filesystem keeps its volume:
+    /// a retry is refused as in progress until the work ends, then the key
+    /// is free.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cancelled_calls_keep_their_key_until_their_blocking_work_ends() {
+        let locks = crate::lock::OpLocks::default();
+        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let (started, running) = tokio::sync::oneshot::channel::<()>();
+        let guard = locks.try_lock("vol").unwrap();
+        let call = guard.hold(async move {
+            blocking(move || {
+                let _ = started.send(());
+                let _ = stuck.recv();
+                Ok(())
+            })
+            .await
+        });
+        let gave_up = tokio::time::timeout(Duration::from_millis(300), call).await;
+        assert!(gave_up.is_err(), "the call should still be running");
+        running.await.unwrap();
+        let retry = locks.try_lock("vol");
+        assert!(
+            matches!(retry, Err(Error::Busy(_))),
+            "a retry ran beside the stuck work"
+        );
+        release.send(()).unwrap();
+        let t0 = std::time::Instant::now();
+        while locks.try_lock("vol").is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the key was never freed"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 
     /// Sixteen calls hung on a dead disk leave the others their turn.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

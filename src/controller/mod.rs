@@ -54,8 +54,7 @@ impl ControllerService {
             let span = info_span!("resume", volume.name = %name);
             tokio::spawn(
                 async move {
-                    let _guard = guard;
-                    match p.create(req).await {
+                    match guard.hold(p.create(req)).await {
                         Ok(_) => tracing::info!("a wanted pull had finished; volume ready"),
                         Err(_) if p.jobs.is_running(&name) => {
                             tracing::info!("resumed a pull that was running before the restart")
@@ -122,10 +121,9 @@ impl ControllerService {
                 Some(require(&v.volume_id, "volume_content_source.volume.volume_id")?.to_string())
             }
         };
-        let _guard = self.locks.try_lock(&format!("name/{}", req.name))?;
-        let (rec, topology) = self
-            .provisioner
-            .create(plan::CreateRequest {
+        let guard = self.locks.try_lock(&format!("name/{}", req.name))?;
+        let (rec, topology) = guard
+            .hold(self.provisioner.create(plan::CreateRequest {
                 name: req.name,
                 params: req.parameters,
                 mutable: req.mutable_parameters,
@@ -137,7 +135,7 @@ impl ControllerService {
                 budget,
                 inline: None,
                 progress: None,
-            })
+            }))
             .await?;
         tracing::info!(volume.id = %rec.id, role = rec.role.as_str(), "volume ready");
         Ok(CreateVolumeResponse {
@@ -147,8 +145,8 @@ impl ControllerService {
 
     async fn delete(&self, req: DeleteVolumeRequest) -> Result<DeleteVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
-        let _guard = self.locks.try_lock(&req.volume_id)?;
-        self.provisioner.delete(&req.volume_id).await?;
+        let guard = self.locks.try_lock(&req.volume_id)?;
+        guard.hold(self.provisioner.delete(&req.volume_id)).await?;
         Ok(DeleteVolumeResponse {})
     }
 
@@ -222,9 +220,10 @@ impl ControllerService {
         if let Some(cap) = &req.volume_capability {
             capability::parse(cap, "volume_capability")?;
         }
-        let _guard = self.locks.try_lock(&req.volume_id)?;
-        let (capacity_bytes, node_expansion_required) =
-            self.provisioner.expand(&req.volume_id, target).await?;
+        let guard = self.locks.try_lock(&req.volume_id)?;
+        let (capacity_bytes, node_expansion_required) = guard
+            .hold(self.provisioner.expand(&req.volume_id, target))
+            .await?;
         Ok(ControllerExpandVolumeResponse {
             capacity_bytes,
             node_expansion_required,
@@ -236,9 +235,12 @@ impl ControllerService {
         req: ControllerModifyVolumeRequest,
     ) -> Result<ControllerModifyVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
-        let _guard = self.locks.try_lock(&req.volume_id)?;
-        self.provisioner
-            .modify(&req.volume_id, &req.mutable_parameters)
+        let guard = self.locks.try_lock(&req.volume_id)?;
+        guard
+            .hold(
+                self.provisioner
+                    .modify(&req.volume_id, &req.mutable_parameters),
+            )
             .await?;
         Ok(ControllerModifyVolumeResponse {})
     }

@@ -130,7 +130,10 @@ pub fn bind_writable(src: &Path, dst: &Path, flags: MountFlags) -> io::Result<()
 
 fn bind_and_remount(src: &Path, dst: &Path, add: MsFlags) -> io::Result<()> {
     bind(src, dst)?;
-    let remounted = set_attrs(dst, add).unwrap_or_else(|| {
+    // A kernel before 5.12, or a seccomp profile that refuses the newer
+    // call: the remount, which needs the inherited flags read back.
+    let remounted = set_attrs(dst, add).or_else(|e| {
+        tracing::debug!(dst = %dst.display(), error = %e, "mount_setattr refused; remounting");
         inherited_restrictions(dst).and_then(|inherited| {
             let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | inherited | add;
             mount(None::<&str>, dst, None::<&str>, flags, None::<&str>).map_err(|e| {
@@ -160,8 +163,8 @@ struct MountAttr {
 /// Adds `add` to the mount at `dst` with mount_setattr(2), which changes only the attributes
 /// it names: what the bind inherited stays without being read back first (a statvfs of a
 /// FUSE or network filesystem is a round trip to its server, one per stage and publish on a
-/// shared root). `None` where the kernel has no mount_setattr (before 5.12): remount then.
-fn set_attrs(dst: &Path, add: MsFlags) -> Option<io::Result<()>> {
+/// shared root).
+fn set_attrs(dst: &Path, add: MsFlags) -> io::Result<()> {
     const RDONLY: u64 = 0x1;
     const NOSUID: u64 = 0x2;
     const NODEV: u64 = 0x4;
@@ -198,7 +201,8 @@ fn set_attrs(dst: &Path, add: MsFlags) -> Option<io::Result<()>> {
             attr.attr_set |= set;
         }
     }
-    let path = std::ffi::CString::new(dst.as_os_str().as_encoded_bytes()).ok()?;
+    let path = std::ffi::CString::new(dst.as_os_str().as_encoded_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     // SAFETY: a valid C string and a mount_attr of the size passed, both alive for the call.
     let rc = unsafe {
         libc::syscall(
@@ -211,16 +215,12 @@ fn set_attrs(dst: &Path, add: MsFlags) -> Option<io::Result<()>> {
         )
     };
     if rc == 0 {
-        return Some(Ok(()));
+        return Ok(());
     }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::ENOSYS) {
-        return None;
-    }
-    Some(Err(with_context(
-        e,
+    Err(with_context(
+        io::Error::last_os_error(),
         format_args!("mount_setattr {} with {add:?}", dst.display()),
-    )))
+    ))
 }
 
 /// The restricting flags the new bind inherited from its source. A bind remount replaces the

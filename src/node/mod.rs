@@ -68,8 +68,10 @@ impl NodeService {
         require(&req.volume_id, "volume_id")?;
         let staging = path(&req.staging_target_path, "staging_target_path")?;
         let cap = capability_of(req.volume_capability.as_ref())?;
-        let _guard = self.locks.try_lock(&req.volume_id)?;
-        self.ops.stage(&req.volume_id, staging, cap, budget).await?;
+        let guard = self.locks.try_lock(&req.volume_id)?;
+        guard
+            .hold(self.ops.stage(&req.volume_id, staging, cap, budget))
+            .await?;
         tracing::info!("staged");
         Ok(NodeStageVolumeResponse {})
     }
@@ -79,7 +81,12 @@ impl NodeService {
         // The record is read under the volume's lock, so a grow that just
         // finished is seen; and an unknown volume is the first thing to say
         // (csi-sanity asks for NotFound before the path is looked at).
-        let _guard = self.locks.try_lock(&req.volume_id)?;
+        let guard = self.locks.try_lock(&req.volume_id)?;
+        guard.hold(self.expand_held(req)).await
+    }
+
+    /// The rest of `expand`, under the volume's lock.
+    async fn expand_held(&self, req: NodeExpandVolumeRequest) -> Result<NodeExpandVolumeResponse> {
         let found = self.ops.lookup(&req.volume_id).await?;
         let volume_path = path(&req.volume_path, "volume_path")?;
         let staging = match req.staging_target_path.as_str() {
@@ -101,8 +108,10 @@ impl NodeService {
     async fn unstage(&self, req: NodeUnstageVolumeRequest) -> Result<NodeUnstageVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
         let staging = path(&req.staging_target_path, "staging_target_path")?;
-        let _guard = self.locks.try_lock(&req.volume_id)?;
-        self.ops.unstage(&req.volume_id, staging).await?;
+        let guard = self.locks.try_lock(&req.volume_id)?;
+        guard
+            .hold(self.ops.unstage(&req.volume_id, staging))
+            .await?;
         tracing::info!("unstaged");
         Ok(NodeUnstageVolumeResponse {})
     }
@@ -123,10 +132,10 @@ impl NodeService {
                         .into(),
                 )
             })?;
-            let _guard = self.locks.try_lock(&req.volume_id)?;
+            let guard = self.locks.try_lock(&req.volume_id)?;
             let capability = req.volume_capability.clone().unwrap_or_default();
-            inline
-                .publish(
+            guard
+                .hold(inline.publish(
                     &req.volume_id,
                     &req.volume_context,
                     &req.secrets,
@@ -134,15 +143,18 @@ impl NodeService {
                     cap,
                     target,
                     budget,
-                )
+                ))
                 .await?;
             tracing::info!("published an inline volume");
             return Ok(NodePublishVolumeResponse {});
         }
         let staging = path(&req.staging_target_path, "staging_target_path")?;
-        let _guard = self.locks.try_lock_at(&req.volume_id, &target)?;
-        self.ops
-            .publish(&req.volume_id, staging, target, cap, req.readonly)
+        let guard = self.locks.try_lock_at(&req.volume_id, &target)?;
+        guard
+            .hold(
+                self.ops
+                    .publish(&req.volume_id, staging, target, cap, req.readonly),
+            )
             .await?;
         tracing::info!("published");
         Ok(NodePublishVolumeResponse {})
@@ -154,16 +166,20 @@ impl NodeService {
     ) -> Result<NodeUnpublishVolumeResponse> {
         require(&req.volume_id, "volume_id")?;
         let target = path(&req.target_path, "target_path")?;
-        let _guard = self.locks.try_lock_at(&req.volume_id, &target)?;
-        if let Some(inline) = &self.inline
-            && inline.unpublish(&req.volume_id, target.clone()).await?
-        {
-            tracing::info!("unpublished an inline volume and released its model");
-            return Ok(NodeUnpublishVolumeResponse {});
-        }
-        self.ops.unpublish(target).await?;
-        tracing::info!("unpublished");
-        Ok(NodeUnpublishVolumeResponse {})
+        let guard = self.locks.try_lock_at(&req.volume_id, &target)?;
+        guard
+            .hold(async {
+                if let Some(inline) = &self.inline
+                    && inline.unpublish(&req.volume_id, target.clone()).await?
+                {
+                    tracing::info!("unpublished an inline volume and released its model");
+                    return Ok(NodeUnpublishVolumeResponse {});
+                }
+                self.ops.unpublish(target).await?;
+                tracing::info!("unpublished");
+                Ok(NodeUnpublishVolumeResponse {})
+            })
+            .await
     }
 
     async fn stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {

@@ -354,21 +354,7 @@ async fn large(files: usize, mib: usize, token: &str) -> Large {
 /// Bytes of the model's files (those under `dir`; manifests are not) the
 /// origin sent: each GET's range, else the file's size.
 fn origin_bytes_under(origin: &FileServer, dir: &Path) -> u64 {
-    origin
-        .requests()
-        .iter()
-        .filter(|r| r.method == "GET")
-        .filter_map(|r| {
-            let size = fs::metadata(dir.join(r.segments.join("/"))).ok()?.len();
-            let Some(range) = r.header("range").and_then(|v| v.strip_prefix("bytes=")) else {
-                return Some(size);
-            };
-            let (a, b) = range.split_once('-')?;
-            let a: u64 = a.parse().ok()?;
-            let b: u64 = b.parse::<u64>().map_or(size, |b| (b + 1).min(size));
-            Some(b.saturating_sub(a))
-        })
-        .sum()
+    fixtures::requested_bytes(&origin.requests(), dir)
 }
 
 /// Eight nodes fill one 1 GiB model at once from an origin paced to a

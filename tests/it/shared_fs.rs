@@ -246,7 +246,9 @@ async fn the_server_going_away_mid_pull_and_mid_read_is_retryable_and_never_wron
     // 1 MiB/s per connection: several seconds for the whole model, so the
     // server is stopped in the middle.
     origin.throttle(1 << 20);
-    let na = Driver::start_node("node-a", Some(&a), &[]).await;
+    // 1 MiB chunks: what arrived before the server went away is kept in
+    // whole chunks, for the retry to resume from.
+    let na = Driver::start_node("node-a", Some(&a), &["--pull-chunk-mib", "1"]).await;
     let params = [("backend", "shared"), ("source", uri.as_str())];
 
     let pull = {
@@ -283,7 +285,17 @@ async fn the_server_going_away_mid_pull_and_mid_read_is_retryable_and_never_wron
     // The server returns: the same request completes, and the seal holds
     // exactly the origin's bytes.
     g.start_server();
+    let asked_before = origin.requests().len();
     let vol = once_back(|| na.create(create_req("pvc-pull", &params, READER))).await;
+    // It resumed: what it asked of the origin afterwards is less than the
+    // model (a pull started over would ask for all of it again).
+    let total: u64 = 3 * (6 << 20);
+    let again = fixtures::requested_bytes(&origin.requests()[asked_before..], &model);
+    eprintln!("after the server came back the pull asked the origin for {again} of {total} bytes");
+    assert!(
+        again < total,
+        "the pull started over: {again} of {total} bytes again"
+    );
 
     // A pod's stage and publish read it exactly.
     let (staging, target) = (na.staging("v"), na.target("pod-1"));
@@ -554,4 +566,59 @@ async fn the_server_going_away_mid_seal_seals_nothing_and_the_seal_completes_aft
         exact(&content(&s), &files),
         "the clone holds the writer's bytes"
     );
+}
+
+/// A server that stops answering (its brick process frozen: the network
+/// gone, as far as the client can tell) hangs the client until its
+/// ping-timeout. The caller's deadline ends the RPC; the stage it started
+/// keeps the volume until the stuck call returns, so a retry meanwhile is
+/// ABORTED ("in progress") instead of running beside it; once the server
+/// answers again the stage goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_server_keeps_the_volume_held_past_the_callers_deadline() {
+    let mut g = Gluster::volume();
+    g.set("network.ping-timeout", "4");
+    let a = g.mount("");
+    let na = Driver::start_node("node-a", Some(&a), &[]).await;
+    let src = na.create_source("pvc-src", "shared").await;
+    let staging = na.staging("src");
+    na.stage(&src.volume_id, &staging, WRITER).await.unwrap();
+    let files = write_files(&content(&staging), &[1 << 20]);
+    na.unstage(&src.volume_id, &staging).await.unwrap();
+    na.seal(&src.volume_id).await.unwrap();
+    let clone = na
+        .create_cache("pvc-clone", &src.volume_id, &[])
+        .await
+        .unwrap();
+
+    g.freeze_server();
+    // Past the client's 1 s caches, so the stage has to ask the server.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A client with a 1 s deadline.
+    let mut req = tonic::Request::new(stage_req(
+        &clone.volume_id,
+        &na.staging("c1"),
+        mount_cap(READER, &[]),
+    ));
+    req.set_timeout(Duration::from_secs(1));
+    let t0 = Instant::now();
+    let first = na.client.node.clone().node_stage_volume(req).await;
+    let waited = t0.elapsed();
+    g.thaw_server_later(Duration::from_secs(2));
+    let st = first.expect_err("a stage over a hung server cannot finish in 1 s");
+    assert!(
+        waited < Duration::from_secs(3),
+        "the caller waited {waited:?}"
+    );
+    eprintln!("first stage: {:?} after {waited:?}", st.code());
+    // The stage is still inside the filesystem: a retry is refused.
+    let st = na
+        .stage(&clone.volume_id, &na.staging("c1"), READER)
+        .await
+        .expect_err("a retry ran beside the stuck stage");
+    assert_eq!(st.code(), Code::Aborted, "{}", st.message());
+    // Once the server answers, the stuck call ends and the stage works.
+    let s = na.staging("c1");
+    once_back(|| na.stage(&clone.volume_id, &s, READER)).await;
+    assert!(exact(&content(&s), &files));
 }

@@ -82,6 +82,24 @@ pub fn pseudo_random(mut seed: u64, n: usize) -> Vec<u8> {
         .collect()
 }
 
+/// The bytes that GET requests in `reqs` asked of files under `dir`: the
+/// whole file, or the range asked for.
+pub fn requested_bytes(reqs: &[Request], dir: &Path) -> u64 {
+    reqs.iter()
+        .filter(|r| r.method == "GET")
+        .filter_map(|r| {
+            let size = fs::metadata(dir.join(r.segments.join("/"))).ok()?.len();
+            let Some(range) = r.header("range").and_then(|v| v.strip_prefix("bytes=")) else {
+                return Some(size);
+            };
+            let (a, b) = range.split_once('-')?;
+            let a: u64 = a.parse().ok()?;
+            let b: u64 = b.parse::<u64>().map_or(size, |b| (b + 1).min(size));
+            Some(b.saturating_sub(a))
+        })
+        .sum()
+}
+
 pub fn sha256_file(path: &Path) -> String {
     let mut f = fs::File::open(path).unwrap();
     let mut h = Sha256::new();

@@ -16,7 +16,12 @@ pub struct Gluster {
     mounts: Vec<PathBuf>,
 }
 
+/// One gluster command at a time from this process: glusterd refuses a
+/// second transaction while one runs ("Another transaction is in
+/// progress"), and tests run in parallel.
 fn gluster(args: &[&str]) -> std::io::Result<std::process::Output> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
     Command::new("gluster")
         .arg("--mode=script")
         .args(args)
@@ -182,6 +187,51 @@ impl Gluster {
             }
         }
         None
+    }
+
+    /// Sets a volume option (`gluster volume set`).
+    pub fn set(&self, key: &str, value: &str) {
+        ok(
+            gluster(&["volume", "set", &self.name, key, value]),
+            "volume set",
+        );
+    }
+
+    /// The brick processes' pids, from their command lines (they name the
+    /// brick's directory).
+    fn brick_pids(&self) -> Vec<i32> {
+        let brick = self.dir.path().join("brick");
+        let out = Command::new("pgrep")
+            .args(["-f", &format!("glusterfsd.*{}", brick.display())])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+
+    /// Freezes the bricks (SIGSTOP): connections stay open and nothing
+    /// answers, as when the network to the server is gone.
+    pub fn freeze_server(&self) {
+        let pids = self.brick_pids();
+        assert!(!pids.is_empty(), "no brick process to freeze");
+        for p in pids {
+            // SAFETY: a signal to a brick process of this test's volume.
+            unsafe { libc::kill(p, libc::SIGSTOP) };
+        }
+    }
+
+    /// Lets the frozen bricks run again after `after`, from a thread.
+    pub fn thaw_server_later(&self, after: std::time::Duration) {
+        let pids = self.brick_pids();
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            for p in pids {
+                // SAFETY: as in freeze_server.
+                unsafe { libc::kill(p, libc::SIGCONT) };
+            }
+        });
     }
 
     /// Unmounts one client (a node gone with its mount).
