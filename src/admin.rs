@@ -41,11 +41,13 @@ pub enum CacheCommand {
     Unpin { id: String },
     /// Remove a pulled model now; refused while a volume uses it or it is pinned.
     Evict { id: String },
-    /// Drop the writer lease that NODE holds on an unsealed source volume,
-    /// so another node can stage it writable, or it can be sealed. Only
+    /// Drop the writer lease a dead node holds on an unsealed source volume.
+    ///
+    /// Another node can then stage it writable, or it can be sealed. Only
     /// for a node that is gone (deleted, or down for good): a live node's
     /// pods would go on writing what another node then writes too.
     ReleaseWriter {
+        /// The source volume's id (`cache ls`).
         id: String,
         /// The node whose lease to drop (as `cache show` lists it under Writers).
         #[arg(long)]

@@ -32,7 +32,7 @@ enum Command {
     Demo(modelcache_csi::demo::DemoArgs),
     /// Clear selected-node from pending PVCs whose node has no running driver.
     Rescheduler(ReschedulerArgs),
-    /// What this node caches, and the operator's verbs on it (ls, show, verify, pin, unpin, evict, prefetch).
+    /// What this node caches, and the operator's verbs on it (ls, show, verify, pin, unpin, evict, release-writer, prefetch).
     Cache {
         #[command(flatten)]
         roots: CacheArgs,
