@@ -217,12 +217,11 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
         }
         CacheCommand::ReleaseWriter { id, node } => {
             let root = find(&roots, &id)?;
-            let held = blocking(move || {
+            let (id, h) = blocking(move || {
                 let src = root.open_source(&id)?;
                 cache::lease::break_lease(&src, &id, &node).map(|h| (id, h))
             })
             .await?;
-            let (id, h) = held;
             let staging = h.lease.as_ref().map(|l| l.staging.clone());
             print(
                 output,

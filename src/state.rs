@@ -142,7 +142,7 @@ fn read_json_once<T: DeserializeOwned>(path: &Path) -> io::Result<Option<T>> {
 /// negative-timeout); a listing reaches the server, and on a FUSE client
 /// it also replaces the cached miss, so a lookup after it sees the file.
 /// A readdir per level: for misses that must not be stale, not for every
-/// read.
+/// read. A name starting with `.` (a temporary file here) is never found.
 pub fn listed(path: &Path, top: &Path) -> io::Result<bool> {
     let Ok(rel) = path.strip_prefix(top) else {
         return Err(io::Error::new(
@@ -153,19 +153,7 @@ pub fn listed(path: &Path, top: &Path) -> io::Result<bool> {
     let mut dir = top.to_path_buf();
     for part in rel.components() {
         let name = part.as_os_str().to_string_lossy();
-        let found = retry_stale(|| match fs::read_dir(&dir) {
-            Ok(entries) => {
-                for entry in entries {
-                    if entry?.file_name().to_string_lossy() == name {
-                        return Ok(true);
-                    }
-                }
-                Ok(false)
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        })?;
-        if !found {
+        if !list_names(&dir)?.iter().any(|n| *n == name) {
             return Ok(false);
         }
         dir.push(part);
@@ -181,8 +169,32 @@ pub fn listed(path: &Path, top: &Path) -> io::Result<bool> {
 /// (a seal of nothing). Only clean pages go; best effort.
 pub fn forget_cached_pages(f: &File) {
     use std::os::fd::AsRawFd;
+    if on_local_disk(f) {
+        // One page cache sees every write: nothing there can be stale,
+        // and dropping it would only make pods read from the disk again.
+        return;
+    }
     // SAFETY: plain advice on an fd we hold open for the whole call.
     let _ = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
+/// Whether `f` is on a filesystem only this kernel writes (so its page
+/// cache is the truth); an unknown filesystem counts as shared.
+fn on_local_disk(f: &File) -> bool {
+    use nix::sys::statfs::{
+        BTRFS_SUPER_MAGIC, EXT4_SUPER_MAGIC, OVERLAYFS_SUPER_MAGIC, TMPFS_MAGIC, XFS_SUPER_MAGIC,
+        fstatfs,
+    };
+    fstatfs(f).is_ok_and(|st| {
+        [
+            EXT4_SUPER_MAGIC,
+            XFS_SUPER_MAGIC,
+            BTRFS_SUPER_MAGIC,
+            TMPFS_MAGIC,
+            OVERLAYFS_SUPER_MAGIC,
+        ]
+        .contains(&st.filesystem_type())
+    })
 }
 
 /// Creates an empty marker file durably; `Ok(false)` if it already existed.

@@ -269,10 +269,9 @@ pub fn scan(root: &Path) -> Result<Tree> {
                 // A seal hashes what the filesystem holds, not pages this
                 // node's client kept from before another node's writer
                 // changed the file (a shared root).
-                if let Ok(f) = File::open(&path) {
-                    crate::state::forget_cached_pages(&f);
-                }
-                let (size, sha256, chunks) = hash_file_chunked(&path)?;
+                let f = File::open(&path).ctx("open", &path)?;
+                crate::state::forget_cached_pages(&f);
+                let (size, sha256, chunks) = hash_open_file(f, &path)?;
                 tree.files.push(FileEntry {
                     path: rel_str,
                     size,
@@ -307,7 +306,11 @@ pub fn hash_file(path: &Path) -> Result<(u64, String)> {
 
 /// `hash_file` with the file's chunk table.
 pub fn hash_file_chunked(path: &Path) -> Result<(u64, String, Vec<String>)> {
-    let mut f = File::open(path).ctx("open", path)?;
+    hash_open_file(File::open(path).ctx("open", path)?, path)
+}
+
+/// `hash_file_chunked` of a file already open (`path` names it in errors).
+fn hash_open_file(mut f: File, path: &Path) -> Result<(u64, String, Vec<String>)> {
     let mut h = FileHasher::default();
     let mut buf = vec![0u8; 1 << 20];
     let mut size = 0u64;

@@ -123,6 +123,14 @@ pub fn model_id(uri: &str, revision: &str) -> SourceId {
 
 /// The source id of `uri` at `revision` as `source` serves it (its key
 /// scope is part of the id).
+/// The seal of `sid`, read on the blocking pool: on a shared root a miss
+/// is confirmed by listing directories, and a seal another node just made
+/// is waited for (`cache::read_seal`).
+async fn sealed(root: &Root, sid: &SourceId) -> Result<Option<Seal>> {
+    let (r, s) = (root.clone(), sid.clone());
+    blocking(move || cache::read_seal(&r, &s)).await
+}
+
 fn source_id(source: &dyn Source, uri: &str, revision: &str) -> SourceId {
     let scope = source.key_scope();
     if scope.is_empty() {
@@ -382,7 +390,7 @@ impl Engine {
         let started = Instant::now();
         let result = async {
             // A hit is served only to a requester the origin would serve.
-            if let Some(seal) = cache::read_seal(root, &sid)? {
+            if let Some(seal) = sealed(root, &sid).await? {
                 self.authorize_hit(&sid, source.as_ref(), &resolved).await?;
                 let signed = vouch_sealed(root, &sid, &seal, signature).await?;
                 return Ok(Pulled {
@@ -393,7 +401,7 @@ impl Engine {
                 });
             }
             let _joined = self.inflight.lock(&sid).await;
-            if let Some(seal) = cache::read_seal(root, &sid)? {
+            if let Some(seal) = sealed(root, &sid).await? {
                 self.authorize_hit(&sid, source.as_ref(), &resolved).await?;
                 let signed = vouch_sealed(root, &sid, &seal, signature).await?;
                 return Ok(Pulled {
