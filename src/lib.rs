@@ -6,7 +6,8 @@ pub mod cache; // sealed sources, seals and volume records on disk
 pub mod capability; // what a VolumeCapability asks for, and whether we can give it
 pub mod client; // CSI client over a Unix socket
 pub mod config; // process settings from flags
-pub mod controller; // CSI Controller service and provisioning
+pub mod context; // what one process's handlers and reconcilers share
+pub mod controller; // CSI Controller service: validate, lock, call the provisioner
 pub mod csi; // generated CSI v1 types and services
 pub mod demo; // the `demo` command
 pub mod error; // the domain error and its one mapping to gRPC codes
@@ -22,6 +23,7 @@ pub mod outcome; // one result of work that outlives its callers, awaited within
 pub mod peer; // peer fill: serving sealed models to other nodes, filling from them first
 pub mod prefetch; // on a node: ModelPrefetch models pulled before any pod asks
 pub mod progress; // a pull's progress, and where it is reported
+pub mod provision; // requests turned into volumes: resolve, plan, execute, seal, delete
 pub mod puller; // model URIs fetched and sealed by the driver
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
 pub mod rpc; // the edge of every handler: required fields, logging, status

@@ -572,15 +572,17 @@ async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
         resync: std::time::Duration::from_secs(a.resync_seconds.max(1)),
         instance: std::env::var("POD_NAME").ok(),
     };
+    let metrics = Arc::new(modelcache_csi::metrics::Metrics::new());
     if let Some(addr) = a.metrics_address {
         tokio::spawn(modelcache_csi::metrics::serve(
             modelcache_csi::metrics::bind(addr)?,
+            metrics.clone(),
             Arc::new(|_| None),
             Arc::new(Vec::new),
         ));
     }
     tokio::select! {
-        _ = modelcache_csi::rescheduler::run(client, cfg, Default::default()) => Ok(()),
+        _ = modelcache_csi::rescheduler::run(client, cfg, metrics) => Ok(()),
         _ = shutdown_signal() => Ok(()),
     }
 }
@@ -596,6 +598,7 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     let cfg = Arc::new(config(&a)?);
     let registration = registrar(&a, &cfg)?;
     let reg_state = RegistrationState::default();
+    let metrics = Arc::new(modelcache_csi::metrics::Metrics::new());
     if let Some(addr) = a.metrics_address {
         let caps = cfg.pull.capacity.clone();
         let (health_cfg, health_reg) = (cfg.clone(), reg_state.clone());
@@ -608,6 +611,7 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
         };
         let listener = modelcache_csi::metrics::serve(
             modelcache_csi::metrics::bind(addr)?,
+            metrics.clone(),
             Arc::new(move |b| caps.get(&b).copied()),
             Arc::new(health),
         );
@@ -639,7 +643,7 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
         tokio::time::sleep(SHUTDOWN_GRACE).await;
         tracing::warn!(grace = ?SHUTDOWN_GRACE, "calls still open after the shutdown grace; exiting");
     };
-    let serving = server::serve_on(cfg, a.mode, listener, stop);
+    let serving = server::serve_on(cfg, metrics, a.mode, listener, stop);
     let socket = registration.as_ref().map(|r| r.socket());
     let registering = async move {
         match registration {

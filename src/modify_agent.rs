@@ -19,10 +19,10 @@ use kube::runtime::controller::{Action, Controller};
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::cache::VolumeId;
-use crate::controller::Provisioner;
-use crate::controller::node_report::{ANNOTATION, Outcome, Report};
 use crate::error::{Error, Result};
-use crate::kubeapi::{EventType, KubeApi};
+use crate::kubeapi::EventType;
+use crate::provision::Agent;
+use crate::provision::node_report::{ANNOTATION, Outcome, Report};
 
 /// How soon a refused or failed change is tried again: a writer may have
 /// gone by then. The central resizer asks at least this often.
@@ -30,12 +30,7 @@ const RETRY: Duration = Duration::from_secs(10);
 /// A change still being applied after this is recorded as running.
 const RUNNING_AFTER: Duration = Duration::from_secs(2);
 
-struct Ctx {
-    kube: KubeApi,
-    provisioner: Arc<Provisioner>,
-    node: String,
-    driver: String,
-}
+type Ctx = Agent;
 
 /// The change a PVC asks for: a class it names but does not have yet, on
 /// the PV it is bound to.
@@ -64,23 +59,18 @@ fn pending(pvc: &PersistentVolumeClaim) -> Option<Pending> {
 /// The volume id of `pv` when it is one of this node's node-local volumes.
 fn ours(pv: &PersistentVolume, ctx: &Ctx) -> Option<String> {
     let csi = pv.spec.as_ref()?.csi.as_ref()?;
-    if csi.driver != ctx.driver {
+    if csi.driver != ctx.driver() {
         return None;
     }
     let id = VolumeId::parse(&csi.volume_handle)?;
-    let root = ctx.provisioner.roots.for_id(&id).ok()?;
+    let root = ctx.ctx.roots.for_id(&id).ok()?;
     (root.node.as_deref() == Some(ctx.node.as_str())).then(|| csi.volume_handle.clone())
 }
 
 /// Runs until the process ends.
-pub async fn run(kube: KubeApi, provisioner: Arc<Provisioner>, node: String, driver: String) {
-    let (store, pvcs) = crate::kubeapi::slim_pvcs(kube.client());
-    let ctx = Arc::new(Ctx {
-        kube,
-        provisioner,
-        node,
-        driver,
-    });
+pub async fn run(agent: Agent) {
+    let (store, pvcs) = crate::kubeapi::slim_pvcs(agent.kube.client());
+    let ctx = Arc::new(agent);
     info!(node = %ctx.node, "applying VolumeAttributesClass changes to this node's volumes");
     Controller::for_stream(pvcs, store)
         .run(reconcile, error_policy, ctx)
@@ -124,7 +114,7 @@ async fn apply(
         Err(Error::NotFound(_)) => return Ok(Action::await_change()),
         Err(e) => return Err(e),
     };
-    if class.driver_name != ctx.driver {
+    if class.driver_name != ctx.driver() {
         return Ok(Action::await_change());
     }
     let parameters: BTreeMap<String, String> = class.parameters.unwrap_or_default();

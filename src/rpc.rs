@@ -12,6 +12,16 @@ pub fn require<'a>(value: &'a str, field: &str) -> Result<&'a str> {
     Ok(value)
 }
 
+/// Runs a handler's work inside its span (which names the volume), and
+/// answers with `respond` there, so a failure is logged once, with it.
+pub async fn handle<T>(
+    span: tracing::Span,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> std::result::Result<Response<T>, Status> {
+    use tracing::Instrument;
+    async move { respond(work.await) }.instrument(span).await
+}
+
 pub fn respond<T>(result: Result<T>) -> std::result::Result<Response<T>, Status> {
     match result {
         Ok(v) => Ok(Response::new(v)),

@@ -7,14 +7,17 @@ use std::sync::Arc;
 use tokio::net::UnixListener;
 
 use crate::config::Config;
-use crate::controller::{ControllerService, Provisioner};
+use crate::context::Context;
+use crate::controller::ControllerService;
 use crate::csi::controller_server::ControllerServer;
 use crate::csi::identity_server::IdentityServer;
 use crate::csi::node_server::NodeServer;
 use crate::identity::IdentityService;
+use crate::metrics::Metrics;
 use crate::node::absent::AbsentNode;
 use crate::node::inline::Inline;
 use crate::node::{NodeOps, NodeService};
+use crate::provision::{Agent, Provisioner};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -38,17 +41,21 @@ pub fn socket_path(endpoint: &str) -> anyhow::Result<PathBuf> {
 
 pub async fn serve(
     cfg: Arc<Config>,
+    metrics: Arc<Metrics>,
     mode: Mode,
     endpoint: &str,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let path = socket_path(endpoint)?;
     let listener = crate::uds::bind(&path)?;
-    serve_on(cfg, mode, listener, shutdown).await
+    serve_on(cfg, metrics, mode, listener, shutdown).await
 }
 
+/// Serves the chosen services on `listener`, counting into `metrics` (the
+/// handle the process's metrics endpoint renders).
 pub async fn serve_on(
     cfg: Arc<Config>,
+    metrics: Arc<Metrics>,
     mode: Mode,
     listener: UnixListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -63,22 +70,26 @@ pub async fn serve_on(
         !node || cfg.node_id.is_some(),
         "--node-id is required to serve the node service"
     );
+    let mut ctx = Context::new(cfg.clone(), metrics.clone());
+    let client = match controller && cfg.kube_api {
+        false => None,
+        true => Some(kube_client(cfg.kubeconfig.as_deref()).await?),
+    };
+    if let Some(client) = &client {
+        ctx = ctx.with_kube(crate::kubeapi::KubeApi::new(
+            client.clone(),
+            &cfg.driver_name,
+        ));
+        tracing::info!("using the Kubernetes API for per-PVC sources, pvc:// and events");
+    }
     let provisioner = match controller {
         false => None,
         true => {
-            let mut p = Provisioner::new(cfg.clone());
-            if cfg.kube_api {
-                let client = kube_client(cfg.kubeconfig.as_deref()).await?;
-                p = p.with_kube(crate::kubeapi::KubeApi::new(
-                    client.clone(),
-                    &cfg.driver_name,
-                ));
-                tracing::info!("using the Kubernetes API for per-PVC sources, pvc:// and events");
-                if let (Some(peer), Some(node)) = (cfg.peer.clone(), cfg.node_id.clone()) {
-                    let fill =
-                        crate::peer::start(peer, node, &cfg.driver_name, p.roots(), client).await?;
-                    p = p.with_fill(fill);
-                }
+            let mut p = Provisioner::new(&ctx);
+            if let (Some(peer), Some(node), Some(client)) =
+                (cfg.peer.clone(), cfg.node_id.clone(), client)
+            {
+                p = p.with_fill(crate::peer::start(peer, node, &ctx, client).await?);
             }
             anyhow::ensure!(
                 !cfg.shared_central || cfg.node_id.is_some(),
@@ -91,34 +102,17 @@ pub async fn serve_on(
             Some(Arc::new(p))
         }
     };
-    // The node's own controllers: each needs this node's controller
-    // service and API access.
-    let node_agent =
-        |flag: &str| -> anyhow::Result<(Arc<Provisioner>, crate::kubeapi::KubeApi, String)> {
-            let (Some(p), Some(node)) = (provisioner.clone(), cfg.node_id.clone()) else {
-                anyhow::bail!(
-                    "{flag} needs --node-id and the controller service (--mode controller or all)"
-                );
-            };
-            let Some(kube) = p.kube.clone() else {
-                anyhow::bail!("{flag} needs Kubernetes API access (--kube-api)");
-            };
-            Ok((p, kube, node))
-        };
     if cfg.modify_node_local {
-        let (p, kube, node) = node_agent("--modify-node-local-volumes")?;
-        tokio::spawn(crate::modify_agent::run(
-            kube,
-            p,
-            node,
-            cfg.driver_name.clone(),
-        ));
+        let agent = Agent::new("--modify-node-local-volumes", &ctx, provisioner.as_ref())
+            .map_err(anyhow::Error::msg)?;
+        tokio::spawn(crate::modify_agent::run(agent));
     }
     if cfg.prefetch {
-        let (p, kube, node) = node_agent("--prefetch")?;
-        tokio::spawn(crate::prefetch::run(kube, p, node));
+        let agent =
+            Agent::new("--prefetch", &ctx, provisioner.as_ref()).map_err(anyhow::Error::msg)?;
+        tokio::spawn(crate::prefetch::run(agent));
     }
-    if let Some(p) = provisioner.clone().filter(|p| p.kube.is_some()) {
+    if let Some(p) = provisioner.clone().filter(|_| ctx.kube.is_some()) {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(15));
             loop {
@@ -142,9 +136,12 @@ pub async fn serve_on(
             }
         });
     }
-    crate::metrics::global().watch_roots(cfg.roots());
+    metrics.watch_roots(ctx.roots.clone());
     let router = tonic::transport::Server::builder()
-        .layer(tower::layer::layer_fn(Observe))
+        .layer(tower::layer::layer_fn(move |inner| Observe {
+            inner,
+            metrics: metrics.clone(),
+        }))
         .add_service(IdentityServer::new(IdentityService::new(
             cfg.clone(),
             controller,
@@ -159,12 +156,7 @@ pub async fn serve_on(
             let ops = Arc::new(NodeOps::new(cfg.clone()));
             let mut svc = NodeService::new(ops.clone());
             if let Some(p) = &provisioner {
-                svc = svc.with_inline(Arc::new(Inline::new(
-                    p.clone(),
-                    ops,
-                    cfg.inline_class.clone(),
-                    &cfg.state_dir,
-                )));
+                svc = svc.with_inline(Arc::new(Inline::new(&ctx, p.clone(), ops)));
             }
             NodeServer::new(svc)
         }))
@@ -195,7 +187,10 @@ pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Clie
 /// method. Errors come back as trailers-only responses, so the status is in
 /// the response headers; a success has none there.
 #[derive(Clone)]
-struct Observe<S>(S);
+struct Observe<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
 
 impl<S, ReqBody, ResBody> tower::Service<tonic::codegen::http::Request<ReqBody>> for Observe<S>
 where
@@ -214,7 +209,7 @@ where
         &mut self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx)
+        self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: tonic::codegen::http::Request<ReqBody>) -> Self::Future {
@@ -226,7 +221,8 @@ where
             .unwrap_or_default()
             .to_string();
         let started = std::time::Instant::now();
-        let fut = self.0.call(req);
+        let fut = self.inner.call(req);
+        let metrics = self.metrics.clone();
         Box::pin(async move {
             let res = fut.await;
             if let Ok(r) = &res {
@@ -236,7 +232,7 @@ where
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.parse::<i32>().ok())
                     .map(tonic::Code::from);
-                crate::metrics::global().rpc(&method, started, code);
+                metrics.rpc(&method, started, code);
             }
             res
         })

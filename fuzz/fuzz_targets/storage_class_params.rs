@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use libfuzzer_sys::fuzz_target;
 use modelcache_csi::cache::{Backend, Role};
-use modelcache_csi::controller::params::{self, Params, parse_mutable};
+use modelcache_csi::provision::params::{self, Params, parse_mutable};
 use modelcache_csi::error::Error;
 
 /// The keys a StorageClass may set, besides `params::SOURCE_OPTIONS` and

@@ -178,15 +178,6 @@ pub fn available(root: &Root, capacity: Option<u64>) -> Result<u64> {
     })
 }
 
-/// Models evicted by this process: read by the metrics, which the cache
-/// does not know about.
-static EVICTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many models this process has evicted.
-pub fn evictions() -> u64 {
-    EVICTIONS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Evicts one model unless a reference appeared meanwhile. Returns whether
 /// it was removed.
 pub fn evict(root: &Root, sid: &str) -> Result<bool> {
@@ -212,7 +203,6 @@ pub fn evict(root: &Root, sid: &str) -> Result<bool> {
         return Ok(false);
     }
     fs::remove_dir_all(&trash).ctx("remove", &trash)?;
-    EVICTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     tracing::info!(source = sid, "evicted model");
     Ok(true)
 }
@@ -222,8 +212,14 @@ pub fn evict(root: &Root, sid: &str) -> Result<bool> {
 /// files), then least recently used models. ResourceExhausted, naming the
 /// limit, before anything is written when even that is not enough; and
 /// before anything is evicted when evicting every unused model could not
-/// make it fit.
-pub fn make_room(root: &Root, need: Need, capacity: Option<u64>, for_sid: &SourceId) -> Result<()> {
+/// make it fit. `evicted` hears of each model removed, as it goes.
+pub fn make_room(
+    root: &Root,
+    need: Need,
+    capacity: Option<u64>,
+    for_sid: &SourceId,
+    evicted: &dyn Fn(&str),
+) -> Result<()> {
     let fits = || -> Result<bool> {
         Ok(need.bytes <= available(root, capacity)?
             && need.inodes <= super::space(root)?.usable_inodes())
@@ -276,8 +272,11 @@ pub fn make_room(root: &Root, need: Need, capacity: Option<u64>, for_sid: &Sourc
         )));
     }
     for c in candidates {
-        if evict(root, &c.sid)? && fits()? {
-            return Ok(());
+        if evict(root, &c.sid)? {
+            evicted(&c.sid);
+            if fits()? {
+                return Ok(());
+            }
         }
     }
     Err(Error::OverLimit(format!(

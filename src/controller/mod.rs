@@ -1,13 +1,7 @@
 //! CSI Controller service: validate the request, lock, call the provisioner.
 //!
-//! Handlers stay thin; decisions live in `volumes`. CreateVolume locks the
+//! Handlers stay thin; decisions live in `provision`. CreateVolume locks the
 //! volume *name* (a retry may race its original), everything else the id.
-
-pub mod node_report;
-pub mod params;
-pub mod plan;
-pub mod volumes;
-mod wanted;
 
 use std::sync::Arc;
 
@@ -22,9 +16,9 @@ use crate::csi::volume_content_source::{Type as ContentType, VolumeSource};
 use crate::csi::*;
 use crate::error::{Error, Result};
 use crate::lock::OpLocks;
-use crate::rpc::{require, respond};
+use crate::rpc::{handle, require};
 
-pub use volumes::Provisioner;
+use crate::provision::{self, Provisioner};
 
 #[derive(Clone)]
 pub struct ControllerService {
@@ -56,7 +50,7 @@ impl ControllerService {
                 async move {
                     match guard.hold(p.create(req)).await {
                         Ok(_) => tracing::info!("a wanted pull had finished; volume ready"),
-                        Err(_) if p.jobs.is_running(&name) => {
+                        Err(_) if p.is_pulling(&name) => {
                             tracing::info!("resumed a pull that was running before the restart")
                         }
                         Err(e @ Error::NotFound(_)) => {
@@ -78,7 +72,7 @@ impl ControllerService {
         let root_dir = VolumeId::parse(&rec.id)
             .and_then(|id| {
                 self.provisioner
-                    .roots
+                    .roots()
                     .by_key(id.backend, &id.root_key)
                     .map(|r| r.dir.clone())
             })
@@ -123,7 +117,7 @@ impl ControllerService {
         };
         let guard = self.locks.try_lock(&format!("name/{}", req.name))?;
         let (rec, topology) = guard
-            .hold(self.provisioner.create(plan::CreateRequest {
+            .hold(self.provisioner.create(provision::CreateRequest {
                 name: req.name,
                 params: req.parameters,
                 mutable: req.mutable_parameters,
@@ -230,6 +224,20 @@ impl ControllerService {
         })
     }
 
+    fn capacity(&self, req: GetCapacityRequest) -> Result<GetCapacityResponse> {
+        if let Some(cap) = req.volume_capabilities.first() {
+            capability::parse(cap, "volume_capabilities[0]")?;
+        }
+        let available = self
+            .provisioner
+            .capacity(&req.parameters, req.accessible_topology.as_ref())?;
+        Ok(GetCapacityResponse {
+            available_capacity: available,
+            maximum_volume_size: None,
+            minimum_volume_size: None,
+        })
+    }
+
     async fn modify(
         &self,
         req: ControllerModifyVolumeRequest,
@@ -258,10 +266,11 @@ impl Controller for ControllerService {
     ) -> Result<Response<CreateVolumeResponse>, Status> {
         let budget = crate::rpc::budget(&request);
         let req = request.into_inner();
-        let span = info_span!("CreateVolume", volume.name = %req.name);
-        async { respond(self.create(req, budget).await) }
-            .instrument(span)
-            .await
+        handle(
+            info_span!("CreateVolume", volume.name = %req.name),
+            self.create(req, budget),
+        )
+        .await
     }
 
     async fn delete_volume(
@@ -269,10 +278,11 @@ impl Controller for ControllerService {
         request: Request<DeleteVolumeRequest>,
     ) -> Result<Response<DeleteVolumeResponse>, Status> {
         let req = request.into_inner();
-        let span = info_span!("DeleteVolume", volume.id = %req.volume_id);
-        async { respond(self.delete(req).await) }
-            .instrument(span)
-            .await
+        handle(
+            info_span!("DeleteVolume", volume.id = %req.volume_id),
+            self.delete(req),
+        )
+        .await
     }
 
     async fn controller_publish_volume(
@@ -294,10 +304,11 @@ impl Controller for ControllerService {
         request: Request<ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
         let req = request.into_inner();
-        let span = info_span!("ValidateVolumeCapabilities", volume.id = %req.volume_id);
-        async { respond(self.validate(req).await) }
-            .instrument(span)
-            .await
+        handle(
+            info_span!("ValidateVolumeCapabilities", volume.id = %req.volume_id),
+            self.validate(req),
+        )
+        .await
     }
 
     async fn list_volumes(
@@ -305,9 +316,8 @@ impl Controller for ControllerService {
         request: Request<ListVolumesRequest>,
     ) -> Result<Response<ListVolumesResponse>, Status> {
         let req = request.into_inner();
-        async { respond(self.list(req).await) }
-            .instrument(info_span!("ListVolumes"))
-            .await
+        let span = info_span!("ListVolumes");
+        handle(span, self.list(req)).await
     }
 
     async fn get_capacity(
@@ -315,20 +325,7 @@ impl Controller for ControllerService {
         request: Request<GetCapacityRequest>,
     ) -> Result<Response<GetCapacityResponse>, Status> {
         let req = request.into_inner();
-        let _e = info_span!("GetCapacity").entered();
-        respond((|| {
-            if let Some(cap) = req.volume_capabilities.first() {
-                capability::parse(cap, "volume_capabilities[0]")?;
-            }
-            let available = self
-                .provisioner
-                .capacity(&req.parameters, req.accessible_topology.as_ref())?;
-            Ok(GetCapacityResponse {
-                available_capacity: available,
-                maximum_volume_size: None,
-                minimum_volume_size: None,
-            })
-        })())
+        handle(info_span!("GetCapacity"), async { self.capacity(req) }).await
     }
 
     async fn controller_get_capabilities(
@@ -388,10 +385,11 @@ impl Controller for ControllerService {
         request: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
         let req = request.into_inner();
-        let span = info_span!("ControllerExpandVolume", volume.id = %req.volume_id);
-        async { respond(self.expand(req).await) }
-            .instrument(span)
-            .await
+        handle(
+            info_span!("ControllerExpandVolume", volume.id = %req.volume_id),
+            self.expand(req),
+        )
+        .await
     }
 
     async fn controller_get_volume(
@@ -406,9 +404,10 @@ impl Controller for ControllerService {
         request: Request<ControllerModifyVolumeRequest>,
     ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
         let req = request.into_inner();
-        let span = info_span!("ControllerModifyVolume", volume.id = %req.volume_id);
-        async { respond(self.modify(req).await) }
-            .instrument(span)
-            .await
+        handle(
+            info_span!("ControllerModifyVolume", volume.id = %req.volume_id),
+            self.modify(req),
+        )
+        .await
     }
 }

@@ -201,6 +201,8 @@ pub struct InProcessDriver {
     client: Option<Client>,
     pub cfg: Arc<Config>,
     pub roots: Roots,
+    /// What the driver counts: serve it to scrape it.
+    pub metrics: Arc<crate::metrics::Metrics>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<anyhow::Result<()>>>,
 }
@@ -220,14 +222,22 @@ impl InProcessDriver {
         let listener = tokio::net::UnixListener::bind(&socket)
             .with_context(|| format!("bind {}", socket.display()))?;
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server::serve_on(cfg.clone(), Mode::All, listener, async {
-            let _ = stopped.await;
-        }));
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let task = tokio::spawn(server::serve_on(
+            cfg.clone(),
+            metrics.clone(),
+            Mode::All,
+            listener,
+            async {
+                let _ = stopped.await;
+            },
+        ));
         let client = Client::connect(socket).await?;
         Ok(InProcessDriver {
             client: Some(client),
             roots: cfg.roots(),
             cfg,
+            metrics,
             stop: Some(stop),
             task: Some(task),
         })

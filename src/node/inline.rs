@@ -16,18 +16,19 @@
 //! restart finds what to undo.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::capability::MountRequest;
-use crate::controller::Provisioner;
-use crate::controller::plan::{CreateRequest, InlineSource};
+use crate::context::Context;
 use crate::csi::VolumeCapability;
 use crate::error::{Error, IoContext, Result};
 use crate::offload::blocking;
+use crate::provision::Provisioner;
+use crate::provision::{CreateRequest, InlineSource};
 use crate::state;
 
 use super::ops::NodeOps;
@@ -132,25 +133,19 @@ struct Record {
 }
 
 pub struct Inline {
+    ctx: Context,
     provisioner: Arc<Provisioner>,
     ops: Arc<NodeOps>,
-    /// The StorageClass whose parameters govern inline volumes.
-    class: Option<String>,
     dir: PathBuf,
 }
 
 impl Inline {
-    pub fn new(
-        provisioner: Arc<Provisioner>,
-        ops: Arc<NodeOps>,
-        class: Option<String>,
-        state_dir: &Path,
-    ) -> Inline {
+    pub fn new(ctx: &Context, provisioner: Arc<Provisioner>, ops: Arc<NodeOps>) -> Inline {
         Inline {
+            dir: ctx.cfg.state_dir.join("inline"),
+            ctx: ctx.clone(),
             provisioner,
             ops,
-            class,
-            dir: state_dir.join("inline"),
         }
     }
 
@@ -179,7 +174,7 @@ impl Inline {
     ) -> Result<()> {
         check_id(volume_id)?;
         let wanted = parse(context)?;
-        let class = self.class.as_deref().ok_or_else(|| {
+        let class = self.ctx.cfg.inline_class.as_deref().ok_or_else(|| {
             Error::Precondition(
                 "inline volumes of this driver are off: an admin enables them by naming a \
                  StorageClass of this driver with --inline-storage-class (its parameters, \
@@ -187,7 +182,7 @@ impl Inline {
                     .into(),
             )
         })?;
-        let kube = self.provisioner.kube.as_ref().ok_or_else(|| {
+        let kube = self.ctx.kube.as_ref().ok_or_else(|| {
             Error::Precondition(
                 "inline volumes need the driver's Kubernetes API access (--kube-api), to read \
                  the inline StorageClass"
@@ -202,17 +197,17 @@ impl Inline {
             )),
             e => e,
         })?;
-        if sc.provisioner != self.provisioner.cfg.driver_name {
+        if sc.provisioner != self.ctx.cfg.driver_name {
             return Err(Error::Precondition(format!(
                 "--inline-storage-class {class} is a StorageClass of {}, not of {}",
-                sc.provisioner, self.provisioner.cfg.driver_name
+                sc.provisioner, self.ctx.cfg.driver_name
             )));
         }
-        let mut params = crate::controller::params::class_parameters(sc.parameters);
+        let mut params = crate::provision::params::class_parameters(sc.parameters);
         // The volume reads a model; what it reads is the pod's to name.
-        params.remove(crate::controller::params::SOURCE);
+        params.remove(crate::provision::params::SOURCE);
         if let Some(sub) = &wanted.sub_path {
-            params.insert(crate::controller::params::SUB_PATH.into(), sub.clone());
+            params.insert(crate::provision::params::SUB_PATH.into(), sub.clone());
         }
         let record_path = self.record_path(volume_id);
         let name = format!("inline-{volume_id}");

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
-use tracing::{Instrument, info_span};
+use tracing::info_span;
 
 use crate::capability;
 use crate::csi::node_server::Node;
@@ -19,7 +19,7 @@ use crate::csi::node_service_capability::{Rpc, rpc::Type as RpcType};
 use crate::csi::*;
 use crate::error::{Error, Result};
 use crate::lock::OpLocks;
-use crate::rpc::{require, respond};
+use crate::rpc::{handle, require};
 
 pub use ops::NodeOps;
 
@@ -226,9 +226,7 @@ impl Node for NodeService {
         let budget = crate::rpc::budget(&request);
         let req = request.into_inner();
         let span = info_span!("NodeStageVolume", volume.id = %req.volume_id, staging = %req.staging_target_path);
-        async { respond(self.stage(req, budget).await) }
-            .instrument(span)
-            .await
+        handle(span, self.stage(req, budget)).await
     }
 
     async fn node_unstage_volume(
@@ -237,9 +235,7 @@ impl Node for NodeService {
     ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
         let req = request.into_inner();
         let span = info_span!("NodeUnstageVolume", volume.id = %req.volume_id, staging = %req.staging_target_path);
-        async { respond(self.unstage(req).await) }
-            .instrument(span)
-            .await
+        handle(span, self.unstage(req)).await
     }
 
     async fn node_publish_volume(
@@ -250,9 +246,7 @@ impl Node for NodeService {
         let req = request.into_inner();
         let span =
             info_span!("NodePublishVolume", volume.id = %req.volume_id, target = %req.target_path);
-        async { respond(self.publish(req, budget).await) }
-            .instrument(span)
-            .await
+        handle(span, self.publish(req, budget)).await
     }
 
     async fn node_unpublish_volume(
@@ -261,9 +255,7 @@ impl Node for NodeService {
     ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
         let req = request.into_inner();
         let span = info_span!("NodeUnpublishVolume", volume.id = %req.volume_id, target = %req.target_path);
-        async { respond(self.unpublish(req).await) }
-            .instrument(span)
-            .await
+        handle(span, self.unpublish(req)).await
     }
 
     async fn node_get_volume_stats(
@@ -271,10 +263,11 @@ impl Node for NodeService {
         request: Request<NodeGetVolumeStatsRequest>,
     ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
         let req = request.into_inner();
-        let span = info_span!("NodeGetVolumeStats", volume.id = %req.volume_id);
-        async { respond(self.stats(req).await) }
-            .instrument(span)
-            .await
+        handle(
+            info_span!("NodeGetVolumeStats", volume.id = %req.volume_id),
+            self.stats(req),
+        )
+        .await
     }
 
     async fn node_expand_volume(
@@ -282,10 +275,11 @@ impl Node for NodeService {
         request: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
         let req = request.into_inner();
-        let span = info_span!("NodeExpandVolume", volume.id = %req.volume_id);
-        async { respond(self.expand(req).await) }
-            .instrument(span)
-            .await
+        handle(
+            info_span!("NodeExpandVolume", volume.id = %req.volume_id),
+            self.expand(req),
+        )
+        .await
     }
 
     async fn node_get_capabilities(

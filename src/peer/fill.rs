@@ -46,10 +46,16 @@ pub struct PeerFill {
     http: reqwest::Client,
     buffers: Arc<Semaphore>,
     node: String,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl PeerFill {
-    pub fn new(dir: Arc<Directory>, tokens: Arc<Tokens>, node: String) -> PeerFill {
+    pub fn new(
+        dir: Arc<Directory>,
+        tokens: Arc<Tokens>,
+        node: String,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> PeerFill {
         let http = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(CONNECT_TIMEOUT)
@@ -61,6 +67,7 @@ impl PeerFill {
             http,
             buffers: Arc::new(Semaphore::new(CHUNKS_IN_FLIGHT)),
             node,
+            metrics,
         }
     }
 
@@ -212,6 +219,7 @@ impl Fill for PeerFill {
                 served_by: Mutex::new(HashMap::new()),
                 from_peers: AtomicU64::new(0),
                 from_origin: AtomicU64::new(0),
+                metrics: self.metrics.clone(),
             }),
         }))
     }
@@ -343,6 +351,7 @@ struct Inner {
     served_by: Mutex<HashMap<String, BTreeSet<usize>>>,
     from_peers: AtomicU64,
     from_origin: AtomicU64,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// Why a chunk did not come from a peer.
@@ -381,7 +390,7 @@ impl Inner {
             &self.from_origin
         };
         total.fetch_add(n, Ordering::Relaxed);
-        crate::metrics::global()
+        self.metrics
             .fill_bytes
             .get_or_create(&crate::metrics::FillFrom {
                 model: self.sid.clone(),

@@ -228,10 +228,10 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 pub async fn start(
     cfg: PeerConfig,
     node: String,
-    driver: &str,
-    roots: &Roots,
+    ctx: &crate::context::Context,
     client: kube::Client,
 ) -> anyhow::Result<Arc<fill::PeerFill>> {
+    let (driver, roots) = (&ctx.cfg.driver_name, &ctx.roots);
     let namespace = cfg
         .namespace
         .clone()
@@ -256,8 +256,14 @@ pub async fn start(
         tokens.clone(),
         cfg.max_uploads,
         cfg.upload_bytes_per_sec,
+        ctx.metrics.clone(),
     ));
     tokio::spawn(srv.serve(listener));
     tracing::info!(listen = %cfg.listen, advertise = %cfg.advertise, %namespace, "serving peers");
-    Ok(Arc::new(fill::PeerFill::new(dir, tokens, node)))
+    Ok(Arc::new(fill::PeerFill::new(
+        dir,
+        tokens,
+        node,
+        ctx.metrics.clone(),
+    )))
 }

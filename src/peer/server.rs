@@ -45,6 +45,7 @@ pub struct PeerServer {
     seals: Arc<Seals>,
     /// Read-only views of sealed models being served (an image's mount).
     views: Mutex<Views>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// Open views by (root index, model), each with when it was last asked for.
@@ -59,6 +60,7 @@ impl PeerServer {
         tokens: Arc<Tokens>,
         max_uploads: usize,
         upload_bytes_per_sec: u64,
+        metrics: Arc<crate::metrics::Metrics>,
     ) -> PeerServer {
         PeerServer {
             roots,
@@ -67,6 +69,7 @@ impl PeerServer {
             pacer: Pacer::new(upload_bytes_per_sec),
             seals: Arc::default(),
             views: Mutex::default(),
+            metrics,
         }
     }
 
@@ -100,7 +103,7 @@ impl PeerServer {
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
         let refused = |reason: &'static str, status: StatusCode, msg: String| {
-            crate::metrics::global()
+            self.metrics
                 .peer_refused
                 .get_or_create(&crate::metrics::Reason {
                     reason: reason.into(),
@@ -471,7 +474,7 @@ impl PeerServer {
                 if tx.send(Ok(Frame::data(Bytes::from(buf)))).await.is_err() {
                     return;
                 }
-                crate::metrics::global().peer_served_bytes.inc_by(n as u64);
+                me.metrics.peer_served_bytes.inc_by(n as u64);
                 pos += n as u64;
             }
         });

@@ -22,12 +22,11 @@ use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use tracing::{Instrument, info, info_span, warn};
 
-use crate::controller::Provisioner;
-use crate::controller::plan::CreateRequest;
 use crate::csi::VolumeCapability;
 use crate::csi::volume_capability::{self, AccessType, MountVolume};
 use crate::error::{Error, Result};
-use crate::kubeapi::KubeApi;
+use crate::provision::Agent;
+use crate::provision::CreateRequest;
 use crate::puller::engine::{Progress, ProgressSink};
 
 use resource::{ModelPrefetch, NodeStatus, Phase, VOLUME_PREFIX};
@@ -39,20 +38,23 @@ const RESYNC: Duration = Duration::from_secs(60);
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 struct Ctx {
-    kube: KubeApi,
-    provisioner: Arc<Provisioner>,
-    node: String,
+    agent: Agent,
     /// Volume names whose pull is running in this process.
     running: Mutex<BTreeSet<String>>,
 }
 
+impl std::ops::Deref for Ctx {
+    type Target = Agent;
+    fn deref(&self) -> &Agent {
+        &self.agent
+    }
+}
+
 /// Runs until the process ends.
-pub async fn run(kube: KubeApi, provisioner: Arc<Provisioner>, node: String) {
-    let api = Api::<ModelPrefetch>::all(kube.client());
+pub async fn run(agent: Agent) {
+    let api = Api::<ModelPrefetch>::all(agent.kube.client());
     let ctx = Arc::new(Ctx {
-        kube,
-        provisioner,
-        node,
+        agent,
         running: Mutex::new(BTreeSet::new()),
     });
     info!(node = %ctx.node, "keeping ModelPrefetch models warm on this node");
@@ -259,8 +261,8 @@ async fn pull(
         ),
         e => e,
     })?;
-    let driver = &ctx.provisioner.cfg.driver_name;
-    if &sc.provisioner != driver {
+    let driver = ctx.driver();
+    if sc.provisioner != driver {
         return Err(Error::invalid(
             "spec.storageClassName",
             format!(
@@ -270,8 +272,8 @@ async fn pull(
         ));
     }
     let raw = sc.parameters.clone().unwrap_or_default();
-    let params = crate::controller::params::class_parameters(sc.parameters);
-    if !params.contains_key(crate::controller::params::SOURCE) {
+    let params = crate::provision::params::class_parameters(sc.parameters);
+    if !params.contains_key(crate::provision::params::SOURCE) {
         return Err(Error::invalid(
             "spec.storageClassName",
             format!(

@@ -62,11 +62,12 @@ struct Recording {
     last: Arc<Mutex<Option<Progress>>>,
     /// Bytes counted into the in-flight gauge, taken out when the job ends.
     counted: std::sync::atomic::AtomicI64,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Drop for Recording {
     fn drop(&mut self) {
-        let m = crate::metrics::global();
+        let m = &self.metrics;
         m.pull_bytes_in_flight
             .dec_by(self.counted.load(std::sync::atomic::Ordering::Relaxed));
         m.pulls_in_flight.dec();
@@ -80,7 +81,7 @@ impl ProgressSink for Recording {
     fn progress(&self, p: &Progress) {
         let now = i64::try_from(p.bytes).unwrap_or(i64::MAX);
         let before = self.counted.swap(now, std::sync::atomic::Ordering::Relaxed);
-        crate::metrics::global()
+        self.metrics
             .pull_bytes_in_flight
             .inc_by(now.saturating_sub(before));
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
@@ -134,11 +135,13 @@ impl Jobs {
         }
         let (tx, rx) = watch::channel(None);
         let last = Arc::new(Mutex::new(None));
-        crate::metrics::global().pulls_in_flight.inc();
+        let metrics = engine.metrics().clone();
+        metrics.pulls_in_flight.inc();
         let sink: Arc<dyn ProgressSink> = Arc::new(Recording {
             inner: req.sink,
             last: last.clone(),
             counted: Default::default(),
+            metrics,
         });
         let (engine, root, source, uri) = (engine.clone(), req.root, req.source, req.uri.clone());
         let signature = req.signature;

@@ -71,8 +71,8 @@ struct Ctx {
     recorder: Recorder,
     /// When each (PVC uid, selected node) was first seen.
     first_seen: Mutex<HashMap<(String, String), Instant>>,
-    /// Actions taken, by reason (for metrics and tests).
-    pub actions: Arc<Mutex<BTreeMap<&'static str, u64>>>,
+    /// Where actions are counted, by reason.
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 fn store<K>(api: Api<K>) -> (Store<K>, impl futures::Stream<Item = ()>)
@@ -88,8 +88,8 @@ where
     (reader, stream)
 }
 
-/// Runs until the process ends. `actions` counts reschedules by reason.
-pub async fn run(client: Client, cfg: Config, actions: Arc<Mutex<BTreeMap<&'static str, u64>>>) {
+/// Runs until the process ends, counting what it does into `metrics`.
+pub async fn run(client: Client, cfg: Config, metrics: Arc<crate::metrics::Metrics>) {
     let (nodes, nodes_stream) = store(Api::<Node>::all(client.clone()));
     let (csinodes, csinodes_stream) = store(Api::<CSINode>::all(client.clone()));
     let (classes, classes_stream) = store(Api::<StorageClass>::all(client.clone()));
@@ -110,7 +110,7 @@ pub async fn run(client: Client, cfg: Config, actions: Arc<Mutex<BTreeMap<&'stat
         pvs: pvs.clone(),
         pvcs: pvcs.clone(),
         first_seen: Mutex::new(HashMap::new()),
-        actions,
+        metrics,
     });
     // Informers must be warm before a missing node means "deleted".
     tokio::spawn(nodes_stream.for_each(|_| async {}));
@@ -274,17 +274,7 @@ async fn reconcile_in_span(
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&key);
-            *ctx.actions
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(reason)
-                .or_default() += 1;
-            crate::metrics::global()
-                .rescheduler_actions
-                .get_or_create(&crate::metrics::Reason {
-                    reason: reason.to_string(),
-                })
-                .inc();
+            ctx.metrics.rescheduled(reason);
             warn!(node = %node, reason, "cleared selected-node: {message}");
             let event = Event {
                 type_: EventType::Warning,
@@ -404,7 +394,7 @@ mod mock_tests {
             pvs: reflector::store().0,
             pvcs: reflector::store().0,
             first_seen: Mutex::new(HashMap::new()),
-            actions: Arc::new(Mutex::new(BTreeMap::new())),
+            metrics: Arc::default(),
         })
     }
 
@@ -473,8 +463,7 @@ mod mock_tests {
             .unwrap();
         assert_eq!(action, Action::await_change());
         let mut api = server.await.unwrap();
-        let actions = ctx.actions.lock().unwrap().clone();
-        assert_eq!(actions.get("node-missing"), Some(&1), "{actions:?}");
+        assert_eq!(ctx.metrics.reschedules("node-missing"), 1);
         drop(ctx);
         assert!(api.next_request().await.is_none(), "nothing else was asked");
     }
@@ -505,7 +494,7 @@ mod mock_tests {
             .unwrap();
         assert_eq!(action, Action::requeue(Duration::from_millis(200)));
         let mut api = server.await.unwrap();
-        assert!(ctx.actions.lock().unwrap().is_empty());
+        assert_eq!(ctx.metrics.reschedules_in_all(), 0);
         drop(ctx);
         assert!(
             api.next_request().await.is_none(),
@@ -546,6 +535,6 @@ mod mock_tests {
         let result = reconcile(Arc::new(pending(false)), ctx.clone()).await;
         server.await.unwrap();
         assert!(matches!(result, Err(ReconcileError::Kube(_))), "{result:?}");
-        assert!(ctx.actions.lock().unwrap().is_empty());
+        assert_eq!(ctx.metrics.reschedules_in_all(), 0);
     }
 }

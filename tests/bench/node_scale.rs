@@ -374,6 +374,7 @@ async fn scenarios(s: &Settings, dir: &Path) -> anyhow::Result<()> {
     let metrics_addr = metrics.local_addr()?;
     tokio::spawn(modelcache_csi::metrics::serve(
         metrics,
+        d.metrics.clone(),
         std::sync::Arc::new(|_| None),
         std::sync::Arc::new(Vec::new),
     ));

@@ -87,8 +87,8 @@ fn manifests_apply_to_a_real_apiserver() {
         }
         let params: std::collections::BTreeMap<String, String> =
             serde_json::from_value(sc["parameters"].clone()).unwrap_or_default();
-        let params = modelcache_csi::controller::params::class_parameters(Some(params));
-        if let Err(e) = modelcache_csi::controller::params::Params::parse(&params) {
+        let params = modelcache_csi::provision::params::class_parameters(Some(params));
+        if let Err(e) = modelcache_csi::provision::params::Params::parse(&params) {
             panic!("StorageClass {}: {e}", sc["metadata"]["name"]);
         }
     }

@@ -6,13 +6,14 @@
 use crate::support::apiserver;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
+use modelcache_csi::metrics::Metrics;
 use modelcache_csi::rescheduler::{self, Cleared, SELECTED_NODE};
 
 const DRIVER: &str = "modelcache.csi.io";
@@ -139,12 +140,10 @@ fn cfg(grace: Duration) -> rescheduler::Config {
     }
 }
 
-type Actions = Arc<Mutex<BTreeMap<&'static str, u64>>>;
-
-fn spawn(client: Client, grace: Duration) -> (tokio::task::JoinHandle<()>, Actions) {
-    let actions: Actions = Default::default();
-    let h = tokio::spawn(rescheduler::run(client, cfg(grace), actions.clone()));
-    (h, actions)
+fn spawn(client: Client, grace: Duration) -> (tokio::task::JoinHandle<()>, Arc<Metrics>) {
+    let metrics: Arc<Metrics> = Default::default();
+    let h = tokio::spawn(rescheduler::run(client, cfg(grace), metrics.clone()));
+    (h, metrics)
 }
 
 async fn selected(c: &Client, ns: &str, name: &str) -> Option<String> {
@@ -265,10 +264,10 @@ async fn every_decision_path_against_a_real_apiserver() {
         assert!(words.iter().all(|w| note.contains(w)), "{pvc}: {note}");
     }
     assert!(events_for(&admin, ns, "registered").await.is_empty());
-    let counted = actions.lock().unwrap().clone();
-    assert_eq!(counted.get("node-missing"), Some(&1));
-    assert_eq!(counted.get("node-not-selected"), Some(&1));
-    assert_eq!(counted.get("driver-missing"), Some(&1));
+    assert_eq!(actions.reschedules("node-missing"), 1);
+    assert_eq!(actions.reschedules("node-not-selected"), 1);
+    assert_eq!(actions.reschedules("driver-missing"), 1);
+    assert_eq!(actions.reschedules_in_all(), 3);
     task.abort();
 
     // Least privilege: the identity can do what it needs and nothing more.
@@ -361,14 +360,8 @@ async fn two_replicas_make_exactly_one_patch_and_one_event() {
         );
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let total = |acts: &Actions| acts.lock().unwrap().values().sum::<u64>();
-    assert_eq!(
-        total(&acts_a) + total(&acts_b),
-        5,
-        "a: {:?} b: {:?}",
-        acts_a,
-        acts_b
-    );
+    let (in_a, in_b) = (acts_a.reschedules_in_all(), acts_b.reschedules_in_all());
+    assert_eq!(in_a + in_b, 5, "a: {in_a} b: {in_b}");
     for i in 0..5 {
         let evs = events_for(&admin, "replicas", &format!("p{i}")).await;
         assert_eq!(evs.len(), 1, "p{i}: {evs:?}");

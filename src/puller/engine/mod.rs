@@ -103,6 +103,8 @@ pub struct Engine {
     resolved_for: Mutex<HashMap<String, (Pinned, Instant)>>,
     /// Where bytes may come from besides the origin (peer fill).
     fill: Option<Arc<dyn Fill>>,
+    /// Where its pulls, hits and evictions are counted.
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// How long a revision resolved for an asker pins its retries.
@@ -203,7 +205,19 @@ impl Engine {
             authorized: Mutex::new(HashMap::new()),
             resolved_for: Mutex::new(HashMap::new()),
             fill: None,
+            metrics: Arc::new(crate::metrics::Metrics::new()),
         }
+    }
+
+    /// Counts into `metrics` instead of a handle nothing serves.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Engine {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Where this engine counts.
+    pub fn metrics(&self) -> &Arc<crate::metrics::Metrics> {
+        &self.metrics
     }
 
     /// Pulls take bytes from `fill` first (peers), the origin for the rest.
@@ -386,7 +400,7 @@ impl Engine {
         let span =
             info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
         let scheme = crate::metrics::scheme_of(&resolved.uri);
-        let m = crate::metrics::global();
+        let m = &self.metrics;
         let started = Instant::now();
         let result = async {
             // A hit is served only to a requester the origin would serve.
@@ -649,7 +663,13 @@ impl Engine {
             inodes: pull.inodes,
         };
         let (r, s) = (root.clone(), sid.clone());
-        blocking(move || cache::evict::make_room(&r, room, capacity, &s)).await?;
+        let m = self.metrics.clone();
+        blocking(move || {
+            cache::evict::make_room(&r, room, capacity, &s, &|_| {
+                m.evictions.inc();
+            })
+        })
+        .await?;
         let (r, s) = (root.clone(), sid.clone());
         let work = Arc::new(blocking(move || PullArea::open(&r, &s, need)).await?);
         let result = self

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::cache::{self, External, Role, Root, Roots, Seal, VolumeId, VolumeRecord};
 use crate::config::Config;
+use crate::context::Context;
 use crate::csi::Topology;
 use crate::error::{Error, Result};
 use crate::kubeapi::{self, KubeApi};
@@ -23,21 +24,20 @@ use super::params::Params;
 use super::plan::{self, Plan, Resolved, Work};
 use super::plan::{CreateRequest, InlineSource};
 
-pub use super::plan::DEFAULT_CAPACITY;
-
 /// A volume as ListVolumes reports it: its record and where it is reachable.
 pub type Listed = (VolumeRecord, Vec<Topology>);
 
 pub struct Provisioner {
-    pub cfg: Arc<Config>,
-    pub roots: Roots,
+    cfg: Arc<Config>,
+    roots: Roots,
     /// Serialises clone, seal and delete on one source within this process.
-    pub sources: KeyedMutex,
-    pub engine: Arc<Engine>,
+    sources: KeyedMutex,
+    engine: Arc<Engine>,
     /// Pulls that outlive the CreateVolume calls that want them.
-    pub jobs: Jobs,
+    jobs: Jobs,
     /// API access, for per-PVC sources, `pvc://` and PVC events.
-    pub kube: Option<KubeApi>,
+    kube: Option<KubeApi>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// How a pull goes: with what credentials and policy, told to whom, for
@@ -67,28 +67,36 @@ enum PvcSource {
 pub use crate::offload::blocking;
 
 impl Provisioner {
-    pub fn new(cfg: Arc<Config>) -> Provisioner {
-        let roots = cfg.roots();
-        for r in &roots.roots {
+    /// A provisioner for the context's roots; it sweeps what a previous
+    /// process left half-done in them.
+    pub fn new(ctx: &Context) -> Provisioner {
+        for r in &ctx.roots.roots {
             cache::sweep(r);
         }
-        let engine = Arc::new(Engine::new(cfg.pull.clone(), crate::puller::extract_layer));
         Provisioner {
-            cfg,
-            roots,
+            cfg: ctx.cfg.clone(),
+            roots: ctx.roots.clone(),
             sources: KeyedMutex::default(),
-            engine,
+            engine: Arc::new(Self::engine(ctx.cfg.as_ref(), &ctx.metrics)),
             jobs: Jobs::default(),
-            kube: None,
+            kube: ctx.kube.clone(),
+            metrics: ctx.metrics.clone(),
         }
+    }
+
+    fn engine(cfg: &Config, metrics: &Arc<crate::metrics::Metrics>) -> Engine {
+        Engine::new(cfg.pull.clone(), crate::puller::extract_layer).with_metrics(metrics.clone())
     }
 
     /// Pulls fill from `fill` (peers) before the origin.
     pub fn with_fill(mut self, fill: Arc<dyn crate::puller::source::Fill>) -> Provisioner {
-        self.engine = Arc::new(
-            Engine::new(self.cfg.pull.clone(), crate::puller::extract_layer).with_fill(fill),
-        );
+        self.engine = Arc::new(Self::engine(&self.cfg, &self.metrics).with_fill(fill));
         self
+    }
+
+    /// Whether a pull for volume `name` runs in this process now.
+    pub fn is_pulling(&self, name: &str) -> bool {
+        self.jobs.is_running(name)
     }
 
     /// The roots this provisioner serves.
@@ -778,6 +786,7 @@ impl Provisioner {
         for root in &self.roots.roots {
             match cache::evict::evict_idle(root, idle) {
                 Ok(gone) if !gone.is_empty() => {
+                    self.metrics.evictions.inc_by(gone.len() as u64);
                     tracing::info!(root = %root.dir.display(), evicted = ?gone, "evicted idle models")
                 }
                 Ok(_) => {}
@@ -950,11 +959,6 @@ fn join_sub(a: Option<String>, b: Option<String>) -> Option<String> {
 }
 
 impl Provisioner {
-    pub fn with_kube(mut self, kube: KubeApi) -> Provisioner {
-        self.kube = Some(kube);
-        self
-    }
-
     /// Resolves `pvc://[ns:]claim[/path]` to what its bound PV holds.
     async fn resolve_pvc(
         &self,
