@@ -6,19 +6,120 @@
 //! controller service, inline volumes, prefetch and the modify agent all go
 //! through the same calls and the same locks.
 
+mod execute;
 pub mod node_report;
 pub mod params;
 pub mod plan;
+mod resolve;
 mod volumes;
 mod wanted;
 
 pub use plan::{CreateRequest, DEFAULT_CAPACITY, InlineSource};
-pub use volumes::{Listed, Provisioner};
 
 use std::sync::Arc;
 
+use crate::cache::{self, Role, Root, Roots, VolumeId, VolumeRecord};
+use crate::config::Config;
 use crate::context::Context;
+use crate::csi::Topology;
+use crate::error::Result;
 use crate::kubeapi::KubeApi;
+use crate::lock::KeyedMutex;
+use crate::offload::blocking;
+use crate::puller::engine::Engine;
+use crate::puller::jobs::Jobs;
+
+use params::Params;
+
+/// A volume as ListVolumes reports it: its record and where it is reachable.
+pub type Listed = (VolumeRecord, Vec<Topology>);
+
+pub struct Provisioner {
+    cfg: Arc<Config>,
+    roots: Roots,
+    /// Serialises clone, seal and delete on one source within this process.
+    sources: KeyedMutex,
+    engine: Arc<Engine>,
+    /// Pulls that outlive the CreateVolume calls that want them.
+    jobs: Jobs,
+    /// API access, for per-PVC sources, `pvc://` and PVC events.
+    kube: Option<KubeApi>,
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+impl Provisioner {
+    /// A provisioner for the context's roots; it sweeps what a previous
+    /// process left half-done in them.
+    pub fn new(ctx: &Context) -> Provisioner {
+        for r in &ctx.roots.roots {
+            cache::sweep(r);
+        }
+        Provisioner {
+            cfg: ctx.cfg.clone(),
+            roots: ctx.roots.clone(),
+            sources: KeyedMutex::default(),
+            engine: Arc::new(Self::engine(ctx.cfg.as_ref(), &ctx.metrics)),
+            jobs: Jobs::default(),
+            kube: ctx.kube.clone(),
+            metrics: ctx.metrics.clone(),
+        }
+    }
+
+    fn engine(cfg: &Config, metrics: &Arc<crate::metrics::Metrics>) -> Engine {
+        Engine::new(cfg.pull.clone(), crate::puller::extract_layer).with_metrics(metrics.clone())
+    }
+
+    /// Pulls fill from `fill` (peers) before the origin.
+    pub fn with_fill(mut self, fill: Arc<dyn crate::puller::source::Fill>) -> Provisioner {
+        self.engine = Arc::new(Self::engine(&self.cfg, &self.metrics).with_fill(fill));
+        self
+    }
+
+    /// Whether a pull for volume `name` runs in this process now.
+    pub fn is_pulling(&self, name: &str) -> bool {
+        self.jobs.is_running(name)
+    }
+
+    /// The roots this provisioner serves.
+    pub fn roots(&self) -> &crate::cache::Roots {
+        &self.roots
+    }
+
+    /// A volume's root and record, read off the runtime.
+    pub async fn lookup(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
+        cache::lookup_off_runtime(&self.roots, volume_id).await
+    }
+
+    /// CreateVolume: resolve what the request names (the API), plan it
+    /// (pure, `plan`), then do the plan's one kind of work.
+    pub async fn create(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
+        // The caller's budget runs from now: what comes before the pull
+        // (the API, opening the source, the record) spends it too.
+        let deadline = req.budget.map(|b| std::time::Instant::now() + b);
+        let params = Params::parse(&req.params)?;
+        let mutable = params::parse_mutable(&req.mutable)?;
+        let (resolved, pull) = self.resolve(&req, params).await?;
+        let plan = plan::plan(&self.cfg, &self.roots, &req, resolved)?;
+        if let Some(existing) = self.existing(&plan).await? {
+            return Ok(existing);
+        }
+        let root = plan.root.clone();
+        let rec = self.execute(&req, plan, pull, deadline).await?;
+        if mutable.pinned.is_some() && rec.role == Role::Cache && rec.model.is_some() {
+            let (r, sid, pin) = (
+                root.clone(),
+                rec.source.clone(),
+                mutable.pinned == Some(true),
+            );
+            let uuid = VolumeId::parse(&rec.id).map(|i| i.uuid).unwrap_or_default();
+            blocking(move || cache::evict::set_volume_pin(&r, &sid, &uuid, pin)).await?;
+        }
+        if mutable.sealed == Some(true) && rec.role == Role::Source {
+            self.seal(&rec.id).await?;
+        }
+        Ok((rec, plan::topology_of(&self.cfg, &root)))
+    }
+}
 
 /// What a node's own agents (prefetch, the modify agent) work with: the
 /// process's context, its API access, this node and its provisioner.

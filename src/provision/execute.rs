@@ -1,0 +1,344 @@
+//! The doing side of CreateVolume: a plan's one kind of work, run off the
+//! async runtime, and the pull job a model URI's plan joins.
+
+use std::sync::Arc;
+
+use crate::cache::{self, Root, Seal, VolumeId, VolumeRecord};
+use crate::csi::Topology;
+use crate::error::{Error, Result};
+use crate::offload::blocking;
+use crate::puller::{self, jobs};
+
+use super::Provisioner;
+use super::plan::{self, CreateRequest, Plan, Work};
+use super::resolve::PullInputs;
+use super::wanted;
+impl Provisioner {
+    /// A volume of this name already made: the same (a retry), or a
+    /// conflict.
+    pub(super) async fn existing(
+        &self,
+        plan: &Plan,
+    ) -> Result<Option<(VolumeRecord, Vec<Topology>)>> {
+        let (roots, want) = (self.roots.clone(), plan.record.clone());
+        let found = blocking(move || -> Result<Option<(Root, VolumeRecord)>> {
+            let uuid = VolumeId::parse(&want.id)
+                .map(|i| i.uuid)
+                .unwrap_or_default();
+            for r in &roots.roots {
+                if let Some(existing) = cache::read_volume(r, &uuid)? {
+                    return Ok(Some((r.clone(), existing)));
+                }
+            }
+            Ok(None)
+        })
+        .await?;
+        match found {
+            None => Ok(None),
+            Some((r, existing))
+                if existing.request == plan.record.request && existing.id == plan.record.id =>
+            {
+                Ok(Some((existing, plan::topology_of(&self.cfg, &r))))
+            }
+            Some((_, existing)) => Err(Error::Conflict(format!(
+                "volume name {} is already used by volume {} with different arguments",
+                plan.record.name, existing.id
+            ))),
+        }
+    }
+
+    /// Does a plan's work; each kind's filesystem work runs off the async
+    /// runtime. Returns the record as written.
+    pub(super) async fn execute(
+        &self,
+        req: &CreateRequest,
+        plan: Plan,
+        pull: PullInputs,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<VolumeRecord> {
+        let Plan {
+            root,
+            record: mut rec,
+            work,
+            required,
+            limit,
+        } = plan;
+        let sid = match work {
+            Work::NewSource => {
+                let (r, rec) = (root, rec);
+                return blocking(move || {
+                    check_free(&r, rec.capacity_bytes as u64)?;
+                    cache::create_source(&r, &rec.source, rec.capacity_bytes as u64)?;
+                    cache::write_volume(&r, &rec)?;
+                    Ok(rec)
+                })
+                .await;
+            }
+            Work::CopySource { from } => {
+                let _g = self.sources.lock(&from.source).await;
+                let (r, rec) = (root, rec);
+                return blocking(move || {
+                    let writers = cache::writers(&r, &from.source)?;
+                    if !writers.is_empty() && cache::read_seal(&r, &from.source)?.is_none() {
+                        return Err(Error::Precondition(format!(
+                            "source volume {} is being written on node(s) {}; a copy now would be torn",
+                            from.id,
+                            writers.join(", ")
+                        )));
+                    }
+                    check_free(&r, rec.capacity_bytes as u64)?;
+                    cache::copy_source(&r, &from.source, &rec.source)?;
+                    cache::write_volume(&r, &rec)?;
+                    Ok(rec)
+                })
+                .await;
+            }
+            Work::External { path } => {
+                let (r, rec) = (root, rec);
+                return blocking(move || {
+                    if !std::path::Path::new(&path).exists() {
+                        return Err(Error::NotFound(format!(
+                            "{path} does not exist on node {}",
+                            r.node.clone().unwrap_or_default()
+                        )));
+                    }
+                    cache::write_volume(&r, &rec)?;
+                    Ok(rec)
+                })
+                .await;
+            }
+            Work::Clone { from } => {
+                // A sealed source of a tenant's own is judged by the
+                // class's policy as a pulled model is.
+                if let Some(policy) = &pull.signature {
+                    let (r, s) = (root.clone(), from.source.clone());
+                    let seal = blocking(move || sealed(&r, &s, Some(&from.id))).await?;
+                    rec.signed_by =
+                        puller::engine::vouch_sealed(&root, &from.source, &seal, Some(policy))
+                            .await?;
+                }
+                from.source
+            }
+            Work::Pull { uri } => {
+                let ns = pull.owner.as_ref().map(|o| o.namespace().to_string());
+                if let Some(ns) = &ns {
+                    let (r, n, u, max) = (
+                        root.clone(),
+                        ns.clone(),
+                        crate::trust::allowed::shown(&uri).to_string(),
+                        self.cfg.max_models_per_namespace,
+                    );
+                    blocking(move || namespace_has_room(&r, &n, &u, max)).await?;
+                }
+                rec.namespace = ns;
+                let pulled = self.pull(req, &uri, &root, pull, deadline).await?;
+                rec.model = pulled.seal.origin.clone().into();
+                rec.revision = pulled.seal.revision.clone();
+                rec.signed_by = pulled.signed.clone();
+                pulled.sid.clone()
+            }
+        };
+        // A cache volume: a reference to a sealed source, checked under the
+        // source's lock so that neither a delete nor an eviction slips in.
+        let _g = self.sources.lock(&sid).await;
+        blocking(move || {
+            let seal = sealed(&root, &sid, rec.content_source.as_deref())?;
+            if let Some(sub) = &rec.sub_path
+                && !seal.has_dir(sub)
+            {
+                return Err(Error::invalid(
+                    "parameters.subPath",
+                    format!(
+                        "{sub:?} is not a directory of the source (directories: {})",
+                        preview(&seal.dirs)
+                    ),
+                ));
+            }
+            let total = seal.total_bytes as i64;
+            if limit > 0 && limit < total {
+                return Err(Error::Unsatisfiable(format!(
+                    "capacity_range.limit_bytes {limit} is smaller than the {total} bytes the source holds"
+                )));
+            }
+            let uuid = std::mem::replace(&mut rec.source, sid.clone());
+            rec.capacity_bytes = required.max(total);
+            cache::add_ref(&root, &sid, &uuid)?;
+            // Eviction renames a model away before it looks for
+            // references; if that won, ours must not dangle.
+            if cache::read_seal(&root, &sid)?.is_none() {
+                cache::remove_ref(&root, &sid, &uuid)?;
+                return Err(Error::Transient(format!(
+                    "source {sid} was evicted while this volume was being created; retry"
+                )));
+            }
+            if sid.is_model() {
+                cache::evict::touch(&root, &sid)?;
+            }
+            cache::write_volume(&root, &rec)?;
+            Ok(rec)
+        })
+        .await
+    }
+
+    /// Pulls a model URI into `root` through the pull job of this volume
+    /// name, which outlives the call: at the caller's deadline it answers
+    /// "still pulling", and the retry joins the same job.
+    async fn pull(
+        &self,
+        req: &CreateRequest,
+        uri: &str,
+        root: &Root,
+        pull: PullInputs,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Arc<crate::puller::engine::Pulled>> {
+        let shown = crate::trust::allowed::shown(uri).to_string();
+        let tenant = pull.options.tenant.is_some();
+        let source = match puller::open(uri, &pull.options).await {
+            Ok(s) => s,
+            Err(e) => {
+                pull.sink.failed(&shown, &e.to_string());
+                return Err(e);
+            }
+        };
+        let job = jobs::Request {
+            key: req.name.clone(),
+            uri: shown,
+            owner: pull.owner,
+            root: root.clone(),
+            source,
+            signature: pull.signature,
+            sink: pull.sink,
+        };
+        // Recorded so that a restart resumes it; a class secret would have
+        // to be written too, so such a pull waits for the provisioner's
+        // next call. An inline volume's pull is not: kubelet asks again.
+        let resumable = req.inline.is_none() && (req.secrets.is_empty() || tenant);
+        if resumable && !self.jobs.is_running(&req.name) {
+            let (d, w) = (self.wanted_dir(), req.clone());
+            blocking(move || wanted::save(&d, &w)).await?;
+        }
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        tracing::debug!(budget = ?left, "joining the pull job");
+        let pulled = self.jobs.pull(&self.engine, job, left).await;
+        if resumable && !self.jobs.is_running(&req.name) {
+            let (d, n) = (self.wanted_dir(), req.name.clone());
+            blocking(move || wanted::remove(&d, &n)).await?;
+        }
+        pulled
+    }
+}
+
+/// The seal of a source a cache volume is about to read.
+fn sealed(root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
+    cache::read_seal(root, sid)?.ok_or_else(|| {
+        Error::Precondition(format!(
+            "source volume {} is not sealed: finish writing it, stop the pods that write it, \
+             then seal it (mutable parameter sealed=true through a VolumeAttributesClass, \
+             or `modelcache-csi seal`)",
+            from.unwrap_or(sid)
+        ))
+    })
+}
+
+/// Whether a namespace may pull `uri` into `root`: its volumes hold fewer
+/// than `max` distinct pulled models, or one of them is of this URI
+/// already. Inline volumes have no ResourceQuota, so without this one
+/// namespace could fill a node's cache with models nobody else uses.
+/// Concurrent first pulls of one namespace may overshoot by how many run
+/// at once.
+fn namespace_has_room(root: &Root, ns: &str, uri: &str, max: usize) -> Result<()> {
+    if max == 0 {
+        return Ok(());
+    }
+    let mut models = std::collections::BTreeSet::new();
+    for v in cache::list_volumes(root)? {
+        if v.namespace.as_deref() != Some(ns) || !v.source.is_model() {
+            continue;
+        }
+        if v.model.as_deref().map(crate::trust::allowed::shown) == Some(uri) {
+            return Ok(());
+        }
+        models.insert(v.source);
+    }
+    if models.len() >= max {
+        return Err(Error::OverLimit(format!(
+            "namespace {ns} already holds {} pulled models in {} (--max-models-per-namespace {max}); \
+             delete the volumes of models it no longer uses, or ask an admin to raise the limit",
+            models.len(),
+            root.describe()
+        )));
+    }
+    Ok(())
+}
+
+fn check_free(root: &Root, bytes: u64) -> Result<()> {
+    let space = cache::space(root)?;
+    if bytes > space.usable() {
+        return Err(Error::OverLimit(format!(
+            "{bytes} bytes were requested, but {} has {space}",
+            root.describe()
+        )));
+    }
+    Ok(())
+}
+
+fn preview(items: &[String]) -> String {
+    if items.is_empty() {
+        return "none".into();
+    }
+    let mut s: Vec<_> = items.iter().take(8).cloned().collect();
+    if items.len() > 8 {
+        s.push(format!("… {} more", items.len() - 8));
+    }
+    s.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{Role, VolumeRecord};
+
+    /// A namespace at its bound may still use the models it holds, and
+    /// other namespaces are not counted against it.
+    #[test]
+    fn a_namespace_holds_at_most_its_share_of_models() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = crate::config::Config::for_node("n", d.path());
+        let root = cfg.roots().roots.remove(0);
+        let volume = |i: u32, ns: &str, model: &str| {
+            let uuid = format!("{i:032x}");
+            let rec = VolumeRecord {
+                id: root.volume_id(&uuid),
+                name: format!("v{i}"),
+                backend: root.backend,
+                role: Role::Cache,
+                source: cache::SourceId::parse(&format!("m{:031x}", i % 100)).unwrap(),
+                sub_path: None,
+                verify: Default::default(),
+                capacity_bytes: 1,
+                node: Some("n".into()),
+                model: Some(model.into()),
+                revision: None,
+                external: None,
+                content_source: None,
+                namespace: Some(ns.into()),
+                signed_by: None,
+                request: String::new(),
+                created_unix: 0,
+            };
+            cache::write_volume(&root, &rec).unwrap();
+        };
+        volume(1, "team-a", "s3://m/one");
+        volume(2, "team-a", "s3://m/two");
+        volume(3, "team-b", "s3://m/three");
+        // Two volumes of one model count once.
+        volume(101, "team-a", "s3://m/one");
+        namespace_has_room(&root, "team-a", "s3://m/new", 3).unwrap();
+        let e = namespace_has_room(&root, "team-a", "s3://m/new", 2).unwrap_err();
+        assert!(matches!(e, Error::OverLimit(_)), "{e}");
+        assert!(e.to_string().contains("--max-models-per-namespace"), "{e}");
+        namespace_has_room(&root, "team-a", "s3://m/two", 2).unwrap();
+        namespace_has_room(&root, "team-b", "s3://m/new", 2).unwrap();
+        namespace_has_room(&root, "team-a", "s3://m/new", 0).unwrap();
+    }
+}
