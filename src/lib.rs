@@ -25,7 +25,10 @@ pub mod prefetch; // on a node: ModelPrefetch models pulled before any pod asks
 pub mod progress; // a pull's progress, and where it is reported
 pub mod provision; // requests turned into volumes: resolve, plan, execute, seal, delete
 pub mod puller; // model URIs fetched and sealed by the driver
+pub mod requests; // CSI requests as a CO sends them, for the demo, benchmarks and tests
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
+#[cfg(test)]
+mod rootless; // the rootless tier: both services in process over the fake mounter
 pub mod rpc; // the edge of every handler: required fields, logging, status
 pub mod server; // binding the endpoint and serving
 pub mod signing; // model signatures (OpenSSF model-signing bundles) checked against a key and a seal

@@ -21,7 +21,6 @@ use crate::cache::{self, Backend, Roots, Seal};
 use crate::client::Client;
 use crate::config::Config;
 use crate::csi::volume_capability::access_mode::Mode as AccessMode;
-use crate::csi::volume_capability::{AccessType, MountVolume};
 use crate::csi::volume_content_source::{Type as ContentType, VolumeSource};
 use crate::csi::*;
 use crate::mount::{self, mountinfo};
@@ -183,11 +182,9 @@ pub fn disk_usage(dir: &Path) -> std::io::Result<u64> {
     Ok(total)
 }
 
+/// A filesystem capability for `mode`, as kubelet asks for it.
 pub fn mount_capability(mode: AccessMode) -> VolumeCapability {
-    VolumeCapability {
-        access_type: Some(AccessType::Mount(MountVolume::default())),
-        access_mode: Some(volume_capability::AccessMode { mode: mode as i32 }),
-    }
+    crate::requests::mount_cap(mode, &[])
 }
 
 fn status(what: &str, s: tonic::Status) -> anyhow::Error {

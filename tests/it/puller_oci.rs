@@ -2,6 +2,7 @@
 //! loopback, with the real all-MiniLM-L6-v2 model pushed as an ORAS-style
 //! artifact and as a modelcar image.
 
+use crate::support::fixtures::sha256_file;
 use crate::support::reading::read_all;
 use crate::support::registry;
 
@@ -36,12 +37,6 @@ fn model_dir() -> &'static Path {
         let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
         PathBuf::from(dir.lines().last().unwrap_or_default())
     })
-}
-
-fn sha256_file(path: &Path) -> String {
-    let mut h = Sha256::new();
-    h.update(fs::read(path).unwrap());
-    hex::encode(h.finalize())
 }
 
 fn source(reg: &Registry, rest: &str) -> OciSource {

@@ -70,8 +70,20 @@ fi
 # A private mount namespace: whatever a failing test leaves mounted dies with it.
 log "cargo test"
 set +e
-unshare -m --propagation private cargo test --locked --no-fail-fast 2>&1 | tee "$TARGET/cargo-test.log"
+# The rootless tier runs below, as nobody, to prove it needs no root.
+unshare -m --propagation private cargo test --locked --no-fail-fast -- --skip rootless:: 2>&1 | tee "$TARGET/cargo-test.log"
 cargo_rc=${PIPESTATUS[0]}
+log "rootless tier (src/rootless.rs), as uid 65534"
+rootless_dir=$(mktemp -d /tmp/mc-rootless.XXXXXX)
+chmod 755 "$rootless_dir"
+rootless_bin=$(cargo test --locked --lib --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][0])')
+cp "$rootless_bin" "$rootless_dir/tier"
+install -d -o 65534 -g 65534 "$rootless_dir/tmp"
+( cd "$rootless_dir/tmp" && setpriv --reuid=65534 --regid=65534 --clear-groups \
+    env HOME="$rootless_dir/tmp" TMPDIR="$rootless_dir/tmp" ../tier rootless:: ) 2>&1 | tee -a "$TARGET/cargo-test.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || cargo_rc=1
+rm -rf "$rootless_dir"
 log "csi-sanity"
 "$ROOT/tests/scripts/csi-sanity.sh" "$TARGET/debug/modelcache-csi" 2>&1 | tee "$TARGET/csi-sanity.log"
 sanity_rc=${PIPESTATUS[0]}
