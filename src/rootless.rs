@@ -286,7 +286,7 @@ async fn every_missing_or_malformed_field_is_named_with_invalid_argument() {
         assert_code(r, Code::InvalidArgument, field);
     }
     d.assert_nothing_mounted();
-    assert_eq!(d.list().await, [src.volume_id.clone()]);
+    assert_eq!(d.list().await, std::slice::from_ref(&src.volume_id));
 }
 
 #[tokio::test]
