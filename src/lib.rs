@@ -2,6 +2,7 @@
 //! models into pods as shared read-only volumes.
 
 pub mod admin; // `modelcache-csi cache`: the node operator's view of the cache
+pub mod beneath; // openat2 beneath a directory, retried while a rename settles
 pub mod cache; // sealed sources, seals and volume records on disk
 pub mod capability; // what a VolumeCapability asks for, and whether we can give it
 pub mod client; // CSI client over a Unix socket

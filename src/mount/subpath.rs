@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
-use nix::fcntl::{OFlag, OpenHow, ResolveFlag, open, openat2};
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag, open};
 use nix::sys::stat::Mode;
 
 use super::with_context;
@@ -75,22 +75,14 @@ pub fn open_beneath(root: &Path, sub: &str) -> io::Result<OwnedFd> {
             ),
         )
     };
-    // The kernel answers EAGAIN when a concurrent rename could have let ".." in a symlink
-    // escape; the rename is over by the time we retry.
-    let mut attempts = 0;
-    loop {
-        match openat2(&root_fd, sub, how) {
-            Ok(fd) => return Ok(fd),
-            Err(Errno::EAGAIN) if attempts < 8 => attempts += 1,
-            Err(Errno::EXDEV) => return Err(escape("a symlink or a mount point")),
-            Err(Errno::ELOOP) => return Err(escape("a symlink (magic link or symlink loop)")),
-            Err(e) => {
-                return Err(with_context(
-                    e,
-                    format_args!("open subPath {sub:?} beneath {}", root.display()),
-                ));
-            }
-        }
+    match crate::beneath::openat2_settled(&root_fd, sub, how) {
+        Ok(fd) => Ok(fd),
+        Err(Errno::EXDEV) => Err(escape("a symlink or a mount point")),
+        Err(Errno::ELOOP) => Err(escape("a symlink (magic link or symlink loop)")),
+        Err(e) => Err(with_context(
+            e,
+            format_args!("open subPath {sub:?} beneath {}", root.display()),
+        )),
     }
 }
 
@@ -112,28 +104,20 @@ pub fn open_confined(
             | ResolveFlag::RESOLVE_NO_SYMLINKS
             | ResolveFlag::RESOLVE_NO_MAGICLINKS,
     );
-    let mut attempts = 0;
-    loop {
-        match openat2(base, rel, how) {
-            Ok(fd) => return Ok(fd),
-            Err(Errno::EAGAIN) if attempts < 8 => attempts += 1,
-            Err(Errno::ELOOP) | Err(Errno::EXDEV) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!(
-                        "{} is, or passes through, a symlink: the driver never follows links it \
-                         did not make out of its storage root",
-                        base_path.join(rel).display()
-                    ),
-                ));
-            }
-            Err(e) => {
-                return Err(with_context(
-                    e,
-                    format_args!("open {}", base_path.join(rel).display()),
-                ));
-            }
-        }
+    match crate::beneath::openat2_settled(base, rel, how) {
+        Ok(fd) => Ok(fd),
+        Err(Errno::ELOOP) | Err(Errno::EXDEV) => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{} is, or passes through, a symlink: the driver never follows links it \
+                 did not make out of its storage root",
+                base_path.join(rel).display()
+            ),
+        )),
+        Err(e) => Err(with_context(
+            e,
+            format_args!("open {}", base_path.join(rel).display()),
+        )),
     }
 }
 

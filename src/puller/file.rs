@@ -66,7 +66,7 @@ fn open_file(path: &Path, base: Option<&Path>) -> Result<File> {
 /// `open_file` beneath `base`, whose directory `dir` is already open (a
 /// listing checks every file against one descriptor).
 fn open_in(dir: &File, base: &Path, path: &Path) -> Result<File> {
-    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
     let rel = path.strip_prefix(base).map_err(|_| {
         Error::NotAllowed(format!(
             "{} is not beneath {}",
@@ -82,22 +82,17 @@ fn open_in(dir: &File, base: &Path, path: &Path) -> Result<File> {
     } else {
         rel
     };
-    let mut attempts = 0;
-    loop {
-        match openat2(dir, rel, how) {
-            Ok(fd) => return Ok(File::from(fd)),
-            // A concurrent rename; it is over by the retry.
-            Err(nix::errno::Errno::EAGAIN) if attempts < 8 => attempts += 1,
-            Err(nix::errno::Errno::EXDEV | nix::errno::Errno::ELOOP) => {
-                return Err(Error::NotAllowed(format!(
-                    "{} leads out of {} through a symbolic link; a source named by a PVC or pod \
-                     is read only beneath its allowed prefix",
-                    path.display(),
-                    base.display()
-                )));
-            }
-            Err(e) => return Err(Error::io("open", path, std::io::Error::from(e))),
+    match crate::beneath::openat2_settled(dir, rel, how) {
+        Ok(fd) => Ok(File::from(fd)),
+        Err(nix::errno::Errno::EXDEV | nix::errno::Errno::ELOOP) => {
+            Err(Error::NotAllowed(format!(
+                "{} leads out of {} through a symbolic link; a source named by a PVC or pod is read \
+             only beneath its allowed prefix",
+                path.display(),
+                base.display()
+            )))
         }
+        Err(e) => Err(Error::io("open", path, std::io::Error::from(e))),
     }
 }
 
