@@ -5,7 +5,7 @@
 //! fix it, and never carry credentials.
 
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -62,10 +62,15 @@ pub enum Error {
     /// A feature this driver does not offer (or not in this mode).
     #[error("{0}")]
     Unsupported(String),
+    /// No volume of this driver has this id (a request's `volume_id`, or a
+    /// content source's).
+    #[error("volume {id} does not exist")]
+    NoVolume { id: String },
     /// An unexpected OS error, with what we were doing and on which path.
-    #[error("{context}: {source}")]
+    #[error("{op} {}: {source}", path.display())]
     Io {
-        context: String,
+        op: String,
+        path: PathBuf,
         #[source]
         source: io::Error,
     },
@@ -104,8 +109,10 @@ impl Error {
                 after: *after,
             },
             Error::Unsupported(m) => Error::Unsupported(m.clone()),
-            Error::Io { context, source } => Error::Io {
-                context: context.clone(),
+            Error::NoVolume { id } => Error::NoVolume { id: id.clone() },
+            Error::Io { op, path, source } => Error::Io {
+                op: op.clone(),
+                path: path.clone(),
                 source: match source.raw_os_error() {
                     Some(code) => io::Error::from_raw_os_error(code),
                     None => io::Error::new(source.kind(), source.to_string()),
@@ -124,7 +131,8 @@ impl Error {
     /// Wraps an OS error with the operation and the path it concerned.
     pub fn io(what: &str, path: &Path, source: io::Error) -> Self {
         Error::Io {
-            context: format!("{what} {}", path.display()),
+            op: what.to_string(),
+            path: path.to_path_buf(),
             source,
         }
     }
@@ -146,7 +154,7 @@ impl From<Error> for tonic::Status {
         use tonic::Code;
         let code = match &err {
             Error::Invalid { .. } => Code::InvalidArgument,
-            Error::NotFound(_) => Code::NotFound,
+            Error::NotFound(_) | Error::NoVolume { .. } => Code::NotFound,
             Error::Conflict(_) => Code::AlreadyExists,
             Error::Busy(_) => Code::Aborted,
             // The model as served cannot be pulled until its server is

@@ -48,7 +48,9 @@ pub fn now_unix() -> u64 {
 
 /// Finds a volume's root and record; NotFound when either is unknown.
 pub fn lookup(roots: &Roots, volume_id: &str) -> Result<(Root, VolumeRecord)> {
-    let not_found = || Error::NotFound(format!("volume {volume_id} does not exist"));
+    let not_found = || Error::NoVolume {
+        id: volume_id.to_string(),
+    };
     let id = VolumeId::parse(volume_id).ok_or_else(not_found)?;
     let root = roots.for_id(&id).map_err(|_| not_found())?.clone();
     let rec = read_volume(&root, &id.uuid)?.ok_or_else(not_found)?;

@@ -53,7 +53,7 @@ impl ControllerService {
                         Err(_) if p.is_pulling(&name) => {
                             tracing::info!("resumed a pull that was running before the restart")
                         }
-                        Err(e @ Error::NotFound(_)) => {
+                        Err(e @ (Error::NotFound(_) | Error::NoVolume { .. })) => {
                             tracing::info!(error = %e, "a wanted pull is no longer wanted");
                             p.forget_wanted(&name).await;
                         }
