@@ -24,6 +24,7 @@ pub mod outcome; // one result of work that outlives its callers, awaited within
 pub mod peer; // peer fill: serving sealed models to other nodes, filling from them first
 pub mod prefetch; // on a node: ModelPrefetch models pulled before any pod asks
 pub mod progress; // a pull's progress, and where it is reported
+pub mod progressive; // progressive volumes: a FUSE view of a model still arriving, verified bytes only
 pub mod provision; // requests turned into volumes: resolve, plan, execute, seal, delete
 pub mod puller; // model URIs fetched and sealed by the driver
 pub mod requests; // CSI requests as a CO sends them, for the demo, benchmarks and tests

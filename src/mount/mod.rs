@@ -8,6 +8,7 @@
 
 #[cfg(test)]
 pub mod fake;
+pub mod fuse;
 pub mod lookup;
 pub mod loopdev;
 pub mod mounter;

@@ -23,6 +23,7 @@ mod node_scale;
 mod node_trust;
 mod peer_fill;
 mod placement;
+mod progressive;
 mod pull_s3;
 mod pull_sources;
 mod puller_engine;

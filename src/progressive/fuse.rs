@@ -1,0 +1,388 @@
+//! The FUSE server of a progressive volume, over the raw `/dev/fuse`
+//! protocol: the tree from the listing, and READs answered only from files
+//! their gate has verified. A READ of a file still pending waits on its own
+//! thread, so every other request (and every verified read) goes on.
+//!
+//! Raw rather than `fuser`: a server that must take over a connection from
+//! its predecessor (docs/design.md, *Progressive volumes*) never sees an
+//! INIT, and `fuser` refuses everything before one. A read-only server
+//! needs a dozen opcodes.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+
+use super::gate::{Gates, Wait};
+use super::tree::{Node, ROOT, Tree};
+
+const LOOKUP: u32 = 1;
+const FORGET: u32 = 2;
+const GETATTR: u32 = 3;
+const OPEN: u32 = 14;
+const READ: u32 = 15;
+const STATFS: u32 = 17;
+const RELEASE: u32 = 18;
+const FLUSH: u32 = 25;
+const INIT: u32 = 26;
+const OPENDIR: u32 = 27;
+const READDIR: u32 = 28;
+const RELEASEDIR: u32 = 29;
+const ACCESS: u32 = 34;
+const INTERRUPT: u32 = 36;
+const DESTROY: u32 = 38;
+const BATCH_FORGET: u32 = 42;
+
+const ASYNC_READ: u32 = 1 << 0;
+const PARALLEL_DIROPS: u32 = 1 << 18;
+const MAX_PAGES: u32 = 1 << 22;
+
+/// Largest READ the kernel may send: 1 MiB, so a page fault's readahead
+/// asks for large ranges, never 4 KiB at a time.
+const MAX_READ_PAGES: u16 = 256;
+const IN_HEADER: usize = 40;
+/// Attributes never change while mounted: the listing's sizes are final.
+const TTL_SECS: u64 = 3600;
+
+/// One progressive volume as its server sees it.
+pub struct Volume {
+    pub tree: Tree,
+    pub gates: Arc<Gates>,
+    /// Where a verified file's bytes are, under its listed path.
+    pub backing: PathBuf,
+    /// How long a READ waits for its file before it answers EIO.
+    pub wait_bound: Duration,
+    /// READs answered with bytes, and those bytes: how large the kernel's
+    /// requests are (a page fault's readahead should be large).
+    pub reads: AtomicU64,
+    pub read_bytes: AtomicU64,
+}
+
+impl Volume {
+    pub fn new(tree: Tree, gates: Arc<Gates>, backing: PathBuf, wait_bound: Duration) -> Volume {
+        Volume {
+            tree,
+            gates,
+            backing,
+            wait_bound,
+            reads: AtomicU64::new(0),
+            read_bytes: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Serves `vol` on the connection `dev` until the filesystem is unmounted.
+pub fn serve(dev: OwnedFd, vol: Arc<Volume>) -> io::Result<()> {
+    let dev = Arc::new(File::from(dev));
+    let backing: OwnedFd = File::open(&vol.backing)?.into();
+    let s = Arc::new(Server {
+        vol,
+        dev,
+        backing,
+        open: Mutex::new(HashMap::new()),
+        next_fh: AtomicU64::new(1),
+    });
+    let mut buf = vec![0u8; (MAX_READ_PAGES as usize) * 4096 + 4096];
+    loop {
+        let n = match (&*s.dev).read(&mut buf) {
+            Ok(n) => n,
+            // Unmounted: the connection is gone.
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            // The request was interrupted before we read it.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+            Err(e) => return Err(e),
+        };
+        if n < IN_HEADER {
+            continue;
+        }
+        s.clone().handle(&buf[..n]);
+    }
+}
+
+struct Server {
+    vol: Arc<Volume>,
+    dev: Arc<File>,
+    /// The backing directory, which every open is confined beneath.
+    backing: OwnedFd,
+    open: Mutex<Handles>,
+    next_fh: AtomicU64,
+}
+
+/// Open handles: each file's listing index, and its backing file once a
+/// verified READ opened it.
+type Handles = HashMap<u64, (usize, Option<Arc<File>>)>;
+
+struct Header {
+    opcode: u32,
+    unique: u64,
+    node: u64,
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    b.get(at..at + 4)
+        .map(|s| u32::from_le_bytes(s.try_into().unwrap()))
+        .unwrap_or(0)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    b.get(at..at + 8)
+        .map(|s| u64::from_le_bytes(s.try_into().unwrap()))
+        .unwrap_or(0)
+}
+
+impl Server {
+    fn reply(&self, unique: u64, payload: &[u8]) {
+        let mut out = Vec::with_capacity(16 + payload.len());
+        out.extend_from_slice(&(16 + payload.len() as u32).to_le_bytes());
+        out.extend_from_slice(&0i32.to_le_bytes());
+        out.extend_from_slice(&unique.to_le_bytes());
+        out.extend_from_slice(payload);
+        // ENOENT: the request was interrupted and is gone; nothing to do.
+        let _ = (&*self.dev).write(&out);
+    }
+
+    fn error(&self, unique: u64, errno: i32) {
+        let mut out = Vec::with_capacity(16);
+        out.extend_from_slice(&16u32.to_le_bytes());
+        out.extend_from_slice(&(-errno).to_le_bytes());
+        out.extend_from_slice(&unique.to_le_bytes());
+        let _ = (&*self.dev).write(&out);
+    }
+
+    fn handle(self: Arc<Self>, req: &[u8]) {
+        let h = Header {
+            opcode: u32_at(req, 4),
+            unique: u64_at(req, 8),
+            node: u64_at(req, 16),
+        };
+        let body = &req[IN_HEADER..];
+        match h.opcode {
+            INIT => self.init(&h, body),
+            LOOKUP => self.lookup(&h, body),
+            GETATTR => match self.attr(h.node) {
+                Some(a) => {
+                    let mut out = Vec::with_capacity(104);
+                    out.extend_from_slice(&TTL_SECS.to_le_bytes());
+                    out.extend_from_slice(&[0u8; 8]);
+                    out.extend_from_slice(&a);
+                    self.reply(h.unique, &out);
+                }
+                None => self.error(h.unique, libc::ENOENT),
+            },
+            OPEN => self.open_file(&h, body),
+            READ => self.read(h, body),
+            OPENDIR => match self.vol.tree.get(h.node) {
+                Some(Node::Dir { .. }) => self.reply(h.unique, &[0u8; 16]),
+                _ => self.error(h.unique, libc::ENOTDIR),
+            },
+            READDIR => self.readdir(&h, body),
+            RELEASE => {
+                let fh = u64_at(body, 0);
+                self.lock_open().remove(&fh);
+                self.reply(h.unique, &[]);
+            }
+            STATFS => self.statfs(&h),
+            RELEASEDIR | FLUSH | ACCESS | DESTROY => self.reply(h.unique, &[]),
+            // No answer is expected to these.
+            FORGET | BATCH_FORGET | INTERRUPT => {}
+            _ => self.error(h.unique, libc::ENOSYS),
+        }
+    }
+
+    fn lock_open(&self) -> std::sync::MutexGuard<'_, Handles> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn init(&self, h: &Header, body: &[u8]) {
+        let (minor, readahead, flags) = (u32_at(body, 4), u32_at(body, 8), u32_at(body, 12));
+        let mut out = Vec::with_capacity(64);
+        out.extend_from_slice(&7u32.to_le_bytes());
+        out.extend_from_slice(&minor.to_le_bytes());
+        out.extend_from_slice(&readahead.min(1 << 20).to_le_bytes());
+        out.extend_from_slice(&(flags & (ASYNC_READ | PARALLEL_DIROPS | MAX_PAGES)).to_le_bytes());
+        out.extend_from_slice(&64u16.to_le_bytes()); // max_background
+        out.extend_from_slice(&48u16.to_le_bytes()); // congestion_threshold
+        out.extend_from_slice(&(128u32 * 1024).to_le_bytes()); // max_write
+        out.extend_from_slice(&1u32.to_le_bytes()); // time_gran
+        out.extend_from_slice(&MAX_READ_PAGES.to_le_bytes());
+        out.extend_from_slice(&0u16.to_le_bytes()); // map_alignment
+        out.extend_from_slice(&0u32.to_le_bytes()); // flags2
+        out.extend_from_slice(&0u32.to_le_bytes()); // max_stack_depth
+        out.extend_from_slice(&[0u8; 24]);
+        self.reply(h.unique, &out);
+    }
+
+    /// `fuse_attr` of an inode.
+    fn attr(&self, ino: u64) -> Option<[u8; 88]> {
+        let (mode, size, nlink) = match self.vol.tree.get(ino)? {
+            Node::Dir { .. } => (libc::S_IFDIR | 0o555, 0, 2),
+            Node::File { size, .. } => (libc::S_IFREG | 0o444, *size, 1),
+        };
+        let mut a = [0u8; 88];
+        a[0..8].copy_from_slice(&ino.to_le_bytes());
+        a[8..16].copy_from_slice(&size.to_le_bytes());
+        a[16..24].copy_from_slice(&size.div_ceil(512).to_le_bytes());
+        a[60..64].copy_from_slice(&mode.to_le_bytes());
+        a[64..68].copy_from_slice(&(nlink as u32).to_le_bytes());
+        a[80..84].copy_from_slice(&4096u32.to_le_bytes());
+        Some(a)
+    }
+
+    fn lookup(&self, h: &Header, body: &[u8]) {
+        let name = body.split(|b| *b == 0).next().unwrap_or_default();
+        let found = std::str::from_utf8(name)
+            .ok()
+            .and_then(|n| self.vol.tree.lookup(h.node, n))
+            .and_then(|ino| Some((ino, self.attr(ino)?)));
+        let Some((ino, a)) = found else {
+            return self.error(h.unique, libc::ENOENT);
+        };
+        let mut out = Vec::with_capacity(128);
+        out.extend_from_slice(&ino.to_le_bytes());
+        out.extend_from_slice(&0u64.to_le_bytes()); // generation
+        out.extend_from_slice(&TTL_SECS.to_le_bytes());
+        out.extend_from_slice(&TTL_SECS.to_le_bytes());
+        out.extend_from_slice(&[0u8; 8]);
+        out.extend_from_slice(&a);
+        self.reply(h.unique, &out);
+    }
+
+    fn open_file(&self, h: &Header, body: &[u8]) {
+        let flags = u32_at(body, 0) as i32;
+        if flags & libc::O_ACCMODE != libc::O_RDONLY {
+            return self.error(h.unique, libc::EROFS);
+        }
+        let Some(Node::File { index, .. }) = self.vol.tree.get(h.node) else {
+            return self.error(h.unique, libc::EISDIR);
+        };
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.lock_open().insert(fh, (*index, None));
+        let mut out = [0u8; 16];
+        out[0..8].copy_from_slice(&fh.to_le_bytes());
+        self.reply(h.unique, &out);
+    }
+
+    fn read(self: Arc<Self>, h: Header, body: &[u8]) {
+        let (fh, offset, size) = (u64_at(body, 0), u64_at(body, 8), u32_at(body, 16));
+        let Some((index, _)) = self.lock_open().get(&fh).cloned() else {
+            return self.error(h.unique, libc::EBADF);
+        };
+        match self.vol.gates.state(index) {
+            super::gate::State::Verified => self.answer_read(&h, fh, index, offset, size),
+            _ => {
+                // Waits on its own thread: other requests go on meanwhile.
+                std::thread::spawn(
+                    move || match self.vol.gates.wait(index, self.vol.wait_bound) {
+                        Wait::Verified => self.answer_read(&h, fh, index, offset, size),
+                        Wait::Failed(why) => {
+                            tracing::warn!(file = index, %why, "read of a failed file: EIO");
+                            self.error(h.unique, libc::EIO)
+                        }
+                        Wait::TimedOut => {
+                            tracing::warn!(file = index, "read waited past its bound: EIO");
+                            self.error(h.unique, libc::EIO)
+                        }
+                    },
+                );
+            }
+        }
+    }
+
+    /// A READ of a verified file, from its backing bytes.
+    fn answer_read(&self, h: &Header, fh: u64, index: usize, offset: u64, size: u32) {
+        let file = match self.backing_file(fh, index) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(file = index, error = %e, "opening a verified file failed");
+                return self.error(h.unique, libc::EIO);
+            }
+        };
+        let mut buf = vec![0u8; size as usize];
+        let mut got = 0;
+        while got < buf.len() {
+            match file.read_at(&mut buf[got..], offset + got as u64) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return self.error(h.unique, libc::EIO),
+            }
+        }
+        self.vol.reads.fetch_add(1, Ordering::Relaxed);
+        self.vol.read_bytes.fetch_add(got as u64, Ordering::Relaxed);
+        self.reply(h.unique, &buf[..got]);
+    }
+
+    fn backing_file(&self, fh: u64, index: usize) -> io::Result<Arc<File>> {
+        if let Some((_, Some(f))) = self.lock_open().get(&fh) {
+            return Ok(f.clone());
+        }
+        let path = self
+            .vol
+            .tree
+            .path_of(index)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOENT))?;
+        let how = OpenHow::new()
+            .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
+        let f = Arc::new(File::from(
+            crate::beneath::openat2_settled(&self.backing, path, how).map_err(io::Error::from)?,
+        ));
+        if let Some(entry) = self.lock_open().get_mut(&fh) {
+            entry.1 = Some(f.clone());
+        }
+        Ok(f)
+    }
+
+    fn readdir(&self, h: &Header, body: &[u8]) {
+        let (offset, size) = (u64_at(body, 8), u32_at(body, 16) as usize);
+        let Some(Node::Dir { children, parent }) = self.vol.tree.get(h.node) else {
+            return self.error(h.unique, libc::ENOTDIR);
+        };
+        let mut entries: Vec<(u64, u32, &str)> = vec![
+            (h.node, libc::DT_DIR as u32, "."),
+            (
+                if h.node == ROOT { ROOT } else { *parent },
+                libc::DT_DIR as u32,
+                "..",
+            ),
+        ];
+        for (name, ino) in children {
+            let kind = match self.vol.tree.get(*ino) {
+                Some(Node::Dir { .. }) => libc::DT_DIR,
+                _ => libc::DT_REG,
+            };
+            entries.push((*ino, kind as u32, name));
+        }
+        let mut out = Vec::new();
+        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
+            let len = (24 + name.len()).div_ceil(8) * 8;
+            if out.len() + len > size {
+                break;
+            }
+            out.extend_from_slice(&ino.to_le_bytes());
+            out.extend_from_slice(&(i as u64 + 1).to_le_bytes());
+            out.extend_from_slice(&(name.len() as u32).to_le_bytes());
+            out.extend_from_slice(&kind.to_le_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.resize(out.len() + len - 24 - name.len(), 0);
+        }
+        self.reply(h.unique, &out);
+    }
+
+    fn statfs(&self, h: &Header) {
+        let mut out = [0u8; 80];
+        out[24..32].copy_from_slice(&(self.vol.tree.len() as u64).to_le_bytes()); // files
+        out[40..44].copy_from_slice(&4096u32.to_le_bytes()); // bsize
+        out[44..48].copy_from_slice(&255u32.to_le_bytes()); // namelen
+        out[48..52].copy_from_slice(&4096u32.to_le_bytes()); // frsize
+        self.reply(h.unique, &out);
+    }
+}

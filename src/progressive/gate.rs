@@ -1,0 +1,158 @@
+//! Which files of a model still arriving may be read: each is pending,
+//! verified or failed, and a reader of a pending file waits, bounded, for
+//! the pull to decide. Readers are told only what the verifier decided:
+//! nothing here looks at bytes.
+
+use std::collections::BTreeSet;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// What a reader of one file may do now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Not verified yet: wait.
+    Pending,
+    /// Every byte matched the origin's digest: read.
+    Verified,
+    /// Its bytes failed their digest (or could not be fetched): EIO until
+    /// it is fetched again and verified.
+    Failed(String),
+}
+
+/// The answer a waiting reader gets.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Wait {
+    Verified,
+    Failed(String),
+    /// Nothing was decided within the bound: the reader gets EIO rather
+    /// than hanging forever on a stalled fill.
+    TimedOut,
+}
+
+/// The gates of one model's files, by index in its listing.
+pub struct Gates {
+    state: Mutex<Inner>,
+    changed: Condvar,
+}
+
+struct Inner {
+    files: Vec<State>,
+    /// Files a reader is waiting for now: the fill takes them first.
+    asked: BTreeSet<usize>,
+}
+
+impl Gates {
+    /// `n` files, all pending.
+    pub fn new(n: usize) -> Gates {
+        Gates {
+            state: Mutex::new(Inner {
+                files: vec![State::Pending; n],
+                asked: BTreeSet::new(),
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn state(&self, file: usize) -> State {
+        self.lock()
+            .files
+            .get(file)
+            .cloned()
+            .unwrap_or(State::Failed("no such file".into()))
+    }
+
+    fn set(&self, file: usize, s: State) {
+        let mut g = self.lock();
+        if let Some(f) = g.files.get_mut(file) {
+            *f = s;
+        }
+        g.asked.remove(&file);
+        drop(g);
+        self.changed.notify_all();
+    }
+
+    /// The verifier matched every byte of `file`.
+    pub fn verified(&self, file: usize) {
+        self.set(file, State::Verified);
+    }
+
+    /// `file` failed (its digest, or its fetch): readers get EIO.
+    pub fn failed(&self, file: usize, why: impl Into<String>) {
+        self.set(file, State::Failed(why.into()));
+    }
+
+    /// `file` is being fetched again: readers wait once more.
+    pub fn refetching(&self, file: usize) {
+        self.set(file, State::Pending);
+    }
+
+    /// Files readers are waiting for, lowest index first: the fill's
+    /// queue jumpers.
+    pub fn asked(&self) -> Vec<usize> {
+        self.lock().asked.iter().copied().collect()
+    }
+
+    /// Waits until `file` is decided, at most `bound`.
+    pub fn wait(&self, file: usize, bound: Duration) -> Wait {
+        let deadline = Instant::now() + bound;
+        let mut g = self.lock();
+        loop {
+            match g.files.get(file) {
+                None => return Wait::Failed("no such file".into()),
+                Some(State::Verified) => return Wait::Verified,
+                Some(State::Failed(why)) => return Wait::Failed(why.clone()),
+                Some(State::Pending) => {}
+            }
+            g.asked.insert(file);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Wait::TimedOut;
+            }
+            g = self
+                .changed
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Whether every file is verified.
+    pub fn all_verified(&self) -> bool {
+        self.lock().files.iter().all(|s| *s == State::Verified)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_reader_waits_for_the_verdict_and_is_told_it() {
+        let g = Arc::new(Gates::new(2));
+        let waiting = {
+            let g = g.clone();
+            std::thread::spawn(move || g.wait(1, Duration::from_secs(10)))
+        };
+        while g.asked() != [1] {
+            std::thread::yield_now();
+        }
+        g.verified(1);
+        assert_eq!(waiting.join().unwrap(), Wait::Verified);
+        assert!(g.asked().is_empty());
+        g.failed(0, "sha256 mismatch");
+        assert_eq!(
+            g.wait(0, Duration::ZERO),
+            Wait::Failed("sha256 mismatch".into())
+        );
+        g.refetching(0);
+        assert_eq!(g.wait(0, Duration::from_millis(20)), Wait::TimedOut);
+        assert!(!g.all_verified());
+        g.verified(0);
+        assert!(g.all_verified());
+    }
+}
