@@ -168,6 +168,11 @@ pub struct EngineConfig {
     pub progress_every: Duration,
     /// Bytes of pulled models a root may hold; None: the filesystem's size.
     pub capacity: BTreeMap<Backend, u64>,
+    /// Fetch in listing order, one large file at a time with all its
+    /// connections, so the first file is usable after about its share of
+    /// the transfer (progressive volumes); otherwise largest first, several
+    /// at once, which ends a whole pull soonest.
+    pub listing_order: bool,
     /// Memory for write buffers, shared by every stream of every model.
     /// Each file gets `2 x connections` buffers of
     /// `budget / (models x files x connections x 2)` bytes, between 256 KiB
@@ -194,6 +199,7 @@ impl Default for EngineConfig {
             backoff_max: Duration::from_secs(30),
             progress_every: Duration::from_secs(10),
             capacity: BTreeMap::new(),
+            listing_order: false,
             buffer_budget: 128 << 20,
         }
     }

@@ -42,10 +42,15 @@ impl FileView {
     }
 }
 
+/// Told the path of each file as it is verified and in place.
+pub type Listener = Box<dyn Fn(&str) + Send + Sync>;
+
 /// The partial view of one model's pull in this process.
 #[derive(Default)]
 pub struct Partial {
     files: Mutex<HashMap<String, FileView>>,
+    /// Files whole, verified and in place, and who wants to hear of more.
+    done: Mutex<(std::collections::BTreeSet<String>, Vec<Listener>)>,
     /// Bytes arrived so far across files: a reader waiting for a chunk
     /// waits while this moves.
     moved: AtomicU64,
@@ -106,6 +111,23 @@ impl Partial {
             },
         );
         self.changed.notify_waiters();
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        if done.0.insert(path.to_string()) {
+            for l in &done.1 {
+                l(path);
+            }
+        }
+    }
+
+    /// Calls `listener` with every file verified so far, then with each
+    /// one verified from now on (under one lock: none is missed or told
+    /// twice).
+    pub fn subscribe(&self, listener: Listener) {
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        for path in &done.0 {
+            listener(path);
+        }
+        done.1.push(listener);
     }
 
     pub fn file(&self, path: &str) -> Option<FileView> {

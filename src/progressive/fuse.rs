@@ -53,10 +53,12 @@ const TTL_SECS: u64 = 3600;
 
 /// One progressive volume as its server sees it.
 pub struct Volume {
-    pub tree: Tree,
+    pub tree: Arc<Tree>,
     pub gates: Arc<Gates>,
-    /// Where a verified file's bytes are, under its listed path.
-    pub backing: PathBuf,
+    /// Where a verified file's bytes are, under its listed path, tried in
+    /// order: the pull's area while it runs, then the sealed source (the
+    /// area is renamed into it at the seal).
+    pub backing: Vec<PathBuf>,
     /// How long a READ waits for its file before it answers EIO.
     pub wait_bound: Duration,
     /// READs answered with bytes, and those bytes: how large the kernel's
@@ -66,7 +68,12 @@ pub struct Volume {
 }
 
 impl Volume {
-    pub fn new(tree: Tree, gates: Arc<Gates>, backing: PathBuf, wait_bound: Duration) -> Volume {
+    pub fn new(
+        tree: Arc<Tree>,
+        gates: Arc<Gates>,
+        backing: Vec<PathBuf>,
+        wait_bound: Duration,
+    ) -> Volume {
         Volume {
             tree,
             gates,
@@ -81,11 +88,9 @@ impl Volume {
 /// Serves `vol` on the connection `dev` until the filesystem is unmounted.
 pub fn serve(dev: OwnedFd, vol: Arc<Volume>) -> io::Result<()> {
     let dev = Arc::new(File::from(dev));
-    let backing: OwnedFd = File::open(&vol.backing)?.into();
     let s = Arc::new(Server {
         vol,
         dev,
-        backing,
         open: Mutex::new(HashMap::new()),
         next_fh: AtomicU64::new(1),
     });
@@ -110,8 +115,6 @@ pub fn serve(dev: OwnedFd, vol: Arc<Volume>) -> io::Result<()> {
 struct Server {
     vol: Arc<Volume>,
     dev: Arc<File>,
-    /// The backing directory, which every open is confined beneath.
-    backing: OwnedFd,
     open: Mutex<Handles>,
     next_fh: AtomicU64,
 }
@@ -332,9 +335,22 @@ impl Server {
         let how = OpenHow::new()
             .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC)
             .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
-        let f = Arc::new(File::from(
-            crate::beneath::openat2_settled(&self.backing, path, how).map_err(io::Error::from)?,
-        ));
+        // Each backing directory in turn, every open confined beneath it.
+        let mut last = io::Error::from_raw_os_error(libc::ENOENT);
+        let mut found = None;
+        for dir in &self.vol.backing {
+            let opened = File::open(dir).and_then(|d| {
+                crate::beneath::openat2_settled(&d, path, how).map_err(io::Error::from)
+            });
+            match opened {
+                Ok(fd) => {
+                    found = Some(fd);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let f = Arc::new(File::from(found.ok_or(last)?));
         if let Some(entry) = self.lock_open().get_mut(&fh) {
             entry.1 = Some(f.clone());
         }

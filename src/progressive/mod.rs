@@ -7,3 +7,17 @@
 pub mod fuse;
 pub mod gate;
 pub mod tree;
+
+use std::sync::Arc;
+
+use crate::cache::partial::Partial;
+
+/// Opens the gate of each file of `tree` as `pull` verifies it.
+pub fn follow(pull: &Partial, tree: &Arc<tree::Tree>, gates: &Arc<gate::Gates>) {
+    let (tree, gates) = (tree.clone(), gates.clone());
+    pull.subscribe(Box::new(move |path| {
+        if let Some(index) = tree.index_of(path) {
+            gates.verified(index);
+        }
+    }));
+}

@@ -91,6 +91,18 @@ impl Tree {
         self.nodes.get(ino.checked_sub(1)? as usize)
     }
 
+    /// The listing index of the file at `path`.
+    pub fn index_of(&self, path: &str) -> Option<usize> {
+        let mut ino = ROOT;
+        for part in path.split('/') {
+            ino = self.lookup(ino, part)?;
+        }
+        match self.get(ino)? {
+            Node::File { index, .. } => Some(*index),
+            Node::Dir { .. } => None,
+        }
+    }
+
     /// The listed path of file `index`.
     pub fn path_of(&self, index: usize) -> Option<&str> {
         match self.get(*self.files.get(index)?)? {
@@ -142,6 +154,8 @@ mod tests {
         assert!(matches!(t.get(vocab), Some(Node::Dir { parent, .. }) if *parent == tok));
         assert_eq!(t.lookup(ROOT, "nope"), None);
         assert_eq!(t.path_of(2), Some("tokenizer/merges.txt"));
+        assert_eq!(t.index_of("tokenizer/merges.txt"), Some(2));
+        assert_eq!(t.index_of("tokenizer"), None);
         assert_eq!(t.len(), 6);
         for bad in ["", "/abs", "a//b", "../x", "a/./b"] {
             assert!(Tree::new(&[(bad.to_string(), 1)]).is_err(), "{bad}");

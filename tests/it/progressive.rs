@@ -69,9 +69,9 @@ fn mount(files: &[(&str, u64)], wait_bound: Duration) -> Mounted {
     }
     let listing: Vec<(String, u64)> = files.iter().map(|(p, s)| (p.to_string(), *s)).collect();
     let vol = Arc::new(Volume::new(
-        Tree::new(&listing).unwrap(),
+        Arc::new(Tree::new(&listing).unwrap()),
         Arc::new(Gates::new(files.len())),
-        dir.path().join("backing"),
+        vec![dir.path().join("backing")],
         wait_bound,
     ));
     let dev = modelcache_csi::mount::fuse::mount_fuse(&dir.path().join("mnt"), "modelcache")
@@ -248,4 +248,142 @@ fn mmap_sum(path: &Path) -> (u64, usize) {
     unsafe { libc::munmap(p, len) };
     let _ = f.read(&mut [0u8; 1]);
     (sum, len)
+}
+
+/// The serving half on a real pull: the engine fetches a model over HTTP
+/// (paced) in listing order, each file's gate opens as the engine verifies
+/// it, and a reader of the shards in order reads the first one long before
+/// the pull ends, every byte exact, the last ones after the seal moved the
+/// area into place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
+    use crate::support::fixtures::{self, FileServer};
+    use modelcache_csi::config::{Config, EngineConfig};
+    use modelcache_csi::puller::engine::{Engine, NoProgress};
+    use modelcache_csi::puller::SourceOptions;
+
+    let t = tempfile::tempdir().unwrap();
+    let model = t.path().join("model");
+    fs::create_dir_all(&model).unwrap();
+    let shards: Vec<Vec<u8>> = (0..4).map(|i| pseudo_random(20 + i, 6 << 20)).collect();
+    fs::write(model.join("config.json"), b"{\"layers\": 4}").unwrap();
+    for (i, s) in shards.iter().enumerate() {
+        fs::write(
+            model.join(format!("model-0000{}-of-00004.safetensors", i + 1)),
+            s,
+        )
+        .unwrap();
+    }
+    let server = FileServer::start(&model).await;
+    server.put("m.json", fixtures::manifest_for(&model, true));
+    // Two connections of 6 MiB/s: about 2 s for the 24 MiB.
+    server.throttle(6 << 20);
+    let uri = format!("{}#manifest", server.url("m.json"));
+    let source = modelcache_csi::puller::open(&uri, &SourceOptions::default())
+        .await
+        .unwrap();
+    let listing: Vec<(String, u64)> = source
+        .resolve()
+        .await
+        .unwrap()
+        .files
+        .iter()
+        .map(|f| (f.path.clone(), f.size.unwrap()))
+        .collect();
+    assert_eq!(listing[0].0, "config.json");
+    let root = Config::for_node("n", &t.path().join("state"))
+        .roots()
+        .roots
+        .remove(0);
+    let engine = Engine::new(
+        EngineConfig {
+            listing_order: true,
+            chunk_bytes: 1 << 20,
+            connections: 2,
+            ..EngineConfig::default()
+        },
+        modelcache_csi::puller::extract_layer,
+    );
+    let started = Instant::now();
+    let r = root.clone();
+    let pull = tokio::spawn(async move { engine.pull(&r, source, &NoProgress).await });
+
+    // The pull's area and its partial view, as a progressive stage finds them.
+    let sid = loop {
+        let names: Vec<String> = fs::read_dir(root.sources_dir())
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(n) = names.iter().find_map(|n| n.strip_prefix(".pull-")) {
+            break n.to_string();
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "no pull area");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let partial = loop {
+        if let Some(p) = modelcache_csi::cache::partial::lookup(&sid) {
+            break p;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no partial view"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let dir = t.path().join("mnt");
+    fs::create_dir(&dir).unwrap();
+    let tree = Arc::new(Tree::new(&listing).unwrap());
+    let gates = Arc::new(Gates::new(listing.len()));
+    modelcache_csi::progressive::follow(&partial, &tree, &gates);
+    let area_data = root.sources_dir().join(format!(".pull-{sid}")).join("data");
+    let vol = Arc::new(Volume::new(
+        tree,
+        gates,
+        vec![area_data, root.source(&sid).data()],
+        Duration::from_secs(60),
+    ));
+    let dev = modelcache_csi::mount::fuse::mount_fuse(&dir, "modelcache").unwrap();
+    let v = vol.clone();
+    let server_thread = std::thread::spawn(move || serve(dev, v));
+    let m = Mounted {
+        dir: t,
+        vol,
+        server: Some(server_thread),
+    };
+    let mnt = m.mnt();
+    assert_eq!(mnt, dir);
+
+    // The "inference server": reads every shard in order, timing each.
+    let reader = {
+        let (mnt, listing) = (mnt.clone(), listing.clone());
+        std::thread::spawn(move || {
+            listing
+                .iter()
+                .map(|(p, _)| {
+                    let bytes = fs::read(mnt.join(p));
+                    (p.clone(), bytes, started.elapsed())
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let pulled = pull.await.unwrap().expect("the pull seals");
+    let pull_took = started.elapsed();
+    assert_eq!(pulled.sid.as_str(), sid);
+    let read = tokio::task::spawn_blocking(move || reader.join().unwrap())
+        .await
+        .unwrap();
+    for (i, (path, bytes, _)) in read.iter().enumerate() {
+        let bytes = bytes.as_ref().unwrap_or_else(|e| panic!("{path}: {e}"));
+        if i > 0 {
+            assert!(*bytes == shards[i - 1], "{path}: wrong bytes");
+        }
+    }
+    let first_shard = read[1].2;
+    assert!(
+        first_shard * 2 < pull_took,
+        "the first shard was read at {first_shard:?}, the pull took {pull_took:?}"
+    );
+    eprintln!("first shard read at {first_shard:?} of a {pull_took:?} pull");
 }

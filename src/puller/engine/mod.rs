@@ -713,17 +713,26 @@ impl Engine {
         });
 
         // Largest first: the biggest file bounds the pull, so it must not
-        // wait behind small ones. The seal's order does not depend on this.
+        // wait behind small ones; or the listing's order, when readers are
+        // waiting for the first files. The seal's order depends on neither.
         let mut order: Vec<(usize, RemoteFile)> =
             resolved.files.iter().cloned().enumerate().collect();
-        order.sort_by_key(|(_, f)| std::cmp::Reverse(f.size.unwrap_or(0)));
+        if !self.cfg.listing_order {
+            order.sort_by_key(|(_, f)| std::cmp::Reverse(f.size.unwrap_or(0)));
+        }
         // Streams, not files, are what a pull runs at once: a file of one
         // range is one stream, a larger one up to `connections`. So small
         // files, which are bound by round trips and fsyncs, not bytes, run
         // many at a time, and large ones as before. The semaphore is fair:
         // a large file waiting for its streams holds back the files after it.
         let connections = self.cfg.connections.max(1);
-        let budget = self.cfg.files.max(1) * connections;
+        // In listing order, a large file takes every stream: the next one
+        // starts as it ends, not beside it.
+        let files_at_once = match self.cfg.listing_order {
+            true => 1,
+            false => self.cfg.files.max(1),
+        };
+        let budget = files_at_once * connections;
         let streams = Arc::new(Semaphore::new(budget));
         let files = futures::stream::iter(order)
             .map(|(i, f)| {
