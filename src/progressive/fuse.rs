@@ -43,6 +43,13 @@ const BATCH_FORGET: u32 = 42;
 const ASYNC_READ: u32 = 1 << 0;
 const PARALLEL_DIROPS: u32 = 1 << 18;
 const MAX_PAGES: u32 = 1 << 22;
+const INIT_EXT: u32 = 1 << 30;
+/// FUSE_PASSTHROUGH (bit 37), in the second flags word.
+const PASSTHROUGH2: u32 = 1 << (37 - 32);
+const FOPEN_PASSTHROUGH: u32 = 1 << 7;
+/// `_IOW(229, 1, struct fuse_backing_map)` and `_IOW(229, 2, u32)`.
+const BACKING_OPEN: libc::c_ulong = 0x4010_e501;
+const BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
 
 /// Largest READ the kernel may send: 1 MiB, so a page fault's readahead
 /// asks for large ranges, never 4 KiB at a time.
@@ -93,6 +100,7 @@ pub fn serve(dev: OwnedFd, vol: Arc<Volume>) -> io::Result<()> {
         dev,
         open: Mutex::new(HashMap::new()),
         next_fh: AtomicU64::new(1),
+        passthrough: Default::default(),
     });
     let mut buf = vec![0u8; (MAX_READ_PAGES as usize) * 4096 + 4096];
     loop {
@@ -117,11 +125,22 @@ struct Server {
     dev: Arc<File>,
     open: Mutex<Handles>,
     next_fh: AtomicU64,
+    /// Whether the kernel agreed to passthrough at INIT (6.9+).
+    passthrough: std::sync::atomic::AtomicBool,
 }
 
-/// Open handles: each file's listing index, and its backing file once a
-/// verified READ opened it.
-type Handles = HashMap<u64, (usize, Option<Arc<File>>)>;
+/// An open file of the view.
+struct Handle {
+    /// Its listing index.
+    index: usize,
+    /// Its backing file, once a verified READ opened it.
+    file: Option<Arc<File>>,
+    /// The kernel reads it itself (passthrough) through this backing id,
+    /// closed at RELEASE.
+    backing_id: Option<u32>,
+}
+
+type Handles = HashMap<u64, Handle>;
 
 struct Header {
     opcode: u32,
@@ -189,7 +208,10 @@ impl Server {
             READDIR => self.readdir(&h, body),
             RELEASE => {
                 let fh = u64_at(body, 0);
-                self.lock_open().remove(&fh);
+                let gone = self.lock_open().remove(&fh);
+                if let Some(id) = gone.and_then(|h| h.backing_id) {
+                    self.close_backing(id);
+                }
                 self.reply(h.unique, &[]);
             }
             STATFS => self.statfs(&h),
@@ -206,19 +228,37 @@ impl Server {
 
     fn init(&self, h: &Header, body: &[u8]) {
         let (minor, readahead, flags) = (u32_at(body, 4), u32_at(body, 8), u32_at(body, 12));
+        let flags2 = if flags & INIT_EXT != 0 {
+            u32_at(body, 16)
+        } else {
+            0
+        };
+        // Verified files are then read by the kernel itself, at the speed
+        // of the filesystem under the cache.
+        let passthrough = flags2 & PASSTHROUGH2 != 0;
+        self.passthrough.store(passthrough, Ordering::Relaxed);
+        let mut ours = flags & (ASYNC_READ | PARALLEL_DIROPS | MAX_PAGES);
+        if passthrough {
+            ours |= INIT_EXT;
+        }
         let mut out = Vec::with_capacity(64);
         out.extend_from_slice(&7u32.to_le_bytes());
         out.extend_from_slice(&minor.to_le_bytes());
         out.extend_from_slice(&readahead.min(1 << 20).to_le_bytes());
-        out.extend_from_slice(&(flags & (ASYNC_READ | PARALLEL_DIROPS | MAX_PAGES)).to_le_bytes());
+        out.extend_from_slice(&ours.to_le_bytes());
         out.extend_from_slice(&64u16.to_le_bytes()); // max_background
         out.extend_from_slice(&48u16.to_le_bytes()); // congestion_threshold
         out.extend_from_slice(&(128u32 * 1024).to_le_bytes()); // max_write
         out.extend_from_slice(&1u32.to_le_bytes()); // time_gran
         out.extend_from_slice(&MAX_READ_PAGES.to_le_bytes());
         out.extend_from_slice(&0u16.to_le_bytes()); // map_alignment
-        out.extend_from_slice(&0u32.to_le_bytes()); // flags2
-        out.extend_from_slice(&0u32.to_le_bytes()); // max_stack_depth
+        let (flags2_out, depth) = if passthrough {
+            (PASSTHROUGH2, 1u32)
+        } else {
+            (0, 0)
+        };
+        out.extend_from_slice(&flags2_out.to_le_bytes());
+        out.extend_from_slice(&depth.to_le_bytes()); // max_stack_depth
         out.extend_from_slice(&[0u8; 24]);
         self.reply(h.unique, &out);
     }
@@ -266,16 +306,80 @@ impl Server {
         let Some(Node::File { index, .. }) = self.vol.tree.get(h.node) else {
             return self.error(h.unique, libc::EISDIR);
         };
+        let index = *index;
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.lock_open().insert(fh, (*index, None));
+        // A verified file is handed to the kernel (passthrough), unless
+        // the file is open through the daemon already: the kernel allows
+        // one mode per inode at a time.
+        let backing_id = self.passthrough_for(index);
         let mut out = [0u8; 16];
         out[0..8].copy_from_slice(&fh.to_le_bytes());
+        if let Some(id) = backing_id {
+            out[8..12].copy_from_slice(&FOPEN_PASSTHROUGH.to_le_bytes());
+            out[12..16].copy_from_slice(&id.to_le_bytes());
+        }
+        self.lock_open().insert(
+            fh,
+            Handle {
+                index,
+                file: None,
+                backing_id,
+            },
+        );
         self.reply(h.unique, &out);
+    }
+
+    /// A backing id for `index` when it may be read by passthrough.
+    fn passthrough_for(&self, index: usize) -> Option<u32> {
+        if !self.passthrough.load(Ordering::Relaxed)
+            || self.vol.gates.state(index) != super::gate::State::Verified
+        {
+            return None;
+        }
+        let cached = self
+            .lock_open()
+            .values()
+            .any(|h| h.index == index && h.backing_id.is_none());
+        if cached {
+            return None;
+        }
+        let file = self.open_backing(index).ok()?;
+        // struct fuse_backing_map { s32 fd; u32 flags; u64 padding; }
+        let mut map = [0u8; 16];
+        map[0..4].copy_from_slice(&std::os::fd::AsRawFd::as_raw_fd(&file).to_le_bytes());
+        // SAFETY: the ioctl reads a 16-byte fuse_backing_map from `map`.
+        let id = unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(&*self.dev),
+                BACKING_OPEN,
+                map.as_ptr(),
+            )
+        };
+        if id <= 0 {
+            tracing::debug!(
+                file = index,
+                error = %io::Error::last_os_error(),
+                "passthrough refused; reads go through the daemon"
+            );
+            return None;
+        }
+        Some(id as u32)
+    }
+
+    fn close_backing(&self, id: u32) {
+        // SAFETY: the ioctl reads the u32 backing id.
+        unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(&*self.dev),
+                BACKING_CLOSE,
+                &id as *const u32,
+            );
+        }
     }
 
     fn read(self: Arc<Self>, h: Header, body: &[u8]) {
         let (fh, offset, size) = (u64_at(body, 0), u64_at(body, 8), u32_at(body, 16));
-        let Some((index, _)) = self.lock_open().get(&fh).cloned() else {
+        let Some(index) = self.lock_open().get(&fh).map(|h| h.index) else {
             return self.error(h.unique, libc::EBADF);
         };
         match self.vol.gates.state(index) {
@@ -324,9 +428,18 @@ impl Server {
     }
 
     fn backing_file(&self, fh: u64, index: usize) -> io::Result<Arc<File>> {
-        if let Some((_, Some(f))) = self.lock_open().get(&fh) {
+        if let Some(Handle { file: Some(f), .. }) = self.lock_open().get(&fh) {
             return Ok(f.clone());
         }
+        let f = Arc::new(self.open_backing(index)?);
+        if let Some(entry) = self.lock_open().get_mut(&fh) {
+            entry.file = Some(f.clone());
+        }
+        Ok(f)
+    }
+
+    /// The verified bytes of file `index`, opened beneath a backing dir.
+    fn open_backing(&self, index: usize) -> io::Result<File> {
         let path = self
             .vol
             .tree
@@ -350,11 +463,7 @@ impl Server {
                 Err(e) => last = e,
             }
         }
-        let f = Arc::new(File::from(found.ok_or(last)?));
-        if let Some(entry) = self.lock_open().get_mut(&fh) {
-            entry.1 = Some(f.clone());
-        }
-        Ok(f)
+        Ok(File::from(found.ok_or(last)?))
     }
 
     fn readdir(&self, h: &Header, body: &[u8]) {

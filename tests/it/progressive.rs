@@ -259,8 +259,8 @@ fn mmap_sum(path: &Path) -> (u64, usize) {
 async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
     use crate::support::fixtures::{self, FileServer};
     use modelcache_csi::config::{Config, EngineConfig};
-    use modelcache_csi::puller::engine::{Engine, NoProgress};
     use modelcache_csi::puller::SourceOptions;
+    use modelcache_csi::puller::engine::{Engine, NoProgress};
 
     let t = tempfile::tempdir().unwrap();
     let model = t.path().join("model");
@@ -386,4 +386,65 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
         "the first shard was read at {first_shard:?}, the pull took {pull_took:?}"
     );
     eprintln!("first shard read at {first_shard:?} of a {pull_took:?} pull");
+}
+
+/// Drops the page cache, so a timed read comes from the disk.
+fn drop_caches() {
+    let _ = std::process::Command::new("sync").status();
+    fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+}
+
+/// Reads `path` whole in 1 MiB reads; returns the time it took.
+fn timed_read(path: &Path) -> Duration {
+    let mut f = fs::File::open(path).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let t = Instant::now();
+    while f.read(&mut buf).unwrap() > 0 {}
+    t.elapsed()
+}
+
+/// Once verified, a file is read by the kernel itself (FUSE passthrough):
+/// no READ reaches the daemon, and a cold sequential read runs at the
+/// speed of reading the backing file directly. A file opened through the
+/// daemon while it was pending keeps that mode, and a later open of it
+/// still reads right.
+#[test]
+fn a_verified_file_is_read_by_passthrough_at_the_speed_of_its_backing_file() {
+    let size = 256 << 20;
+    let m = mount(
+        &[("big.bin", size as u64), ("pending.bin", 4)],
+        Duration::from_secs(30),
+    );
+    let bytes = pseudo_random(3, size);
+    m.arrive(0, "big.bin", &bytes);
+    let mut through_view = Vec::new();
+    let mut direct = Vec::new();
+    for _ in 0..3 {
+        drop_caches();
+        through_view.push(timed_read(&m.mnt().join("big.bin")));
+        drop_caches();
+        direct.push(timed_read(&m.backing().join("big.bin")));
+    }
+    assert_eq!(
+        m.vol.reads.load(Ordering::Relaxed),
+        0,
+        "READs reached the daemon: no passthrough"
+    );
+    assert!(fs::read(m.mnt().join("big.bin")).unwrap() == bytes);
+    through_view.sort();
+    direct.sort();
+    let ratio = through_view[1].as_secs_f64() / direct[1].as_secs_f64();
+    eprintln!("passthrough {through_view:?} direct {direct:?} ratio {ratio:.2}");
+    assert!(
+        ratio < 1.5,
+        "passthrough read took {ratio:.2}x the direct read"
+    );
+
+    // Open while pending (through the daemon), verified meanwhile.
+    let mut held = fs::File::open(m.mnt().join("pending.bin")).unwrap();
+    m.arrive(1, "pending.bin", b"late");
+    assert_eq!(fs::read(m.mnt().join("pending.bin")).unwrap(), b"late");
+    let mut s = String::new();
+    held.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "late");
 }
