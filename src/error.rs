@@ -66,6 +66,10 @@ pub enum Error {
     /// content source's).
     #[error("volume {id} does not exist")]
     NoVolume { id: String },
+    /// The model a volume was about to read was evicted from the cache in
+    /// between; pulling it again brings it back.
+    #[error("model {source_id} was evicted while this volume was being created; retry")]
+    Evicted { source_id: String },
     /// An unexpected OS error, with what we were doing and on which path.
     #[error("{op} {}: {source}", path.display())]
     Io {
@@ -110,6 +114,9 @@ impl Error {
             },
             Error::Unsupported(m) => Error::Unsupported(m.clone()),
             Error::NoVolume { id } => Error::NoVolume { id: id.clone() },
+            Error::Evicted { source_id } => Error::Evicted {
+                source_id: source_id.clone(),
+            },
             Error::Io { op, path, source } => Error::Io {
                 op: op.clone(),
                 path: path.clone(),
@@ -163,7 +170,9 @@ impl From<Error> for tonic::Status {
             Error::NotAllowed(_) => Code::PermissionDenied,
             Error::OverLimit(_) => Code::ResourceExhausted,
             Error::Unsatisfiable(_) => Code::OutOfRange,
-            Error::Transient(_) | Error::RetryAfter { .. } => Code::Unavailable,
+            Error::Transient(_) | Error::RetryAfter { .. } | Error::Evicted { .. } => {
+                Code::Unavailable
+            }
             Error::Unsupported(_) => Code::Unimplemented,
             // A full disk is a capacity problem the CO can act on, not a bug.
             Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {

@@ -98,12 +98,24 @@ pub fn is_pinned(root: &Root, sid: &str) -> bool {
         .any(|uuid| matches!(read_volume(root, uuid), Ok(Some(_))))
 }
 
-/// Live references: those whose volume record exists. References left by
-/// a create that died are dropped on the way.
+/// How long a reference may stand without its volume record. A create
+/// writes the reference first and the record after it; one that died in
+/// between leaves a reference nothing will remove but this.
+pub const REF_GRACE: Duration = Duration::from_secs(600);
+
+/// Live references: those whose volume record exists, and those of a
+/// create still on its way (younger than [`REF_GRACE`]). Older ones,
+/// left by a create that died, are dropped on the way.
 pub fn live_refs(root: &Root, sid: &str) -> Result<Vec<String>> {
     let mut live = Vec::new();
+    let dir = root.source(sid).refs();
     for r in refs(root, sid)? {
-        if read_volume(root, &r)?.is_some() {
+        let young = || {
+            fs::metadata(dir.join(&r))
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().unwrap_or_default() < REF_GRACE)
+        };
+        if read_volume(root, &r)?.is_some() || young() {
             live.push(r);
         } else {
             remove_ref(root, sid, &r)?;

@@ -15,6 +15,7 @@
 
 pub mod copy;
 pub mod evict;
+pub mod external;
 pub mod grow;
 pub mod layout;
 pub mod lease;
@@ -196,10 +197,39 @@ pub fn refs(root: &Root, sid: &str) -> Result<Vec<String>> {
     state::list_names(&dir).ctx("list references in", &dir)
 }
 
+/// References a source that exists: the reference is made only inside the
+/// source's own directory, never by recreating that directory, so a source
+/// evicted meanwhile (renamed away at any step) is `Error::Evicted` and
+/// leaves no empty skeleton behind for a later pull to trip on.
 pub fn add_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
-    let path = root.source(sid).refs().join(uuid);
-    state::create_marker(&path, b"").ctx("create reference", &path)?;
-    Ok(())
+    let sp = root.source(sid);
+    let (refs, path) = (sp.refs(), sp.refs().join(uuid));
+    let made = (|| -> io::Result<()> {
+        match fs::create_dir(&refs) {
+            Ok(()) => state::sync_dir(&sp.dir)?,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        match fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+        {
+            Ok(f) => {
+                f.sync_all()?;
+                state::sync_dir(&refs)
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(e),
+        }
+    })();
+    match made {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(Error::Evicted {
+            source_id: sid.to_string(),
+        }),
+        Err(e) => Err(Error::io("create reference", &path, e)),
+    }
 }
 
 pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {

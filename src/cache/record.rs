@@ -145,13 +145,3 @@ impl VolumeRecord {
         Ok(())
     }
 }
-
-impl External {
-    /// The host path or device it names.
-    pub fn path(&self) -> &str {
-        match self {
-            External::Dir { path } => path,
-            External::XfsBlock { device } => device,
-        }
-    }
-}

@@ -119,7 +119,7 @@ pub trait SourceStore: Sync {
         existing: &MountEntry,
     ) -> Result<bool>;
     /// Why a staged mount of this source no longer shows it, if so.
-    fn gone(&self, sp: &SourcePaths, entry: &MountEntry) -> Option<String>;
+    fn gone(&self, m: &dyn Mounter, sp: &SourcePaths, entry: &MountEntry) -> Option<String>;
     /// A read-only view of a sealed source's data, open until dropped.
     fn open_sealed(&self, root: &Root, sid: &str) -> Result<SealedView>;
     /// Runs `check` over a read-only view of a sealed source.
@@ -320,7 +320,7 @@ impl SourceStore for DirStore {
         Ok(identity(&m.view(content))? == identity(&mount::subpath::proc_path(&data))?)
     }
 
-    fn gone(&self, sp: &SourcePaths, _entry: &MountEntry) -> Option<String> {
+    fn gone(&self, _m: &dyn Mounter, sp: &SourcePaths, _entry: &MountEntry) -> Option<String> {
         (!sp.data().is_dir())
             .then(|| format!("source directory {} is missing", sp.data().display()))
     }
@@ -503,12 +503,9 @@ impl SourceStore for ImageStore {
         writable: bool,
         _base: MountFlags,
     ) -> Result<()> {
-        let image = src.real.image();
-        let lo = mount::loopdev::attach_file(src.image(writable)?, !writable)
-            .ctx("attach loop device for", &image)?;
         let data = if writable { "" } else { xfs::READER_OPTIONS };
-        m.mount_device(lo.path(), content, "xfs", !writable, data)
-            .ctx("mount", &image)
+        m.mount_image(src.image(writable)?, content, "xfs", !writable, data)
+            .ctx("attach and mount", &src.real.image())
     }
 
     fn grow_staged(&self, src: &ConfinedSource, content: &Path, size: u64) -> Result<()> {
@@ -518,19 +515,19 @@ impl SourceStore for ImageStore {
 
     fn shows(
         &self,
-        _m: &dyn Mounter,
+        m: &dyn Mounter,
         src: &ConfinedSource,
         _content: &Path,
         existing: &MountEntry,
     ) -> Result<bool> {
-        Ok(mount::loopdev::backing_file(Path::new(&existing.source))
+        Ok(m.loop_backing(Path::new(&existing.source))
             .ok()
             .flatten()
             .is_some_and(|b| fs::canonicalize(src.via.image()).is_ok_and(|i| i == b)))
     }
 
-    fn gone(&self, _sp: &SourcePaths, entry: &MountEntry) -> Option<String> {
-        match mount::loopdev::backing_file(Path::new(&entry.source)) {
+    fn gone(&self, m: &dyn Mounter, _sp: &SourcePaths, entry: &MountEntry) -> Option<String> {
+        match m.loop_backing(Path::new(&entry.source)) {
             Ok(Some(b)) if b.to_string_lossy().ends_with("(deleted)") => {
                 Some(format!("the image behind {} was deleted", entry.source))
             }

@@ -4,7 +4,9 @@
 //! operation once.
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -24,12 +26,19 @@ struct State {
     fail: HashMap<&'static str, i32>,
     /// Mount calls that succeeded.
     made: usize,
+    /// Loop devices attached by `mount_image`, by device name: the file
+    /// held open as the kernel holds it, and its name at attach time.
+    loops: HashMap<PathBuf, (File, PathBuf)>,
+    next_loop: u32,
 }
 
 struct Mounted {
     entry: MountEntry,
     /// The real directory whose files this mount shows.
     shows: PathBuf,
+    /// For a tmpfs: what its directory held before, the rest being the
+    /// tmpfs's own files, which go with it at unmount.
+    before: Option<Vec<std::ffi::OsString>>,
 }
 
 fn canonical(p: &Path) -> io::Result<PathBuf> {
@@ -41,6 +50,11 @@ impl FakeMounter {
     /// fails with `errno`.
     pub fn fail_next(&self, op: &'static str, errno: i32) {
         self.lock().fail.insert(op, errno);
+    }
+
+    /// Loop devices still attached.
+    pub fn loops(&self) -> usize {
+        self.lock().loops.len()
     }
 
     /// How many mounts have been made, unmounted ones included.
@@ -92,7 +106,12 @@ impl FakeMounter {
             .find(|m| entry.mount_point.starts_with(&m.entry.mount_point))
             .map_or(0, |m| m.entry.mount_id);
         st.made += 1;
-        st.mounts.push(Mounted { entry, shows });
+        let before = (op == "mount_tmpfs").then(|| names_in(&entry.mount_point));
+        st.mounts.push(Mounted {
+            entry,
+            shows,
+            before,
+        });
         Ok(())
     }
 }
@@ -128,6 +147,12 @@ fn options(readonly: bool, f: MountFlags) -> Vec<String> {
         }
     }
     o
+}
+
+fn names_in(dir: &Path) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.file_name())).collect())
+        .unwrap_or_default()
 }
 
 /// The mount that `path` lies in, deepest first.
@@ -189,12 +214,21 @@ impl Mounter for FakeMounter {
                 .and_then(|s| covering(&st.mounts, &s).map(|m| m.entry.is_readonly()))
                 .unwrap_or(false);
             let ro = readonly || inherited;
-            let e = entry(
-                "fakefs",
-                shows.display().to_string(),
-                shows.clone(),
-                options(ro, flags),
-            );
+            // A bind shows the superblock it was taken from, as the
+            // kernel's table does: a bind of an image's mount names its
+            // loop device and filesystem.
+            let (fs_type, source) = canonical(src)
+                .ok()
+                .and_then(|s| covering(&st.mounts, &s))
+                .map_or(("fakefs".to_string(), shows.display().to_string()), |m| {
+                    (m.entry.fs_type.clone(), m.entry.source.clone())
+                });
+            let mut e = entry(&fs_type, source, shows.clone(), options(ro, flags));
+            e.super_options = canonical(src)
+                .ok()
+                .and_then(|s| covering(&st.mounts, &s))
+                .map(|m| m.entry.super_options.clone())
+                .unwrap_or_default();
             Ok((e, shows))
         })
     }
@@ -226,6 +260,47 @@ impl Mounter for FakeMounter {
                 .collect();
             Ok((e, canonical(dst)?))
         })
+    }
+
+    /// The device is named `/dev/fakeloopN` and shows nothing of the
+    /// image: the fake cannot read a filesystem. It is detached when its
+    /// mount goes, as autoclear would.
+    fn mount_image(
+        &self,
+        image: File,
+        dst: &Path,
+        fstype: &str,
+        readonly: bool,
+        data: &str,
+    ) -> io::Result<()> {
+        if !image.metadata()?.is_file() {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let name = std::fs::read_link(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&image)
+        ))?;
+        let dev = {
+            let mut st = self.lock();
+            st.next_loop += 1;
+            PathBuf::from(format!("/dev/fakeloop{}", st.next_loop))
+        };
+        self.mount_device(&dev, dst, fstype, readonly, data)?;
+        self.lock().loops.insert(dev, (image, name));
+        Ok(())
+    }
+
+    fn loop_backing(&self, dev: &Path) -> io::Result<Option<PathBuf>> {
+        let st = self.lock();
+        let Some((file, name)) = st.loops.get(dev) else {
+            return Ok(None);
+        };
+        if file.metadata()?.nlink() == 0 {
+            let mut deleted = name.clone().into_os_string();
+            deleted.push(" (deleted)");
+            return Ok(Some(deleted.into()));
+        }
+        Ok(Some(name.clone()))
     }
 
     fn mount_tmpfs(&self, dst: &Path, _size_bytes: u64) -> io::Result<()> {
@@ -265,6 +340,15 @@ impl Mounter for FakeMounter {
             .any(|m| m.entry.parent_id == top && m.entry.mount_point != p)
         {
             return Err(io::Error::from_raw_os_error(libc::EBUSY));
+        }
+        if let Some(i) = st.mounts.iter().position(|m| m.entry.mount_id == top) {
+            let gone = st.mounts.remove(i);
+            st.loops.remove(Path::new(&gone.entry.source));
+            if let Some(before) = &gone.before {
+                for name in names_in(&p).into_iter().filter(|n| !before.contains(n)) {
+                    let _ = std::fs::remove_dir_all(p.join(name));
+                }
+            }
         }
         st.mounts.retain(|m| m.entry.mount_id != top);
         Ok(true)

@@ -1,6 +1,7 @@
 //! The node's mounts as one seam: the kernel's, or (in tests) a fake that
 //! keeps a mount table of its own, so node logic runs without root.
 
+use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -27,6 +28,20 @@ pub trait Mounter: Send + Sync {
         readonly: bool,
         data: &str,
     ) -> io::Result<()>;
+    /// Attaches the open file `image` to a loop device of its own (read-only
+    /// when asked) and mounts that device on `dst` (nosuid, nodev). The
+    /// device goes away with the mount: nothing is left attached.
+    fn mount_image(
+        &self,
+        image: File,
+        dst: &Path,
+        fstype: &str,
+        readonly: bool,
+        data: &str,
+    ) -> io::Result<()>;
+    /// The file behind the loop device `dev`, as the kernel names it (with
+    /// ` (deleted)` once unlinked); `None` when `dev` is no loop device.
+    fn loop_backing(&self, dev: &Path) -> io::Result<Option<PathBuf>>;
     /// A small tmpfs of its own on `dst`.
     fn mount_tmpfs(&self, dst: &Path, size_bytes: u64) -> io::Result<()>;
     /// Unmounts the topmost mount at `dst`; `Ok(false)` when there is none.
@@ -70,6 +85,24 @@ impl Mounter for Kernel {
         data: &str,
     ) -> io::Result<()> {
         super::mount_device(dev, dst, fstype, readonly, data)
+    }
+
+    fn mount_image(
+        &self,
+        image: File,
+        dst: &Path,
+        fstype: &str,
+        readonly: bool,
+        data: &str,
+    ) -> io::Result<()> {
+        let lo = super::loopdev::attach_file(image, readonly)?;
+        // The mount holds the device from here on; autoclear detaches it
+        // when the mount goes.
+        super::mount_device(lo.path(), dst, fstype, readonly, data)
+    }
+
+    fn loop_backing(&self, dev: &Path) -> io::Result<Option<PathBuf>> {
+        super::loopdev::backing_file(dev)
     }
 
     fn mount_tmpfs(&self, dst: &Path, size_bytes: u64) -> io::Result<()> {

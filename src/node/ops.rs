@@ -377,19 +377,8 @@ impl NodeOps {
 /// Another PV's bytes, read-only in place: no seal to check, so the mount
 /// itself is the only guarantee.
 fn stage_external(m: &dyn Mounter, ext: &External, staging: &Path) -> Result<()> {
-    let flags = MountFlags {
-        nosuid: true,
-        nodev: true,
-        ..MountFlags::default()
-    };
     if let Some((content, existing)) = staged(m, staging)? {
-        let same = match ext {
-            External::Dir { path } => identity(&m.view(&content))? == identity(Path::new(path))?,
-            External::XfsBlock { device } => {
-                std::fs::canonicalize(device).is_ok_and(|d| Path::new(&existing.source) == d)
-            }
-        };
-        if same && existing.is_readonly() {
+        if ext.shows(m, &content, &existing)? && existing.is_readonly() {
             return Ok(());
         }
         return Err(Error::Conflict(format!(
@@ -400,20 +389,7 @@ fn stage_external(m: &dyn Mounter, ext: &External, staging: &Path) -> Result<()>
         )));
     }
     let content = wrap(m, staging)?;
-    let mounted = match ext {
-        External::Dir { path } => m
-            .bind(Path::new(path), &content, true, flags)
-            .ctx("bind-mount read-only", Path::new(path)),
-        External::XfsBlock { device } => m
-            .mount_device(
-                Path::new(device),
-                &content,
-                "xfs",
-                true,
-                cache::xfs::READER_OPTIONS,
-            )
-            .ctx("mount read-only", Path::new(device)),
-    };
+    let mounted = ext.mount(m, &content);
     if mounted.is_err() {
         let _ = unmount_staging(m, staging);
     }
@@ -538,20 +514,15 @@ fn check_condition(
     staging: Option<&Path>,
 ) -> Condition {
     if let Some(ext) = &rec.external {
-        let path = match ext {
-            External::Dir { path } => path,
-            External::XfsBlock { device } => device,
-        };
-        return if Path::new(path).exists() {
-            Condition {
-                abnormal: false,
-                message: format!("volume is mounted; {path} is present"),
-            }
-        } else {
-            Condition {
+        return match ext.gone() {
+            Some(gone) => Condition {
                 abnormal: true,
-                message: format!("{path} behind this volume is gone"),
-            }
+                message: gone,
+            },
+            None => Condition {
+                abnormal: false,
+                message: format!("volume is mounted; {} is present", ext.path()),
+            },
         };
     }
     let sp = root.source(&rec.source);
@@ -559,7 +530,7 @@ fn check_condition(
         abnormal: true,
         message: m,
     };
-    if let Some(gone) = root.backend.store().gone(&sp, entry) {
+    if let Some(gone) = root.backend.store().gone(m, &sp, entry) {
         return abnormal(gone);
     }
     let seal = cache::read_seal(root, &rec.source).ok().flatten();

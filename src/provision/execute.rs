@@ -13,6 +13,11 @@ use super::Provisioner;
 use super::plan::{self, CreateRequest, Plan, Work};
 use super::resolve::PullInputs;
 use super::wanted;
+
+/// Pulls of one model a create makes when eviction keeps taking it before
+/// the volume can reference it.
+const PULLS_PER_EVICTION: u32 = 3;
+
 impl Provisioner {
     /// A volume of this name already made: the same (a retry), or a
     /// conflict.
@@ -63,21 +68,21 @@ impl Provisioner {
             required,
             limit,
         } = plan;
-        let sid = match work {
+        match work {
             Work::NewSource => {
                 let (r, rec) = (root, rec);
-                return blocking(move || {
+                blocking(move || {
                     check_free(&r, rec.capacity_bytes as u64)?;
                     cache::create_source(&r, &rec.source, rec.capacity_bytes as u64)?;
                     cache::write_volume(&r, &rec)?;
                     Ok(rec)
                 })
-                .await;
+                .await
             }
             Work::CopySource { from } => {
                 let _g = self.sources.lock(&from.source).await;
                 let (r, rec) = (root, rec);
-                return blocking(move || {
+                blocking(move || {
                     let writers = cache::writers(&r, &from.source)?;
                     if !writers.is_empty() && cache::read_seal(&r, &from.source)?.is_none() {
                         return Err(Error::Precondition(format!(
@@ -91,11 +96,11 @@ impl Provisioner {
                     cache::write_volume(&r, &rec)?;
                     Ok(rec)
                 })
-                .await;
+                .await
             }
             Work::External { path } => {
                 let (r, rec) = (root, rec);
-                return blocking(move || {
+                blocking(move || {
                     if !std::path::Path::new(&path).exists() {
                         return Err(Error::NotFound(format!(
                             "{path} does not exist on node {}",
@@ -105,7 +110,7 @@ impl Provisioner {
                     cache::write_volume(&r, &rec)?;
                     Ok(rec)
                 })
-                .await;
+                .await
             }
             Work::Clone { from } => {
                 // A sealed source of a tenant's own is judged by the
@@ -117,7 +122,8 @@ impl Provisioner {
                         puller::engine::vouch_sealed(&root, &from.source, &seal, Some(policy))
                             .await?;
                 }
-                from.source
+                self.reference(root, from.source, rec, required, limit)
+                    .await
             }
             Work::Pull { uri } => {
                 let ns = pull.owner.as_ref().map(|o| o.namespace().to_string());
@@ -131,18 +137,56 @@ impl Provisioner {
                     blocking(move || namespace_has_room(&r, &n, &u, max)).await?;
                 }
                 rec.namespace = ns;
-                let pulled = self.pull(req, &uri, &root, pull, deadline).await?;
-                rec.model = pulled.seal.origin.clone().into();
-                rec.revision = pulled.seal.revision.clone();
-                rec.signed_by = pulled.signed.clone();
-                pulled.sid.clone()
+                // Eviction may take the model between its seal and our
+                // reference (it never waits for a create); a new pull
+                // brings it back. Bounded: a cache evicting every model as
+                // soon as it lands answers UNAVAILABLE instead.
+                let mut attempt = 1;
+                loop {
+                    let pulled = self.pull(req, &uri, &root, &pull, deadline).await?;
+                    rec.model = pulled.seal.origin.clone().into();
+                    rec.revision = pulled.seal.revision.clone();
+                    rec.signed_by = pulled.signed.clone();
+                    let sid = pulled.sid.clone();
+                    match self
+                        .reference(root.clone(), sid, rec.clone(), required, limit)
+                        .await
+                    {
+                        Err(Error::Evicted { source_id }) if attempt < PULLS_PER_EVICTION => {
+                            tracing::info!(source = %source_id, attempt, "the model was evicted before this volume referenced it; pulling it again");
+                            attempt += 1;
+                        }
+                        done => return done,
+                    }
+                }
             }
-        };
-        // A cache volume: a reference to a sealed source, checked under the
-        // source's lock so that neither a delete nor an eviction slips in.
+        }
+    }
+
+    /// Makes `rec` a cache volume reading the sealed source `sid`: a
+    /// reference, checked under the source's lock so that a delete cannot
+    /// slip in, and against eviction, which takes no lock: it renames a
+    /// model away before it looks for references, so the seal is read again
+    /// after ours is made.
+    async fn reference(
+        &self,
+        root: Root,
+        sid: cache::SourceId,
+        mut rec: VolumeRecord,
+        required: i64,
+        limit: i64,
+    ) -> Result<VolumeRecord> {
         let _g = self.sources.lock(&sid).await;
         blocking(move || {
-            let seal = sealed(&root, &sid, rec.content_source.as_deref())?;
+            let evicted = || Error::Evicted {
+                source_id: sid.to_string(),
+            };
+            let seal = match sealed(&root, &sid, rec.content_source.as_deref()) {
+                Err(_) if sid.is_model() && !cache::source_exists(&root, &sid) => {
+                    return Err(evicted());
+                }
+                r => r?,
+            };
             if let Some(sub) = &rec.sub_path
                 && !seal.has_dir(sub)
             {
@@ -163,16 +207,17 @@ impl Provisioner {
             let uuid = std::mem::replace(&mut rec.source, sid.clone());
             rec.capacity_bytes = required.max(total);
             cache::add_ref(&root, &sid, &uuid)?;
-            // Eviction renames a model away before it looks for
-            // references; if that won, ours must not dangle.
             if cache::read_seal(&root, &sid)?.is_none() {
                 cache::remove_ref(&root, &sid, &uuid)?;
-                return Err(Error::Transient(format!(
-                    "source {sid} was evicted while this volume was being created; retry"
-                )));
+                return Err(evicted());
             }
-            if sid.is_model() {
-                cache::evict::touch(&root, &sid)?;
+            // Our reference stands from here: an eviction that renames the
+            // model away now finds it and puts the model back. Only the
+            // advisory last-used stamp can miss it in that instant.
+            if sid.is_model()
+                && let Err(e) = cache::evict::touch(&root, &sid)
+            {
+                tracing::warn!(source = %sid, error = %e, "could not record the model's use");
             }
             cache::write_volume(&root, &rec)?;
             Ok(rec)
@@ -188,7 +233,7 @@ impl Provisioner {
         req: &CreateRequest,
         uri: &str,
         root: &Root,
-        pull: PullInputs,
+        pull: &PullInputs,
         deadline: Option<std::time::Instant>,
     ) -> Result<Arc<crate::puller::engine::Pulled>> {
         let shown = crate::trust::allowed::shown(uri).to_string();
@@ -203,11 +248,11 @@ impl Provisioner {
         let job = jobs::Request {
             key: req.name.clone(),
             uri: shown,
-            owner: pull.owner,
+            owner: pull.owner.clone(),
             root: root.clone(),
             source,
-            signature: pull.signature,
-            sink: pull.sink,
+            signature: pull.signature.clone(),
+            sink: pull.sink.clone(),
         };
         // Recorded so that a restart resumes it; a class secret would have
         // to be written too, so such a pull waits for the provisioner's

@@ -202,11 +202,9 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
             record.source = SourceId::external(&uuid)
                 .ok_or_else(|| Error::Internal(format!("malformed volume uuid {uuid}")))?;
             record.capacity_bytes = required.max(1);
-            let path = match e {
-                External::Dir { path } => path,
-                External::XfsBlock { device } => device,
-            };
-            Work::External { path }
+            Work::External {
+                path: e.path().to_string(),
+            }
         }
         (Role::Cache, Some((_, from)), None) => Work::Clone { from },
         (Role::Cache, None, None) => Work::Pull {

@@ -276,7 +276,9 @@ impl Provisioner {
             .is_some_and(|v| v == "true");
         match (local_path.or(host_path), block) {
             (Some(_), true) if !trusted => Err(Error::NotAllowed(format!(
-                "{uri}: PV {pv_name} is a block device whose filesystem its users can write;                  the node's kernel mounts only filesystems the driver sealed itself or an admin                  vouched for. An admin may annotate the PV {}: \"true\" once its content is \
+                "{uri}: PV {pv_name} is a block device whose filesystem its users can write; \
+                 the node's kernel mounts only filesystems the driver sealed itself or an admin \
+                 vouched for. An admin may annotate the PV {}: \"true\" once its content is \
                  trusted and no longer written",
                 kubeapi::TRUSTED_FILESYSTEM_ANNOTATION
             ))),
