@@ -1,7 +1,10 @@
 //! The FUSE server of a progressive volume, over the raw `/dev/fuse`
 //! protocol: the tree from the listing, and READs answered only from files
-//! their gate has verified. A READ of a file still pending waits on its own
-//! thread, so every other request (and every verified read) goes on.
+//! their gate has verified. A READ of a file still pending is parked, not
+//! given a thread: one waker per volume answers the parked READs as their
+//! files are decided (or EIO at their bound), so a hundred readers waiting
+//! on a slow fill cost a hundred entries, and every other request (and
+//! every verified read) goes on meanwhile.
 //!
 //! Raw rather than `fuser`: a server that must take over a connection from
 //! its predecessor (docs/design.md, *Progressive volumes*) never sees an
@@ -20,7 +23,7 @@ use std::time::Duration;
 
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 
-use super::gate::{Gates, Wait};
+use super::gate::Gates;
 use super::tree::{Node, ROOT, Tree};
 
 const LOOKUP: u32 = 1;
@@ -72,6 +75,8 @@ pub struct Volume {
     /// requests are (a page fault's readahead should be large).
     pub reads: AtomicU64,
     pub read_bytes: AtomicU64,
+    /// READs parked now, waiting for their file's verdict.
+    pub parked: AtomicU64,
 }
 
 impl Volume {
@@ -88,6 +93,7 @@ impl Volume {
             wait_bound,
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
+            parked: AtomicU64::new(0),
         }
     }
 }
@@ -101,23 +107,53 @@ pub fn serve(dev: OwnedFd, vol: Arc<Volume>) -> io::Result<()> {
         open: Mutex::new(HashMap::new()),
         next_fh: AtomicU64::new(1),
         passthrough: Default::default(),
+        parked: Mutex::new(Vec::new()),
+        stop: Default::default(),
     });
-    let mut buf = vec![0u8; (MAX_READ_PAGES as usize) * 4096 + 4096];
-    loop {
-        let n = match (&*s.dev).read(&mut buf) {
-            Ok(n) => n,
-            // Unmounted: the connection is gone.
-            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            // The request was interrupted before we read it.
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
-            Err(e) => return Err(e),
-        };
-        if n < IN_HEADER {
-            continue;
+    let waker = {
+        let s = s.clone();
+        std::thread::Builder::new()
+            .name("progressive-waker".into())
+            .spawn(move || s.wake_parked())?
+    };
+    let served = s.clone().receive();
+    s.stop.store(true, Ordering::Relaxed);
+    s.vol.gates.nudge();
+    let _ = waker.join();
+    served
+}
+
+impl Server {
+    /// Reads requests until the filesystem is unmounted.
+    fn receive(self: Arc<Self>) -> io::Result<()> {
+        let s = self;
+        let mut buf = vec![0u8; (MAX_READ_PAGES as usize) * 4096 + 4096];
+        loop {
+            let n = match (&*s.dev).read(&mut buf) {
+                Ok(n) => n,
+                // Unmounted: the connection is gone.
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                // The request was interrupted before we read it.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(e) => return Err(e),
+            };
+            if n < IN_HEADER {
+                continue;
+            }
+            s.clone().handle(&buf[..n]);
         }
-        s.clone().handle(&buf[..n]);
     }
+}
+
+/// A READ waiting for its file's verdict.
+struct Parked {
+    h: Header,
+    fh: u64,
+    index: usize,
+    offset: u64,
+    size: u32,
+    until: std::time::Instant,
 }
 
 struct Server {
@@ -127,6 +163,10 @@ struct Server {
     next_fh: AtomicU64,
     /// Whether the kernel agreed to passthrough at INIT (6.9+).
     passthrough: std::sync::atomic::AtomicBool,
+    /// READs of pending files, answered by the waker.
+    parked: Mutex<Vec<Parked>>,
+    /// The connection is gone: the waker ends.
+    stop: std::sync::atomic::AtomicBool,
 }
 
 /// An open file of the view.
@@ -310,15 +350,11 @@ impl Server {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         // A verified file is handed to the kernel (passthrough), unless
         // the file is open through the daemon already: the kernel allows
-        // one mode per inode at a time.
-        let backing_id = self.passthrough_for(index);
-        let mut out = [0u8; 16];
-        out[0..8].copy_from_slice(&fh.to_le_bytes());
-        if let Some(id) = backing_id {
-            out[8..12].copy_from_slice(&FOPEN_PASSTHROUGH.to_le_bytes());
-            out[12..16].copy_from_slice(&id.to_le_bytes());
-        }
-        self.lock_open().insert(
+        // one mode per inode at a time. Decided and recorded under one
+        // lock, so two opens racing cannot ask for both modes.
+        let mut open = self.lock_open();
+        let backing_id = self.passthrough_for(&open, index);
+        open.insert(
             fh,
             Handle {
                 index,
@@ -326,18 +362,25 @@ impl Server {
                 backing_id,
             },
         );
+        drop(open);
+        let mut out = [0u8; 16];
+        out[0..8].copy_from_slice(&fh.to_le_bytes());
+        if let Some(id) = backing_id {
+            out[8..12].copy_from_slice(&FOPEN_PASSTHROUGH.to_le_bytes());
+            out[12..16].copy_from_slice(&id.to_le_bytes());
+        }
         self.reply(h.unique, &out);
     }
 
-    /// A backing id for `index` when it may be read by passthrough.
-    fn passthrough_for(&self, index: usize) -> Option<u32> {
+    /// A backing id for `index` when it may be read by passthrough, given
+    /// the files `open` now.
+    fn passthrough_for(&self, open: &Handles, index: usize) -> Option<u32> {
         if !self.passthrough.load(Ordering::Relaxed)
             || self.vol.gates.state(index) != super::gate::State::Verified
         {
             return None;
         }
-        let cached = self
-            .lock_open()
+        let cached = open
             .values()
             .any(|h| h.index == index && h.backing_id.is_none());
         if cached {
@@ -382,25 +425,74 @@ impl Server {
         let Some(index) = self.lock_open().get(&fh).map(|h| h.index) else {
             return self.error(h.unique, libc::EBADF);
         };
-        match self.vol.gates.state(index) {
-            super::gate::State::Verified => self.answer_read(&h, fh, index, offset, size),
-            _ => {
-                // Waits on its own thread: other requests go on meanwhile.
-                std::thread::spawn(
-                    move || match self.vol.gates.wait(index, self.vol.wait_bound) {
-                        Wait::Verified => self.answer_read(&h, fh, index, offset, size),
-                        Wait::Failed(why) => {
-                            tracing::warn!(file = index, %why, "read of a failed file: EIO");
-                            self.error(h.unique, libc::EIO)
-                        }
-                        Wait::TimedOut => {
-                            tracing::warn!(file = index, "read waited past its bound: EIO");
-                            self.error(h.unique, libc::EIO)
-                        }
-                    },
-                );
-            }
+        if self.vol.gates.state(index) == super::gate::State::Verified {
+            return self.answer_read(&h, fh, index, offset, size);
         }
+        self.vol.gates.ask(index);
+        self.lock_parked().push(Parked {
+            h,
+            fh,
+            index,
+            offset,
+            size,
+            until: std::time::Instant::now() + self.vol.wait_bound,
+        });
+        self.vol.parked.fetch_add(1, Ordering::Relaxed);
+        // Decided between the check and the park: the waker may have
+        // looked already, so it is told to look again.
+        self.vol.gates.nudge();
+    }
+
+    fn lock_parked(&self) -> std::sync::MutexGuard<'_, Vec<Parked>> {
+        self.parked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The waker: answers each parked READ once its file is decided, or
+    /// with EIO at its bound, until the connection is gone.
+    fn wake_parked(&self) {
+        let mut seen = self.vol.gates.generation();
+        while !self.stop.load(Ordering::Relaxed) {
+            let now = std::time::Instant::now();
+            let (ready, next): (Vec<Parked>, Option<std::time::Instant>) = {
+                let mut parked = self.lock_parked();
+                let all = std::mem::take(&mut *parked);
+                let mut ready = Vec::new();
+                for p in all {
+                    let decided = self.vol.gates.state(p.index) != super::gate::State::Pending;
+                    if decided || p.until <= now {
+                        ready.push(p);
+                    } else {
+                        parked.push(p);
+                    }
+                }
+                (ready, parked.iter().map(|p| p.until).min())
+            };
+            for p in ready {
+                self.vol.parked.fetch_sub(1, Ordering::Relaxed);
+                match self.vol.gates.state(p.index) {
+                    super::gate::State::Verified => {
+                        self.answer_read(&p.h, p.fh, p.index, p.offset, p.size)
+                    }
+                    super::gate::State::Failed(why) => {
+                        tracing::warn!(file = p.index, %why, "read of a failed file: EIO");
+                        self.error(p.h.unique, libc::EIO)
+                    }
+                    super::gate::State::Pending => {
+                        tracing::warn!(file = p.index, "read waited past its bound: EIO");
+                        self.error(p.h.unique, libc::EIO)
+                    }
+                }
+            }
+            let bound = next.map_or(Duration::from_secs(1), |t| {
+                t.saturating_duration_since(std::time::Instant::now())
+            });
+            seen = self.vol.gates.changed_since(seen, bound);
+        }
+        // Unmounted: whatever is parked has nobody to answer to.
+        let left = std::mem::take(&mut *self.lock_parked());
+        self.vol
+            .parked
+            .fetch_sub(left.len() as u64, Ordering::Relaxed);
     }
 
     /// A READ of a verified file, from its backing bytes.

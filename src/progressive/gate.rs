@@ -39,6 +39,8 @@ struct Inner {
     files: Vec<State>,
     /// Files a reader is waiting for now: the fill takes them first.
     asked: BTreeSet<usize>,
+    /// Bumped at every verdict, for [`Gates::changed_since`].
+    generation: u64,
 }
 
 impl Gates {
@@ -48,6 +50,7 @@ impl Gates {
             state: Mutex::new(Inner {
                 files: vec![State::Pending; n],
                 asked: BTreeSet::new(),
+                generation: 0,
             }),
             changed: Condvar::new(),
         }
@@ -71,8 +74,51 @@ impl Gates {
             *f = s;
         }
         g.asked.remove(&file);
+        g.generation += 1;
         drop(g);
         self.changed.notify_all();
+    }
+
+    /// Wakes whoever waits in [`Gates::changed_since`] without a verdict:
+    /// something else it watches changed.
+    pub fn nudge(&self) {
+        self.lock().generation += 1;
+        self.changed.notify_all();
+    }
+
+    /// Records that a reader waits for `file` (the fill takes it first),
+    /// without blocking: for a server that parks the request.
+    pub fn ask(&self, file: usize) {
+        let mut g = self.lock();
+        if g.files.get(file) == Some(&State::Pending) {
+            g.asked.insert(file);
+        }
+    }
+
+    /// The generation of verdicts now: what [`Gates::changed_since`] waits
+    /// to move past.
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// Waits, at most `bound`, for a verdict after generation `seen`;
+    /// returns the generation then. One waiter serves every parked reader
+    /// of a volume.
+    pub fn changed_since(&self, seen: u64, bound: Duration) -> u64 {
+        let deadline = Instant::now() + bound;
+        let mut g = self.lock();
+        while g.generation == seen {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            g = self
+                .changed
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        g.generation
     }
 
     /// The verifier matched every byte of `file`.

@@ -25,6 +25,9 @@ use crate::support::fixtures::pseudo_random;
 struct Mounted {
     dir: tempfile::TempDir,
     vol: Arc<Volume>,
+    /// The FUSE connection's number, to abort it if a test leaves readers
+    /// blocked.
+    conn: u64,
     server: Option<std::thread::JoinHandle<std::io::Result<()>>>,
 }
 
@@ -47,10 +50,19 @@ impl Mounted {
 impl Drop for Mounted {
     fn drop(&mut self) {
         let _ = nix::mount::umount2(&self.mnt(), nix::mount::MntFlags::MNT_DETACH);
-        // A failed test may leave a reader blocked in the view, which keeps
-        // the detached connection (and so the server) alive: wait a little,
-        // then leave the thread to end with the process rather than hang.
+        // A failed test may leave readers blocked in the view, which keeps
+        // the detached connection (and so the server) alive. The process
+        // could then never exit: its readers wait in the kernel for answers
+        // from a server that exiting kills. So after a little while the
+        // connection is aborted (fusectl), which fails them all.
         if let Some(s) = self.server.take() {
+            let until = Instant::now() + Duration::from_secs(2);
+            while !s.is_finished() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !s.is_finished() {
+                abort_connection(self.conn);
+            }
             let until = Instant::now() + Duration::from_secs(2);
             while !s.is_finished() && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(20));
@@ -62,7 +74,35 @@ impl Drop for Mounted {
     }
 }
 
+/// The FUSE connection behind the mount at `mnt`: its device's minor.
+fn connection_of(mnt: &Path) -> u64 {
+    let dev = fs::metadata(mnt).expect("stat the FUSE root").dev();
+    nix::sys::stat::minor(dev)
+}
+
+/// Aborts FUSE connection `conn` (the minor of the mount's device).
+fn abort_connection(conn: u64) {
+    let ctl = Path::new("/sys/fs/fuse/connections");
+    if !ctl.join(conn.to_string()).exists() {
+        let _ = nix::mount::mount(
+            Some("fusectl"),
+            ctl,
+            Some("fusectl"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        );
+    }
+    let _ = fs::write(ctl.join(conn.to_string()).join("abort"), "1");
+}
+
 fn mount(files: &[(&str, u64)], wait_bound: Duration) -> Mounted {
+    mount_named(files, wait_bound, "pv-server")
+}
+
+/// As `mount`, with the server's thread named `name` (at most 15 bytes, the
+/// kernel's limit), so that threads it spawns, which inherit the name, can
+/// be counted.
+fn mount_named(files: &[(&str, u64)], wait_bound: Duration, name: &str) -> Mounted {
     let dir = tempfile::tempdir().unwrap();
     for d in ["mnt", "backing"] {
         fs::create_dir(dir.path().join(d)).unwrap();
@@ -77,8 +117,19 @@ fn mount(files: &[(&str, u64)], wait_bound: Duration) -> Mounted {
     let dev = modelcache_csi::mount::fuse::mount_fuse(&dir.path().join("mnt"), "modelcache")
         .expect("mount FUSE (root and /dev/fuse)");
     let v = vol.clone();
-    let server = Some(std::thread::spawn(move || serve(dev, v)));
-    Mounted { dir, vol, server }
+    let server = Some(
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || serve(dev, v))
+            .unwrap(),
+    );
+    let conn = connection_of(&dir.path().join("mnt"));
+    Mounted {
+        dir,
+        vol,
+        conn,
+        server,
+    }
 }
 
 /// Reads `path` whole on another thread; returns its bytes (or error) and
@@ -191,6 +242,52 @@ fn a_stalled_fill_answers_eio_within_the_bound() {
         took >= Duration::from_millis(450) && took < Duration::from_secs(10),
         "{took:?}"
     );
+}
+
+/// Threads of this process named `name`.
+fn threads_named(name: &str) -> usize {
+    fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| c.trim_end() == name)
+        .count()
+}
+
+/// Many pods starting at once on a slow fill: their READs are parked,
+/// each an entry, not a thread; one waker answers them as their files are
+/// verified, each with its own bytes.
+#[test]
+fn readers_waiting_on_a_slow_fill_are_parked_not_given_threads() {
+    let n = 100;
+    let names: Vec<String> = (0..n).map(|i| format!("shard-{i:03}.bin")).collect();
+    let bodies: Vec<Vec<u8>> = (0..n).map(|i| pseudo_random(i as u64, 8192)).collect();
+    let files: Vec<(&str, u64)> = names.iter().map(|f| (f.as_str(), 8192)).collect();
+    let m = mount_named(&files, Duration::from_secs(60), "pv-parked");
+    let readers: Vec<_> = names.iter().map(|f| read_later(m.mnt().join(f))).collect();
+    // As many as the kernel lets through at once (it queues the rest).
+    let (mut last, mut steady) = (0, Instant::now());
+    let until = Instant::now() + Duration::from_secs(20);
+    while steady.elapsed() < Duration::from_millis(500) && Instant::now() < until {
+        let now = m.vol.parked.load(Ordering::Relaxed);
+        if now != last {
+            (last, steady) = (now, Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(last >= 32, "only {last} READs reached the server");
+    assert_eq!(
+        threads_named("pv-parked"),
+        1,
+        "{last} parked READs: the server spawned threads for them"
+    );
+    for i in (0..n).rev() {
+        m.arrive(i, &names[i], &bodies[i]);
+    }
+    for (i, r) in readers.into_iter().enumerate() {
+        let got = r.join().unwrap().0.unwrap();
+        assert!(got == bodies[i], "{}: wrong bytes", names[i]);
+    }
+    assert_eq!(m.vol.parked.load(Ordering::Relaxed), 0);
 }
 
 /// safetensors readers mmap their shards: each page fault must become a
@@ -348,6 +445,7 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
     let v = vol.clone();
     let server_thread = std::thread::spawn(move || serve(dev, v));
     let m = Mounted {
+        conn: connection_of(&dir),
         dir: t,
         vol,
         server: Some(server_thread),
