@@ -42,8 +42,19 @@ impl FileView {
     }
 }
 
-/// Told the path of each file as it is verified and in place.
-pub type Listener = Box<dyn Fn(&str) + Send + Sync>;
+/// What a pull decided about one of its files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Whole, verified and in place.
+    Verified,
+    /// Its bytes failed their digest and the pull gave up on it: readers
+    /// get EIO. (A failure the pull mends by fetching the file again is
+    /// not told: readers wait on through it.)
+    Failed(String),
+}
+
+/// Told the path of each file the pull decided, and what.
+pub type Listener = Box<dyn Fn(&str, &Verdict) + Send + Sync>;
 
 /// The partial view of one model's pull in this process.
 #[derive(Default)]
@@ -55,6 +66,9 @@ pub struct Partial {
     /// waits while this moves.
     moved: AtomicU64,
     changed: tokio::sync::Notify,
+    /// Files readers are waiting for, in the order they asked: the pull
+    /// fetches these next.
+    wanted: Mutex<Vec<String>>,
 }
 
 impl Partial {
@@ -99,8 +113,29 @@ impl Partial {
         self.moved.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// A reader waits for `path`: the pull takes it next.
+    pub fn want(&self, path: &str) {
+        let mut w = self.wanted.lock().unwrap_or_else(|p| p.into_inner());
+        if !w.iter().any(|p| p == path) {
+            w.push(path.to_string());
+        }
+    }
+
+    /// Files readers wait for and the pull has not finished, first asked
+    /// first.
+    pub fn wanted(&self) -> Vec<String> {
+        self.wanted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// `path` is whole, verified and in place at `at`.
     pub fn finished(&self, path: &str, size: u64, at: PathBuf, chunks: Vec<String>) {
+        self.wanted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|p| p != path);
         self.files().insert(
             path.to_string(),
             FileView {
@@ -114,8 +149,16 @@ impl Partial {
         let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
         if done.0.insert(path.to_string()) {
             for l in &done.1 {
-                l(path);
+                l(path, &Verdict::Verified);
             }
+        }
+    }
+
+    /// `path` failed its digest and will not be fetched again by this pull.
+    pub fn failed(&self, path: &str, why: &str) {
+        let done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        for l in &done.1 {
+            l(path, &Verdict::Failed(why.to_string()));
         }
     }
 
@@ -125,7 +168,7 @@ impl Partial {
     pub fn subscribe(&self, listener: Listener) {
         let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
         for path in &done.0 {
-            listener(path);
+            listener(path, &Verdict::Verified);
         }
         done.1.push(listener);
     }

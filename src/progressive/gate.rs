@@ -33,7 +33,12 @@ pub enum Wait {
 pub struct Gates {
     state: Mutex<Inner>,
     changed: Condvar,
+    /// Told of each file a reader starts waiting for (the fill's queue).
+    asker: Mutex<Option<Asker>>,
 }
+
+/// Hears which file a reader waits for.
+pub type Asker = Box<dyn Fn(usize) + Send + Sync>;
 
 struct Inner {
     files: Vec<State>,
@@ -53,6 +58,7 @@ impl Gates {
                 generation: 0,
             }),
             changed: Condvar::new(),
+            asker: Mutex::new(None),
         }
     }
 
@@ -90,9 +96,19 @@ impl Gates {
     /// without blocking: for a server that parks the request.
     pub fn ask(&self, file: usize) {
         let mut g = self.lock();
-        if g.files.get(file) == Some(&State::Pending) {
-            g.asked.insert(file);
+        let first = g.files.get(file) == Some(&State::Pending) && g.asked.insert(file);
+        drop(g);
+        if first {
+            let asker = self.asker.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(tell) = asker.as_ref() {
+                tell(file);
+            }
         }
+    }
+
+    /// Who hears of each file readers start waiting for.
+    pub fn set_asker(&self, asker: Asker) {
+        *self.asker.lock().unwrap_or_else(|p| p.into_inner()) = Some(asker);
     }
 
     /// The generation of verdicts now: what [`Gates::changed_since`] waits
@@ -153,7 +169,12 @@ impl Gates {
                 Some(State::Failed(why)) => return Wait::Failed(why.clone()),
                 Some(State::Pending) => {}
             }
-            g.asked.insert(file);
+            if !g.asked.contains(&file) {
+                drop(g);
+                self.ask(file);
+                g = self.lock();
+                continue;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Wait::TimedOut;

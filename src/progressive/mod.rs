@@ -10,14 +10,26 @@ pub mod tree;
 
 use std::sync::Arc;
 
-use crate::cache::partial::Partial;
+use crate::cache::partial::{Partial, Verdict};
 
-/// Opens the gate of each file of `tree` as `pull` verifies it.
-pub fn follow(pull: &Partial, tree: &Arc<tree::Tree>, gates: &Arc<gate::Gates>) {
+/// Opens the gate of each file of `tree` as `pull` verifies it, and tells
+/// the pull which files readers wait for, so it fetches them next.
+pub fn follow(pull: &Arc<Partial>, tree: &Arc<tree::Tree>, gates: &Arc<gate::Gates>) {
+    // Weak: the pull's listeners hold the gates, and the view must end
+    // with its pull (`partial::lookup` finds only live pulls).
+    let (t, p) = (tree.clone(), Arc::downgrade(pull));
+    gates.set_asker(Box::new(move |index| {
+        if let (Some(path), Some(pull)) = (t.path_of(index), p.upgrade()) {
+            pull.want(path);
+        }
+    }));
     let (tree, gates) = (tree.clone(), gates.clone());
-    pull.subscribe(Box::new(move |path| {
+    pull.subscribe(Box::new(move |path, verdict| {
         if let Some(index) = tree.index_of(path) {
-            gates.verified(index);
+            match verdict {
+                Verdict::Verified => gates.verified(index),
+                Verdict::Failed(why) => gates.failed(index, why.clone()),
+            }
         }
     }));
 }

@@ -347,13 +347,30 @@ fn mmap_sum(path: &Path) -> (u64, usize) {
     (sum, len)
 }
 
-/// The serving half on a real pull: the engine fetches a model over HTTP
-/// (paced) in listing order, each file's gate opens as the engine verifies
-/// it, and a reader of the shards in order reads the first one long before
-/// the pull ends, every byte exact, the last ones after the seal moved the
-/// area into place.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
+/// A real pull in progress, as a progressive stage finds it: the engine
+/// fetching a model of a config and four 6 MiB shards over paced HTTP in
+/// listing order, its area, its partial view, and the FUSE view following
+/// it.
+struct PacedPull {
+    m: Mounted,
+    listing: Vec<(String, u64)>,
+    shards: Vec<Vec<u8>>,
+    pull: tokio::task::JoinHandle<
+        modelcache_csi::error::Result<modelcache_csi::puller::engine::Pulled>,
+    >,
+    partial: Arc<modelcache_csi::cache::partial::Partial>,
+    sid: String,
+    started: Instant,
+    _server: crate::support::fixtures::FileServer,
+}
+
+async fn paced_pull() -> PacedPull {
+    paced_pull_with(|_| {}).await
+}
+
+/// As [`paced_pull`], with `faults` set on the origin before the pull
+/// starts.
+async fn paced_pull_with(faults: impl FnOnce(&crate::support::fixtures::FileServer)) -> PacedPull {
     use crate::support::fixtures::{self, FileServer};
     use modelcache_csi::config::{Config, EngineConfig};
     use modelcache_csi::puller::SourceOptions;
@@ -375,6 +392,7 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
     server.put("m.json", fixtures::manifest_for(&model, true));
     // Two connections of 6 MiB/s: about 2 s for the 24 MiB.
     server.throttle(6 << 20);
+    faults(&server);
     let uri = format!("{}#manifest", server.url("m.json"));
     let source = modelcache_csi::puller::open(&uri, &SourceOptions::default())
         .await
@@ -405,7 +423,6 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
     let r = root.clone();
     let pull = tokio::spawn(async move { engine.pull(&r, source, &NoProgress).await });
 
-    // The pull's area and its partial view, as a progressive stage finds them.
     let sid = loop {
         let names: Vec<String> = fs::read_dir(root.sources_dir())
             .map(|d| {
@@ -450,12 +467,31 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
         vol,
         server: Some(server_thread),
     };
-    let mnt = m.mnt();
-    assert_eq!(mnt, dir);
+    assert_eq!(m.mnt(), dir);
+    PacedPull {
+        m,
+        listing,
+        shards,
+        pull,
+        partial,
+        sid,
+        started,
+        _server: server,
+    }
+}
 
+/// The serving half on a real pull: the engine fetches a model over HTTP
+/// (paced) in listing order, each file's gate opens as the engine verifies
+/// it, and a reader of the shards in order reads the first one long before
+/// the pull ends, every byte exact, the last ones after the seal moved the
+/// area into place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
+    let p = paced_pull().await;
+    let (mnt, started) = (p.m.mnt(), p.started);
     // The "inference server": reads every shard in order, timing each.
     let reader = {
-        let (mnt, listing) = (mnt.clone(), listing.clone());
+        let (mnt, listing) = (mnt.clone(), p.listing.clone());
         std::thread::spawn(move || {
             listing
                 .iter()
@@ -466,16 +502,16 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
                 .collect::<Vec<_>>()
         })
     };
-    let pulled = pull.await.unwrap().expect("the pull seals");
+    let pulled = p.pull.await.unwrap().expect("the pull seals");
     let pull_took = started.elapsed();
-    assert_eq!(pulled.sid.as_str(), sid);
+    assert_eq!(pulled.sid.as_str(), p.sid);
     let read = tokio::task::spawn_blocking(move || reader.join().unwrap())
         .await
         .unwrap();
     for (i, (path, bytes, _)) in read.iter().enumerate() {
         let bytes = bytes.as_ref().unwrap_or_else(|e| panic!("{path}: {e}"));
         if i > 0 {
-            assert!(*bytes == shards[i - 1], "{path}: wrong bytes");
+            assert!(*bytes == p.shards[i - 1], "{path}: wrong bytes");
         }
     }
     let first_shard = read[1].2;
@@ -484,6 +520,44 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
         "the first shard was read at {first_shard:?}, the pull took {pull_took:?}"
     );
     eprintln!("first shard read at {first_shard:?} of a {pull_took:?} pull");
+}
+
+/// A reader that wants the last shard first (a loader that opens the
+/// index's last file, say): its READ moves that shard to the front of the
+/// fill, which verifies it before the shards listed ahead of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_of_a_file_far_down_the_listing_jumps_the_fill_queue() {
+    let p = paced_pull().await;
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    {
+        let order = order.clone();
+        p.partial.subscribe(Box::new(move |path, _| {
+            order.lock().unwrap().push(path.to_string())
+        }));
+    }
+    let last = p.listing.last().unwrap().0.clone();
+    let reader = {
+        let (path, started) = (p.m.mnt().join(&last), p.started);
+        std::thread::spawn(move || (fs::read(path), started.elapsed()))
+    };
+    let pulled = p.pull.await.unwrap().expect("the pull seals");
+    let pull_took = p.started.elapsed();
+    assert_eq!(pulled.sid.as_str(), p.sid);
+    let (bytes, at) = tokio::task::spawn_blocking(move || reader.join().unwrap())
+        .await
+        .unwrap();
+    assert!(bytes.unwrap() == p.shards[3], "{last}: wrong bytes");
+    let order = order.lock().unwrap().clone();
+    let pos = |name: &str| order.iter().position(|p| p == name).unwrap();
+    eprintln!("verified in order {order:?}; {last} read at {at:?} of a {pull_took:?} pull");
+    assert!(
+        pos(&last) < pos(&p.listing[2].0),
+        "the wanted shard did not jump the queue: {order:?}"
+    );
+    assert!(
+        at * 10 < pull_took * 7,
+        "{last} read at {at:?}, the pull took {pull_took:?}"
+    );
 }
 
 /// Drops `path`'s cached pages, so a timed read of it comes from the disk.
@@ -560,4 +634,45 @@ fn a_verified_file_is_read_by_passthrough_at_the_speed_of_its_backing_file() {
     let mut s = String::new();
     held.read_to_string(&mut s).unwrap();
     assert_eq!(s, "late");
+}
+
+/// The origin corrupts a shard's first byte: a reader of that shard never
+/// sees the wrong bytes. Once, and the pull fetches the file again and the
+/// reader (waiting through it) gets the exact bytes; every time, and after
+/// its re-fetches the pull gives up, the reader gets EIO, and other shards
+/// read right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_the_origin_corrupts_are_never_read_and_heal_when_fetched_again() {
+    const SHARD: &str = "model-00002-of-00004.safetensors";
+    for (times, heals) in [(1, true), (usize::MAX, false)] {
+        let p = paced_pull_with(|s| s.corrupt_first_byte(SHARD, times)).await;
+        let reader = {
+            let path = p.m.mnt().join(SHARD);
+            std::thread::spawn(move || fs::read(path))
+        };
+        let pulled = p.pull.await.unwrap();
+        let ended = Instant::now();
+        let read = tokio::task::spawn_blocking(move || reader.join().unwrap())
+            .await
+            .unwrap();
+        // Told, not timed out: the view's bound is 60 s.
+        assert!(
+            ended.elapsed() < Duration::from_secs(5),
+            "the reader waited on after the pull ended"
+        );
+        if heals {
+            pulled.expect("the pull seals after fetching the shard again");
+            assert!(read.unwrap() == p.shards[1], "{SHARD}: wrong bytes");
+        } else {
+            let Err(e) = pulled else {
+                panic!("the pull sealed a shard whose every fetch failed")
+            };
+            assert!(e.to_string().contains("failed verification"), "{e}");
+            let e = read.expect_err("a read of a shard that failed");
+            assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+            let first = p.listing[1].0.clone();
+            let ok = fs::read(p.m.mnt().join(&first)).expect("a verified shard still reads");
+            assert!(ok == p.shards[0], "{first}: wrong bytes");
+        }
+    }
 }

@@ -64,6 +64,7 @@ pub(super) async fn fetch_file(
     }
     // A finished file is kept only at the size the listing gives now.
     let same_size = file.size.is_none_or(|s| st.size == Some(s));
+    let mut refetches = 0;
     let (size, sha, chunks) = match (&st.sha256, dest.exists() && same_size) {
         (Some(sha), true) => {
             let size = st.size.unwrap_or(0);
@@ -112,9 +113,31 @@ pub(super) async fn fetch_file(
                     };
                     continue;
                 }
+                // The origin's own bytes failed: a transfer may have gone
+                // wrong on the way, so the file is fetched anew a bounded
+                // number of times. Readers of a progressive volume wait on
+                // through it (an EIO now would fail a model load that the
+                // next fetch mends); only giving up tells them EIO.
+                if refetches < ORIGIN_REFETCHES {
+                    refetches += 1;
+                    warn!(file = %file.path_or_locator(), %why, refetches, "the origin's bytes failed verification; fetching the file again");
+                    ctx.bytes.fetch_sub(
+                        size.min(ctx.bytes.load(Ordering::Relaxed)),
+                        Ordering::Relaxed,
+                    );
+                    st = FileState {
+                        path: key.clone(),
+                        ..FileState::default()
+                    };
+                    continue;
+                }
+                if file.unpack == Unpack::None {
+                    work.partial().failed(&file.path, &why);
+                }
                 return Err(Error::Precondition(format!(
-                    "{} failed verification: {why}; nothing was sealed",
-                    file.path_or_locator()
+                    "{} failed verification: {why} (fetched {} times); nothing was sealed",
+                    file.path_or_locator(),
+                    refetches + 1
                 )));
             }
             st.sha256 = Some(sha.clone());
@@ -139,6 +162,10 @@ pub(super) async fn fetch_file(
         Unpack::Tar(c) => layer(None, c),
     })
 }
+
+/// Fetches of a file whose bytes from the origin failed their digest,
+/// after the first, before the pull gives up on it.
+const ORIGIN_REFETCHES: u32 = 2;
 
 /// The MD5 of a file, read back from disk: checked only for S3 files that
 /// peers helped fill, against the origin's ETag.

@@ -734,19 +734,49 @@ impl Engine {
         };
         let budget = files_at_once * connections;
         let streams = Arc::new(Semaphore::new(budget));
-        let files = futures::stream::iter(order)
-            .map(|(i, f)| {
+        // Which file goes next is decided as late as possible: when a
+        // stream frees, one dispatcher at a time takes the first file a
+        // reader of a progressive volume is waiting for (`Partial::want`),
+        // else the head of the order, then the rest of the streams it
+        // needs. A read of a file far down the listing jumps the queue.
+        let queue = Arc::new(Mutex::new(std::collections::VecDeque::from(order)));
+        let dispatch = Arc::new(tokio::sync::Mutex::new(()));
+        let files = futures::stream::iter(0..resolved.files.len())
+            .map(|_| {
                 let (ctx, work, streams) = (ctx.clone(), work.clone(), streams.clone());
-                let need = if f.size.is_some_and(|s| s <= ctx.cfg.chunk_bytes) {
-                    1
-                } else {
-                    connections
-                };
+                let (queue, dispatch) = (queue.clone(), dispatch.clone());
                 async move {
-                    let _streams = streams
-                        .acquire_many_owned(need as u32)
+                    let shutting = || Error::Internal("pull is shutting down".into());
+                    let turn = dispatch.lock().await;
+                    let mut held = streams
+                        .clone()
+                        .acquire_owned()
                         .await
-                        .map_err(|_| Error::Internal("pull is shutting down".into()))?;
+                        .map_err(|_| shutting())?;
+                    let next = {
+                        let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
+                        let wanted = work.partial().wanted();
+                        let at = wanted
+                            .iter()
+                            .find_map(|w| q.iter().position(|(_, f)| &f.path == w))
+                            .unwrap_or(0);
+                        q.remove(at)
+                    };
+                    let Some((i, f)) = next else {
+                        return Err(Error::Internal(
+                            "a pull dispatched more files than it listed".into(),
+                        ));
+                    };
+                    if f.size.is_none_or(|s| s > ctx.cfg.chunk_bytes) && connections > 1 {
+                        let rest = streams
+                            .clone()
+                            .acquire_many_owned(connections as u32 - 1)
+                            .await
+                            .map_err(|_| shutting())?;
+                        held.merge(rest);
+                    }
+                    drop(turn);
+                    let _streams = held;
                     fetch_file(ctx, work, i, f).await
                 }
             })

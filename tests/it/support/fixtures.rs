@@ -586,6 +586,8 @@ struct FileKnobs {
     trickle: HashMap<String, Duration>,
     ignore_ranges: bool,
     no_validators: bool,
+    /// Path -> GETs covering byte 0 still to serve with that byte flipped.
+    corrupt: HashMap<String, usize>,
 }
 
 struct FileState {
@@ -702,6 +704,13 @@ impl FileServer {
         k.stalls_left.insert(path.into(), times);
     }
 
+    /// Serves the next `times` GETs of `path` that cover its first byte
+    /// with that byte flipped, as an origin whose bytes went wrong on the
+    /// way would: the listing's sha256 no longer matches.
+    pub fn corrupt_first_byte(&self, path: &str, times: usize) {
+        self.knobs().corrupt.insert(path.into(), times);
+    }
+
     /// Removes every fault set for `path`.
     pub fn heal(&self, path: &str) {
         let mut k = self.knobs();
@@ -781,7 +790,23 @@ fn serve_file(state: &FileState, req: &Request) -> Reply {
         return r;
     }
     let (ranges, validators) = (!k.ignore_ranges, !k.no_validators);
-    let content = if let Some(doc) = k.docs.get(&path) {
+    let from_zero = req
+        .header("range")
+        .is_none_or(|r| r.trim().starts_with("bytes=0-"));
+    let corrupt = match k.corrupt.get_mut(&path) {
+        Some(left) if *left > 0 && req.method == "GET" && from_zero => {
+            *left -= 1;
+            true
+        }
+        _ => false,
+    };
+    let content = if corrupt && let Some(rel) = safe_rel(&path) {
+        let mut bytes = fs::read(state.root.join(rel)).unwrap_or_default();
+        if let Some(b) = bytes.first_mut() {
+            *b ^= 0xff;
+        }
+        Content::Bytes(Arc::new(bytes))
+    } else if let Some(doc) = k.docs.get(&path) {
         Content::Bytes(doc.clone())
     } else {
         let Some(rel) = safe_rel(&path) else {
