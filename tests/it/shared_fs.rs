@@ -512,6 +512,21 @@ fn an_image_filled_through_one_client_is_read_filled_through_the_client_that_mad
     assert_eq!(got, vec![7u8; 3 << 20]);
 }
 
+/// Drops `path`'s cached pages (only this file's).
+fn forget_cached(path: &Path) {
+    let f = fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    // SAFETY: advice on a descriptor we own; no memory is passed.
+    let r = unsafe {
+        libc::posix_fadvise(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+            0,
+            libc::POSIX_FADV_DONTNEED,
+        )
+    };
+    assert_eq!(r, 0, "posix_fadvise {}", path.display());
+}
+
 /// The Gluster server goes away while a source volume is being sealed:
 /// the seal fails with a retryable code, nothing is sealed on the server
 /// (its brick holds no seal.json), and the seal goes through once the
@@ -527,6 +542,15 @@ async fn the_server_going_away_mid_seal_seals_nothing_and_the_seal_completes_aft
     na.stage(&src.volume_id, &staging, WRITER).await.unwrap();
     let files = write_files(&content(&staging), &[96 << 20; 3]);
     na.unstage(&src.volume_id, &staging).await.unwrap();
+    // The seal must read its bytes from the server, not from pages the
+    // writer left cached on either side: from cache it could hash all of
+    // them before the server goes away.
+    let on_server = g.on_server(&sid).expect("the source is on the server");
+    for (name, _) in &files {
+        for dir in [on_server.clone(), g.on_client(&a, &on_server)] {
+            forget_cached(&dir.join("data").join(name));
+        }
+    }
 
     let seal = {
         let req = ControllerModifyVolumeRequest {
@@ -537,8 +561,16 @@ async fn the_server_going_away_mid_seal_seals_nothing_and_the_seal_completes_aft
         let mut controller = na.client.controller.clone();
         tokio::spawn(async move { controller.controller_modify_volume(req).await })
     };
-    // Hashing 288 MiB takes seconds: the server goes away in the middle.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Hashing 288 MiB read from the server takes seconds: the server goes
+    // away as soon as the seal has begun (its intent marker is there).
+    let begun = Instant::now();
+    while !on_server.join("sealing").exists() {
+        assert!(
+            begun.elapsed() < Duration::from_secs(30),
+            "the seal never began"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     g.stop_server();
     let st = tokio::time::timeout(Duration::from_secs(60), seal)
         .await

@@ -5,7 +5,7 @@
 //! installs them). glusterd is started when none runs and left running for
 //! the other tests; the volume, its brick and every mount go on drop.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -168,6 +168,13 @@ impl Gluster {
     pub fn profile_incremental(&self) -> String {
         let out = gluster(&["volume", "profile", &self.name, "info", "incremental"]).unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Where a client mounted at `mount` sees what the server holds at
+    /// `on_server` (a path under the brick).
+    pub fn on_client(&self, mount: &Path, on_server: &Path) -> PathBuf {
+        let brick = self.dir.path().join("brick");
+        mount.join(on_server.strip_prefix(&brick).unwrap_or(on_server))
     }
 
     /// The server's copy of a directory named `name` (the first found,
