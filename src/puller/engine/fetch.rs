@@ -101,26 +101,22 @@ pub(super) async fn fetch_file(
                 .await;
                 // Bytes from a peer that add up to another file: the
                 // peers are dropped for it and the origin serves it anew.
-                if ctx.source.distrust(&file) {
-                    warn!(file = %file.path_or_locator(), "bytes from peers failed the origin's sha256; fetching the file from the origin");
-                    ctx.bytes.fetch_sub(
-                        size.min(ctx.bytes.load(Ordering::Relaxed)),
-                        Ordering::Relaxed,
-                    );
-                    st = FileState {
-                        path: key.clone(),
-                        ..FileState::default()
-                    };
-                    continue;
-                }
-                // The origin's own bytes failed: a transfer may have gone
-                // wrong on the way, so the file is fetched anew a bounded
+                // The origin's own bytes failing may be a transfer gone
+                // wrong on the way: the file is fetched anew a bounded
                 // number of times. Readers of a progressive volume wait on
-                // through it (an EIO now would fail a model load that the
-                // next fetch mends); only giving up tells them EIO.
-                if refetches < ORIGIN_REFETCHES {
+                // through either (an EIO now would fail a model load that
+                // the next fetch mends); only giving up tells them EIO.
+                let again = if ctx.source.distrust(&file) {
+                    warn!(file = %file.path_or_locator(), "bytes from peers failed the origin's sha256; fetching the file from the origin");
+                    true
+                } else if refetches < ORIGIN_REFETCHES {
                     refetches += 1;
                     warn!(file = %file.path_or_locator(), %why, refetches, "the origin's bytes failed verification; fetching the file again");
+                    true
+                } else {
+                    false
+                };
+                if again {
                     ctx.bytes.fetch_sub(
                         size.min(ctx.bytes.load(Ordering::Relaxed)),
                         Ordering::Relaxed,
