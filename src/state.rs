@@ -203,6 +203,15 @@ pub fn create_marker(path: &Path, content: &[u8]) -> io::Result<bool> {
         .parent()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no parent"))?;
     fs::create_dir_all(dir)?;
+    create_marker_in(path, content)
+}
+
+/// As [`create_marker`], in a directory that must exist already: NotFound
+/// if it does not (it is never made).
+pub fn create_marker_in(path: &Path, content: &[u8]) -> io::Result<bool> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no parent"))?;
     match OpenOptions::new().write(true).create_new(true).open(path) {
         Ok(mut f) => {
             f.write_all(content)?;

@@ -203,28 +203,18 @@ pub fn refs(root: &Root, sid: &str) -> Result<Vec<String>> {
 /// leaves no empty skeleton behind for a later pull to trip on.
 pub fn add_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
     let sp = root.source(sid);
-    let (refs, path) = (sp.refs(), sp.refs().join(uuid));
-    let made = (|| -> io::Result<()> {
+    let refs = sp.refs();
+    let path = refs.join(uuid);
+    let made = (|| -> io::Result<bool> {
         match fs::create_dir(&refs) {
             Ok(()) => state::sync_dir(&sp.dir)?,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e),
         }
-        match fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-        {
-            Ok(f) => {
-                f.sync_all()?;
-                state::sync_dir(&refs)
-            }
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-            Err(e) => Err(e),
-        }
+        state::create_marker_in(&path, b"")
     })();
     match made {
-        Ok(()) => Ok(()),
+        Ok(_) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Err(Error::Evicted {
             source_id: sid.to_string(),
         }),

@@ -208,27 +208,30 @@ impl Mounter for FakeMounter {
             if !shows.is_dir() {
                 return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
             }
-            // A bind inherits a read-only source, as the kernel's does.
-            let inherited = canonical(src)
-                .ok()
-                .and_then(|s| covering(&st.mounts, &s).map(|m| m.entry.is_readonly()))
-                .unwrap_or(false);
-            let ro = readonly || inherited;
-            // A bind shows the superblock it was taken from, as the
-            // kernel's table does: a bind of an image's mount names its
-            // loop device and filesystem.
-            let (fs_type, source) = canonical(src)
-                .ok()
-                .and_then(|s| covering(&st.mounts, &s))
-                .map_or(("fakefs".to_string(), shows.display().to_string()), |m| {
-                    (m.entry.fs_type.clone(), m.entry.source.clone())
-                });
-            let mut e = entry(&fs_type, source, shows.clone(), options(ro, flags));
-            e.super_options = canonical(src)
-                .ok()
-                .and_then(|s| covering(&st.mounts, &s))
-                .map(|m| m.entry.super_options.clone())
-                .unwrap_or_default();
+            // A bind inherits a read-only source, as the kernel's does, and
+            // shows the superblock it was taken from, as the kernel's table
+            // does: a bind of an image's mount names its loop device and
+            // filesystem.
+            let under = canonical(src).ok().and_then(|s| covering(&st.mounts, &s));
+            let ro = readonly || under.is_some_and(|m| m.entry.is_readonly());
+            let e = match under {
+                Some(m) => {
+                    let mut e = entry(
+                        &m.entry.fs_type,
+                        m.entry.source.clone(),
+                        shows.clone(),
+                        options(ro, flags),
+                    );
+                    e.super_options = m.entry.super_options.clone();
+                    e
+                }
+                None => entry(
+                    "fakefs",
+                    shows.display().to_string(),
+                    shows.clone(),
+                    options(ro, flags),
+                ),
+            };
             Ok((e, shows))
         })
     }
@@ -350,7 +353,6 @@ impl Mounter for FakeMounter {
                 }
             }
         }
-        st.mounts.retain(|m| m.entry.mount_id != top);
         Ok(true)
     }
 
