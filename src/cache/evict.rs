@@ -338,6 +338,7 @@ mod tests {
                 content_source: None,
                 namespace: None,
                 signed_by: None,
+                progressive: false,
                 request: String::new(),
                 created_unix: 0,
             },

@@ -222,9 +222,43 @@ pub fn add_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
     }
 }
 
+/// References a model still being pulled, from inside its pull's area:
+/// the seal renames the area into place with the reference in it, so it
+/// is never missing for eviction to misread. False: the area is gone (the
+/// model sealed or the pull ended), and nothing was made.
+pub fn add_pull_ref(root: &Root, sid: &SourceId, uuid: &str) -> Result<bool> {
+    let area = root.pull_area(sid);
+    let refs = area.refs();
+    let path = refs.join(uuid);
+    let made = (|| -> io::Result<()> {
+        match fs::create_dir(&refs) {
+            Ok(()) => state::sync_dir(&area.dir)?,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        state::create_marker_in(&path, b"").map(drop)
+    })();
+    match made {
+        Ok(()) => Ok(true),
+        // The seal moved the area between our create and its sync: the
+        // reference moved with it.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Ok(root.source(sid).refs().join(uuid).exists())
+        }
+        Err(e) => Err(Error::io("create reference", &path, e)),
+    }
+}
+
+/// Removes a volume's reference, wherever it is: in the sealed model, or
+/// in the area of a pull still running (a progressive volume's).
 pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
     let path = root.source(sid).refs().join(uuid);
-    state::remove_file(&path).ctx("remove reference", &path)
+    state::remove_file(&path).ctx("remove reference", &path)?;
+    if let Some(sid) = SourceId::parse(sid).filter(|s| s.is_model()) {
+        let path = root.pull_area(&sid).refs().join(uuid);
+        state::remove_file(&path).ctx("remove reference", &path)?;
+    }
+    Ok(())
 }
 
 /// Creates an empty writable source. Idempotent.

@@ -69,11 +69,29 @@ pub struct Partial {
     /// Files readers are waiting for, in the order they asked: the pull
     /// fetches these next.
     wanted: Mutex<Vec<String>>,
+    /// Every file the model will hold, with its final size, in the
+    /// listing's order: known before any byte, so a progressive volume can
+    /// show the whole tree at once.
+    listing: std::sync::OnceLock<Vec<(String, u64)>>,
 }
 
 impl Partial {
     fn files(&self) -> std::sync::MutexGuard<'_, HashMap<String, FileView>> {
         self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The pull knows its listing: `files` with their final sizes, or None
+    /// when some size is not listed (a layer still to unpack), and the tree
+    /// cannot be shown before its bytes.
+    pub fn listed(&self, files: Option<Vec<(String, u64)>>) {
+        if let Some(files) = files {
+            let _ = self.listing.set(files);
+        }
+    }
+
+    /// The model's files and sizes, once the pull listed them.
+    pub fn listing(&self) -> Option<&[(String, u64)]> {
+        self.listing.get().map(Vec::as_slice)
     }
 
     /// A file starts (or resumes) arriving at `at`.

@@ -93,6 +93,10 @@ pub struct VolumeRecord {
     /// when this volume was made.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signed_by: Option<String>,
+    /// Made before its model was sealed (`progressive: "true"`): staged
+    /// through the node's progressive view until the seal.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub progressive: bool,
     /// Canonical form of the CreateVolume arguments: the same name with other
     /// arguments is AlreadyExists.
     pub request: String,

@@ -319,6 +319,17 @@ impl Mounter for FakeMounter {
         })
     }
 
+    /// A FUSE server needs a kernel connection; nothing here fakes one.
+    fn mount_fuse(&self, dst: &Path, _name: &str) -> io::Result<std::os::fd::OwnedFd> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "{}: FUSE mounts need the kernel; the fake mounter has none",
+                dst.display()
+            ),
+        ))
+    }
+
     fn unmount(&self, dst: &Path) -> io::Result<bool> {
         let mut st = self.lock();
         if let Some(errno) = st.fail.remove("unmount") {

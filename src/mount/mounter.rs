@@ -46,6 +46,9 @@ pub trait Mounter: Send + Sync {
     fn mount_tmpfs(&self, dst: &Path, size_bytes: u64) -> io::Result<()>;
     /// Unmounts the topmost mount at `dst`; `Ok(false)` when there is none.
     fn unmount(&self, dst: &Path) -> io::Result<bool>;
+    /// A read-only FUSE filesystem on `dst` named `fuse.<name>`, and the
+    /// connection its server reads (`super::fuse`).
+    fn mount_fuse(&self, dst: &Path, name: &str) -> io::Result<std::os::fd::OwnedFd>;
     /// The path through which the files `path` shows are read. For the
     /// kernel that is `path`; a fake, which mounts nothing, answers with
     /// the directory it would have shown there.
@@ -111,5 +114,9 @@ impl Mounter for Kernel {
 
     fn unmount(&self, dst: &Path) -> io::Result<bool> {
         super::unmount(dst)
+    }
+
+    fn mount_fuse(&self, dst: &Path, name: &str) -> io::Result<std::os::fd::OwnedFd> {
+        super::fuse::mount_fuse(dst, name)
     }
 }

@@ -3,6 +3,7 @@
 pub mod absent;
 pub mod inline;
 pub mod ops;
+pub mod progressive;
 pub mod registration;
 pub mod verify;
 

@@ -152,6 +152,18 @@ impl NodeOps {
             .await?
         };
         let m = self.mounter.clone();
+        if rec.progressive {
+            let (r, rc, mm, st, sealed) = (
+                root.clone(),
+                rec.clone(),
+                m.clone(),
+                staging.clone(),
+                seal.is_some(),
+            );
+            if blocking(move || stage_progressive(&*mm, &r, &rc, &st, sealed)).await? {
+                return Ok(());
+            }
+        }
         if let Some(ext) = rec.external.clone() {
             // `lookup` admits external records only from this node's own
             // local root (see VolumeRecord::check).
@@ -396,6 +408,42 @@ fn stage_external(m: &dyn Mounter, ext: &External, staging: &Path) -> Result<()>
     mounted
 }
 
+/// Stages a progressive volume through its model's view while the model
+/// is arriving (`super::progressive`). A view staged before the seal
+/// stays: the pods reading it keep it. False: the model is sealed and
+/// nothing is staged, so the volume is staged as any other.
+fn stage_progressive(
+    m: &dyn Mounter,
+    root: &Root,
+    rec: &VolumeRecord,
+    staging: &Path,
+    sealed: bool,
+) -> Result<bool> {
+    if let Some((_, existing)) = staged(m, staging)? {
+        if super::progressive::is_view(&existing.fs_type) {
+            return Ok(true);
+        }
+        if sealed {
+            return Ok(false);
+        }
+        return Err(Error::Conflict(format!(
+            "staging path {} already holds a different mount ({} from {}); unstage it first",
+            staging.display(),
+            existing.fs_type,
+            existing.source
+        )));
+    }
+    if sealed {
+        return Ok(false);
+    }
+    let content = wrap(m, staging)?;
+    let mounted = super::progressive::mount(m, root, rec, &content);
+    if mounted.is_err() {
+        let _ = unmount_staging(m, staging);
+    }
+    mounted.map(|()| true)
+}
+
 fn stage_blocking(
     m: &dyn Mounter,
     root: &Root,
@@ -525,6 +573,15 @@ fn check_condition(
             },
         };
     }
+    if rec.progressive && cache::read_seal(root, &rec.source).ok().flatten().is_none() {
+        return Condition {
+            abnormal: false,
+            message: format!(
+                "model {} is still arriving; reads wait for each file's verified bytes",
+                rec.source
+            ),
+        };
+    }
     let sp = root.source(&rec.source);
     let abnormal = |m: String| Condition {
         abnormal: true,
@@ -649,6 +706,7 @@ mod tests {
                 content_source: None,
                 namespace: None,
                 signed_by: None,
+                progressive: false,
                 request: String::new(),
                 created_unix: 0,
             };

@@ -125,7 +125,7 @@ impl Provisioner {
                 self.reference(root, from.source, rec, required, limit)
                     .await
             }
-            Work::Pull { uri } => {
+            Work::Pull { uri, progressive } => {
                 let ns = pull.owner.as_ref().map(|o| o.namespace().to_string());
                 if let Some(ns) = &ns {
                     let (r, n, u, max) = (
@@ -141,9 +141,26 @@ impl Provisioner {
                 // reference (it never waits for a create); a new pull
                 // brings it back. Bounded: a cache evicting every model as
                 // soon as it lands answers UNAVAILABLE instead.
+                let progressive = progressive && progressive_kernel();
                 let mut attempt = 1;
                 loop {
-                    let pulled = self.pull(req, &uri, &root, &pull, deadline).await?;
+                    let pulled = match self
+                        .pull(req, &uri, &root, &pull, deadline, progressive)
+                        .await?
+                    {
+                        jobs::Early::Sealed(p) => p,
+                        jobs::Early::Arriving { sid, partial } => {
+                            rec.model = Some(crate::trust::allowed::shown(&uri).to_string());
+                            match self
+                                .reference_arriving(&root, &sid, &partial, &rec, required, limit)
+                                .await?
+                            {
+                                Some(rec) => return Ok(rec),
+                                // Sealed meanwhile: referenced as any model.
+                                None => continue,
+                            }
+                        }
+                    };
                     rec.model = pulled.seal.origin.clone().into();
                     rec.revision = pulled.seal.revision.clone();
                     rec.signed_by = pulled.signed.clone();
@@ -225,9 +242,56 @@ impl Provisioner {
         .await
     }
 
+    /// Makes `rec` a progressive volume of model `sid`, still arriving:
+    /// its reference goes into the pull's area (see `cache::add_pull_ref`)
+    /// and its record says so. None: the area is gone (the model sealed or
+    /// the pull ended), and the caller references it the ordinary way.
+    async fn reference_arriving(
+        &self,
+        root: &Root,
+        sid: &str,
+        partial: &Arc<crate::cache::partial::Partial>,
+        rec: &VolumeRecord,
+        required: i64,
+        limit: i64,
+    ) -> Result<Option<VolumeRecord>> {
+        let sid = cache::SourceId::parse(sid)
+            .ok_or_else(|| Error::Internal(format!("malformed model id {sid}")))?;
+        let files = partial.listing().unwrap_or_default();
+        let total: u64 = files.iter().map(|(_, n)| n).sum();
+        if let Some(sub) = &rec.sub_path
+            && !files.iter().any(|(p, _)| p.starts_with(&format!("{sub}/")))
+        {
+            return Err(Error::invalid(
+                "parameters.subPath",
+                format!("{sub:?} is not a directory of the model's listing"),
+            ));
+        }
+        let total = i64::try_from(total).unwrap_or(i64::MAX);
+        if limit > 0 && limit < total {
+            return Err(Error::Unsatisfiable(format!(
+                "capacity_range.limit_bytes {limit} is smaller than the {total} bytes the model holds"
+            )));
+        }
+        let _g = self.sources.lock(&sid).await;
+        let (root, mut rec) = (root.clone(), rec.clone());
+        blocking(move || {
+            let uuid = std::mem::replace(&mut rec.source, sid.clone());
+            rec.capacity_bytes = required.max(total);
+            rec.progressive = true;
+            if !cache::add_pull_ref(&root, &sid, &uuid)? {
+                return Ok(None);
+            }
+            cache::write_volume(&root, &rec)?;
+            Ok(Some(rec))
+        })
+        .await
+    }
+
     /// Pulls a model URI into `root` through the pull job of this volume
     /// name, which outlives the call: at the caller's deadline it answers
-    /// "still pulling", and the retry joins the same job.
+    /// "still pulling", and the retry joins the same job. `progressive`:
+    /// answers as soon as the pull runs with its listing known.
     async fn pull(
         &self,
         req: &CreateRequest,
@@ -235,7 +299,8 @@ impl Provisioner {
         root: &Root,
         pull: &PullInputs,
         deadline: Option<std::time::Instant>,
-    ) -> Result<Arc<crate::puller::engine::Pulled>> {
+        progressive: bool,
+    ) -> Result<jobs::Early> {
         let shown = crate::trust::allowed::shown(uri).to_string();
         let tenant = pull.options.tenant.is_some();
         let source = match puller::open(uri, &pull.options).await {
@@ -253,6 +318,7 @@ impl Provisioner {
             source,
             signature: pull.signature.clone(),
             sink: pull.sink.clone(),
+            listing_order: progressive,
         };
         // Recorded so that a restart resumes it; a class secret would have
         // to be written too, so such a pull waits for the provisioner's
@@ -264,13 +330,97 @@ impl Provisioner {
         }
         let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
         tracing::debug!(budget = ?left, "joining the pull job");
-        let pulled = self.jobs.pull(&self.engine, job, left).await;
+        let pulled = match progressive {
+            true => {
+                let early = self.jobs.pull_early(&self.engine, job.clone(), left).await;
+                if let Ok(jobs::Early::Arriving { .. }) = &early {
+                    self.see_through(job, resumable.then(|| self.wanted_dir()));
+                }
+                early
+            }
+            false => self
+                .jobs
+                .pull(&self.engine, job, left)
+                .await
+                .map(jobs::Early::Sealed),
+        };
         if resumable && !self.jobs.is_running(&req.name) {
             let (d, n) = (self.wanted_dir(), req.name.clone());
             blocking(move || wanted::remove(&d, &n)).await?;
         }
         pulled
     }
+}
+
+/// How long a progressive volume's failed pull waits before it runs again,
+/// at first; doubled each time, up to five minutes.
+const REPULL_FIRST: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Provisioner {
+    /// Keeps a progressive volume's pull going after its create answered:
+    /// nobody else asks again (the volume exists), so a pull that fails is
+    /// run again here, with backoff, for as long as the volume does. Its
+    /// readers wait (bounded) meanwhile. The wanted record (`wanted`) goes
+    /// once the model is sealed: a restart before then resumes the pull.
+    fn see_through(&self, job: jobs::Request, wanted: Option<std::path::PathBuf>) {
+        let (jobs, engine) = (self.jobs.clone(), self.engine.clone());
+        let (root, name) = (job.root.clone(), job.key.clone());
+        let uuid = cache::uuid_for_name(&self.cfg.driver_name, &name);
+        tokio::spawn(async move {
+            let mut wait = REPULL_FIRST;
+            loop {
+                match jobs.pull(&engine, job.clone(), None).await {
+                    Ok(pulled) => {
+                        // The reference made in the first pull's area is
+                        // gone if that area was discarded (its origin
+                        // served garbage); this pull sealed without it.
+                        let (r, u, sid) = (root.clone(), uuid.clone(), pulled.sid.clone());
+                        let referenced = blocking(move || match cache::read_volume(&r, &u)? {
+                            Some(_) => cache::add_ref(&r, &sid, &u),
+                            None => Ok(()),
+                        })
+                        .await;
+                        if let Err(e) = referenced {
+                            tracing::warn!(volume.name = %name, error = %e, "could not reference the sealed model");
+                        }
+                        if let Some(d) = wanted {
+                            let _ = blocking(move || wanted::remove(&d, &name)).await;
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(volume.name = %name, error = %e, retry_in = ?wait, "a progressive volume's pull failed; its readers wait while it runs again");
+                    }
+                }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(std::time::Duration::from_secs(300));
+                let (r, u) = (root.clone(), uuid.clone());
+                let alive = blocking(move || cache::read_volume(&r, &u)).await;
+                if !matches!(alive, Ok(Some(_))) {
+                    tracing::info!(volume.name = %name, "the progressive volume is gone; its pull is not run again");
+                    return;
+                }
+            }
+        });
+    }
+}
+
+/// Whether this kernel can serve a progressive volume: FUSE passthrough,
+/// for native reads of verified files, came in 6.9. Older kernels get the
+/// ordinary volume, usable once sealed.
+fn progressive_kernel() -> bool {
+    let release = nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut parts = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    let ok = (major, minor) >= (6, 9);
+    if !ok {
+        tracing::warn!(kernel = %release, "progressive volumes need kernel 6.9 or later (FUSE passthrough); this volume is usable once its model is sealed");
+    }
+    ok
 }
 
 /// The seal of a source a cache volume is about to read.
@@ -368,6 +518,7 @@ mod tests {
                 content_source: None,
                 namespace: Some(ns.into()),
                 signed_by: None,
+                progressive: false,
                 request: String::new(),
                 created_unix: 0,
             };

@@ -41,7 +41,7 @@ pub struct Provisioner {
     sources: KeyedMutex,
     engine: Arc<Engine>,
     /// Pulls that outlive the CreateVolume calls that want them.
-    jobs: Jobs,
+    jobs: Arc<Jobs>,
     /// API access, for per-PVC sources, `pvc://` and PVC events.
     kube: Option<KubeApi>,
     metrics: Arc<crate::metrics::Metrics>,
@@ -59,7 +59,7 @@ impl Provisioner {
             roots: ctx.roots.clone(),
             sources: KeyedMutex::default(),
             engine: Arc::new(Self::engine(ctx.cfg.as_ref(), &ctx.metrics)),
-            jobs: Jobs::default(),
+            jobs: Arc::default(),
             kube: ctx.kube.clone(),
             metrics: ctx.metrics.clone(),
         }

@@ -23,6 +23,7 @@ pub const SIGNATURE_CERTIFICATE_CHAIN: &str = "signatureCertificateChain";
 pub const SIGNATURE_FILE: &str = "signatureFile";
 pub const SIGNATURE_IDENTITY: &str = "signatureIdentity";
 pub const SIGNATURE_ISSUER: &str = "signatureIssuer";
+pub const PROGRESSIVE: &str = "progressive";
 
 /// Options handed to the model source; see `puller`.
 pub const SOURCE_OPTIONS: [&str; 10] = [
@@ -38,8 +39,9 @@ pub const SOURCE_OPTIONS: [&str; 10] = [
     crate::puller::PARAM_MAX_MODEL_FILES,
 ];
 
-const KNOWN: [&str; 26] = [
+const KNOWN: [&str; 27] = [
     BACKEND,
+    PROGRESSIVE,
     MODEL_SIGNATURE,
     SIGNATURE_PUBLIC_KEY,
     SIGNATURE_CERTIFICATE_CHAIN,
@@ -100,6 +102,9 @@ pub struct Params {
     /// Whose signature a model must carry (`modelSignature` and its
     /// trust); None: signatures are not checked.
     pub signature: Option<std::sync::Arc<crate::signing::Policy>>,
+    /// Answer a model's create, stage and publish once its listing is
+    /// known; reads wait for each file's bytes (`progressive`).
+    pub progressive: bool,
 }
 
 fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
@@ -187,6 +192,9 @@ impl Params {
                             .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?,
                     );
                 }
+                PROGRESSIVE => {
+                    p.progressive = one_of(key, value, &[("true", true), ("false", false)])?;
+                }
                 ALLOW_CROSS_NAMESPACE => {
                     p.allow_cross_namespace =
                         one_of(key, value, &[("true", true), ("false", false)])?;
@@ -253,8 +261,28 @@ impl Params {
                 "only applies to backend: xfs",
             ));
         }
+        if p.progressive {
+            if let Some(b) = p.backend.filter(|b| *b != Backend::Local) {
+                return Err(Error::invalid(
+                    format!("parameters.{PROGRESSIVE}"),
+                    format!(
+                        "only applies to backend: local (a node's own directory, filled and \
+                         served by that node's driver), not {b}; remove it or use backend: local"
+                    ),
+                ));
+            }
+            if p.signature.is_some() {
+                return Err(Error::invalid(
+                    format!("parameters.{PROGRESSIVE}"),
+                    "cannot be combined with modelSignature: a signature covers the whole \
+                     model and is checked at the seal, so a pod would read files before the \
+                     signature is; use one or the other",
+                ));
+            }
+        }
         if p.role == Some(Role::Source) {
             for (set, key) in [
+                (p.progressive, PROGRESSIVE),
                 (p.sub_path.is_some(), SUB_PATH),
                 (p.verify.is_some(), VERIFY),
                 (p.source.is_some(), SOURCE),

@@ -86,8 +86,9 @@ pub enum Work {
     External { path: String },
     /// A cache volume of a sealed source volume.
     Clone { from: VolumeRecord },
-    /// A cache volume of a model the puller fetches (or already holds).
-    Pull { uri: String },
+    /// A cache volume of a model the puller fetches (or already holds);
+    /// `progressive`: answered once the pull's listing is known.
+    Pull { uri: String, progressive: bool },
 }
 
 /// Decides a CreateVolume from what it resolved to.
@@ -177,6 +178,7 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         content_source: content.as_ref().map(|(_, c)| c.id.clone()),
         namespace: None,
         signed_by: None,
+        progressive: false,
         request: fingerprint(req),
         created_unix: cache::now_unix(),
     };
@@ -209,6 +211,7 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         (Role::Cache, Some((_, from)), None) => Work::Clone { from },
         (Role::Cache, None, None) => Work::Pull {
             uri: params.source.clone().unwrap_or_default(),
+            progressive: params.progressive,
         },
     };
     Ok(Plan {
@@ -489,6 +492,7 @@ mod tests {
             content_source: None,
             namespace: None,
             signed_by: None,
+            progressive: false,
             request: String::new(),
             created_unix: 0,
         }
@@ -572,6 +576,7 @@ mod tests {
                 ),
                 Work::Pull {
                     uri: "s3://models/minilm".into(),
+                    progressive: false,
                 },
                 Backend::Local,
                 true,
@@ -585,6 +590,7 @@ mod tests {
                 ),
                 Work::Pull {
                     uri: "hf://org/m".into(),
+                    progressive: false,
                 },
                 Backend::Shared,
                 false,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::engine::{Engine, Progress, ProgressSink, Pulled};
+use super::engine::{Ask, Engine, Progress, ProgressSink, Pulled};
 use super::source::Source;
 use crate::cache::Root;
 use crate::error::{Error, Result};
@@ -45,6 +45,8 @@ struct Job {
     owner: Option<Owner>,
     started: Instant,
     last: Arc<Mutex<Option<Progress>>>,
+    /// The model the origin resolved the request to, once it has.
+    sid: Arc<Mutex<Option<String>>>,
     done: watch::Receiver<Outcome>,
     task: tokio::task::AbortHandle,
 }
@@ -60,6 +62,7 @@ pub struct Jobs {
 struct Recording {
     inner: Arc<dyn ProgressSink>,
     last: Arc<Mutex<Option<Progress>>>,
+    sid: Arc<Mutex<Option<String>>>,
     /// Bytes counted into the in-flight gauge, taken out when the job ends.
     counted: std::sync::atomic::AtomicI64,
     metrics: Arc<crate::metrics::Metrics>,
@@ -75,6 +78,10 @@ impl Drop for Recording {
 }
 
 impl ProgressSink for Recording {
+    fn resolved(&self, sid: &str) {
+        *self.sid.lock().unwrap_or_else(|e| e.into_inner()) = Some(sid.to_string());
+        self.inner.resolved(sid)
+    }
     fn started(&self, uri: &str, total: Option<u64>) {
         self.inner.started(uri, total)
     }
@@ -96,6 +103,7 @@ impl ProgressSink for Recording {
 }
 
 /// What a job needs to start.
+#[derive(Clone)]
 pub struct Request {
     /// The volume name: a retry of the same CreateVolume has the same one.
     pub key: String,
@@ -107,6 +115,18 @@ pub struct Request {
     /// The asking class's signature policy.
     pub signature: Option<Arc<crate::signing::Policy>>,
     pub sink: Arc<dyn ProgressSink>,
+    /// A progressive volume waits on it (`Ask::listing_order`).
+    pub listing_order: bool,
+}
+
+/// What a progressive volume's create waits for: the model sealed, or its
+/// pull under way with its listing known.
+pub enum Early {
+    Sealed(Arc<Pulled>),
+    Arriving {
+        sid: String,
+        partial: Arc<crate::cache::partial::Partial>,
+    },
 }
 
 impl Jobs {
@@ -128,6 +148,47 @@ impl Jobs {
         outcome
     }
 
+    /// Like `pull`, but answers as soon as the pull of the job's model runs
+    /// in this process with its listing known (`Early::Arriving`); the job
+    /// goes on. A model already sealed, or one whose listing cannot be
+    /// shown before its bytes, is waited for as `pull` would.
+    pub async fn pull_early(
+        &self,
+        engine: &Arc<Engine>,
+        req: Request,
+        wait: Option<Duration>,
+    ) -> Result<Early> {
+        let job = self.join_or_start(engine, req);
+        let deadline = wait.map(|w| tokio::time::Instant::now() + w);
+        let mut done = job.done.clone();
+        loop {
+            if let Some(outcome) = done.borrow_and_update().clone() {
+                self.forget(&job);
+                return outcome.map(Early::Sealed).map_err(|e| e.replay());
+            }
+            let sid = job.sid.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(sid) = sid
+                && let Some(partial) = crate::cache::partial::lookup(&sid)
+                && partial.listing().is_some()
+            {
+                return Ok(Early::Arriving { sid, partial });
+            }
+            // The sid and the view have no channel of their own; a short
+            // poll costs nothing beside a pull.
+            let tick = tokio::time::Instant::now() + Duration::from_millis(20);
+            let until = deadline.map_or(tick, |d| d.min(tick));
+            if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+                return Err(Error::Transient(still_pulling(&job)));
+            }
+            if let Ok(Err(_)) = tokio::time::timeout_at(until, done.changed()).await {
+                self.forget(&job);
+                return Err(Error::Internal(
+                    "a pull job ended without an outcome".into(),
+                ));
+            }
+        }
+    }
+
     fn join_or_start(&self, engine: &Arc<Engine>, req: Request) -> Arc<Job> {
         let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(job) = running.get(&req.key) {
@@ -135,16 +196,18 @@ impl Jobs {
         }
         let (tx, rx) = watch::channel(None);
         let last = Arc::new(Mutex::new(None));
+        let sid = Arc::new(Mutex::new(None));
         let metrics = engine.metrics().clone();
         metrics.pulls_in_flight.inc();
         let sink: Arc<dyn ProgressSink> = Arc::new(Recording {
             inner: req.sink,
             last: last.clone(),
+            sid: sid.clone(),
             counted: Default::default(),
             metrics,
         });
         let (engine, root, source, uri) = (engine.clone(), req.root, req.source, req.uri.clone());
-        let signature = req.signature;
+        let (signature, listing_order) = (req.signature, req.listing_order);
         let asker = req.key.clone();
         // Slots are shared fairly between the namespaces that want pulls.
         let who = req
@@ -155,11 +218,14 @@ impl Jobs {
         let task = tokio::spawn(async move {
             let outcome = engine
                 .pull_for(
-                    &who,
-                    Some(&asker),
+                    &Ask {
+                        who: &who,
+                        asker: Some(&asker),
+                        signature: signature.as_ref(),
+                        listing_order,
+                    },
                     &root,
                     source,
-                    signature.as_ref(),
                     sink.as_ref(),
                 )
                 .await;
@@ -173,6 +239,7 @@ impl Jobs {
             owner: req.owner,
             started: Instant::now(),
             last,
+            sid,
             done: rx,
             task: task.abort_handle(),
         });
@@ -358,6 +425,7 @@ mod tests {
             source: s,
             signature: None,
             sink: Arc::new(NoProgress),
+            listing_order: false,
         };
         let t0 = Instant::now();
         let e = jobs
@@ -415,6 +483,7 @@ mod tests {
             source: Arc::new(src),
             signature: None,
             sink: Arc::new(NoProgress),
+            listing_order: false,
         };
         // 4 KiB every 20 ms: about 200 KB/s, live but slow; 20 s in all.
         let slow = |uri| Slow {
@@ -521,6 +590,7 @@ mod tests {
             source: src,
             signature: None,
             sink: Arc::new(NoProgress),
+            listing_order: false,
         };
         let _ = jobs.pull(&engine, r, Some(Duration::from_millis(20))).await;
         assert_eq!(

@@ -24,6 +24,7 @@ mod node_trust;
 mod peer_fill;
 mod placement;
 mod progressive;
+mod progressive_volumes;
 mod pull_s3;
 mod pull_sources;
 mod puller_engine;

@@ -582,6 +582,7 @@ async fn capacity_evicts_least_recently_used_but_never_a_model_in_use() {
             content_source: None,
             namespace: None,
             signed_by: None,
+            progressive: false,
             request: String::new(),
             created_unix: 0,
         },

@@ -154,6 +154,25 @@ struct Pull<'a> {
     limits: PullLimits,
     /// The asking class's signature policy, checked before the seal.
     signature: Option<&'a Arc<Policy>>,
+    /// Fetch in the listing's order (`EngineConfig::listing_order`).
+    listing_order: bool,
+}
+
+/// Who asks for a pull, and how.
+#[derive(Clone, Copy, Default)]
+pub struct Ask<'a> {
+    /// The asking namespace ("" for no tenant): slots are shared fairly
+    /// between namespaces (`slots`).
+    pub who: &'a str,
+    /// The request (a volume's name), so that its retries while the origin
+    /// is down keep the revision the origin gave it.
+    pub asker: Option<&'a str>,
+    /// The asking class's policy, which a fresh pull must pass before it
+    /// is sealed and a sealed model before it is handed out.
+    pub signature: Option<&'a Arc<Policy>>,
+    /// A progressive volume waits on this pull: fetch in the listing's
+    /// order, whatever the engine's default.
+    pub listing_order: bool,
 }
 
 /// Shared by the tasks of one pull.
@@ -354,24 +373,23 @@ impl Engine {
         source: Arc<dyn Source>,
         sink: &dyn ProgressSink,
     ) -> Result<Pulled> {
-        self.pull_for("", None, root, source, None, sink).await
+        self.pull_for(&Ask::default(), root, source, sink).await
     }
 
-    /// `pull` on behalf of namespace `who` ("" for no tenant): slots are
-    /// shared fairly between namespaces (`slots`). `asker` names the
-    /// request (a volume's name), so that its retries while the origin is
-    /// down keep the revision the origin gave it. `signature`: the asking
-    /// class's policy, which a fresh pull must pass before it is sealed
-    /// and a sealed model before it is handed out.
+    /// `pull` on behalf of `ask` (see [`Ask`]).
     pub async fn pull_for(
         &self,
-        who: &str,
-        asker: Option<&str>,
+        ask: &Ask<'_>,
         root: &Root,
         source: Arc<dyn Source>,
-        signature: Option<&Arc<Policy>>,
         sink: &dyn ProgressSink,
     ) -> Result<Pulled> {
+        let Ask {
+            who,
+            asker,
+            signature,
+            ..
+        } = *ask;
         // The origin first; while it is down, a pinned model's listing may
         // come from peers that hold it sealed (`outage`), as may that of
         // a request the origin resolved before.
@@ -397,6 +415,7 @@ impl Engine {
             unsigned_listing(policy, &resolved)?;
         }
         let sid = source_id(source.as_ref(), &resolved.uri, &resolved.revision);
+        sink.resolved(sid.as_str());
         let span =
             info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
         let scheme = crate::metrics::scheme_of(&resolved.uri);
@@ -436,6 +455,7 @@ impl Engine {
                 inodes,
                 limits,
                 signature,
+                listing_order: self.cfg.listing_order || ask.listing_order,
             };
             let counted = Counted {
                 inner: sink,
@@ -701,6 +721,16 @@ impl Engine {
         capacity: Option<u64>,
     ) -> Result<(Seal, u64, Option<String>)> {
         let (resolved, need) = (pull.resolved, pull.total);
+        work.partial().listed(
+            resolved
+                .files
+                .iter()
+                .map(|f| match f.unpack {
+                    Unpack::None => Some((f.path.clone(), f.size?)),
+                    Unpack::Tar(_) => None,
+                })
+                .collect(),
+        );
         let ctx = Arc::new(Ctx {
             source,
             max_bytes: pull.limits.max_bytes,
@@ -717,7 +747,7 @@ impl Engine {
         // waiting for the first files. The seal's order depends on neither.
         let mut order: Vec<(usize, RemoteFile)> =
             resolved.files.iter().cloned().enumerate().collect();
-        if !self.cfg.listing_order {
+        if !pull.listing_order {
             order.sort_by_key(|(_, f)| std::cmp::Reverse(f.size.unwrap_or(0)));
         }
         // Streams, not files, are what a pull runs at once: a file of one
@@ -728,7 +758,7 @@ impl Engine {
         let connections = self.cfg.connections.max(1);
         // In listing order, a large file takes every stream: the next one
         // starts as it ends, not beside it.
-        let files_at_once = match self.cfg.listing_order {
+        let files_at_once = match pull.listing_order {
             true => 1,
             false => self.cfg.files.max(1),
         };

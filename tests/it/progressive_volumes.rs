@@ -1,0 +1,338 @@
+//! Progressive volumes through CSI (issue #24): the driver binary, a model
+//! on a loopback origin paced to a known rate, and a class with
+//! `progressive: "true"`. CreateVolume, NodeStage and NodePublish answer
+//! while the model is still arriving; the pod reads the whole tree at once,
+//! each file once its bytes are verified, and never a wrong byte.
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::support::fixtures::{self, FileServer, pseudo_random};
+use crate::support::harness::*;
+use modelcache_csi::csi::CreateVolumeRequest;
+use tonic::Code;
+
+const SHARDS: usize = 4;
+const SHARD_BYTES: usize = 8 << 20;
+
+/// A model of a config and four 8 MiB shards behind a manifest, served at
+/// `per_connection` bytes a second on each connection.
+struct Origin {
+    server: FileServer,
+    uri: String,
+    shards: Vec<Vec<u8>>,
+    _dir: tempfile::TempDir,
+}
+
+fn shard_name(i: usize) -> String {
+    format!("model-0000{}-of-0000{SHARDS}.safetensors", i + 1)
+}
+
+async fn origin(per_connection: u64, seed: u64) -> Origin {
+    let dir = tempfile::tempdir().unwrap();
+    let shards: Vec<Vec<u8>> = (0..SHARDS)
+        .map(|i| pseudo_random(seed + i as u64, SHARD_BYTES))
+        .collect();
+    fs::write(dir.path().join("config.json"), b"{\"layers\": 4}").unwrap();
+    for (i, s) in shards.iter().enumerate() {
+        fs::write(dir.path().join(shard_name(i)), s).unwrap();
+    }
+    let server = FileServer::start(dir.path()).await;
+    server.put("m.json", fixtures::manifest_for(dir.path(), true));
+    server.throttle(per_connection);
+    let uri = format!("{}#manifest", server.url("m.json"));
+    Origin {
+        server,
+        uri,
+        shards,
+        _dir: dir,
+    }
+}
+
+async fn driver() -> Driver {
+    Driver::start_with(&["--pull-chunk-mib", "1", "--pull-connections", "2"]).await
+}
+
+fn progressive_req(name: &str, uri: &str) -> CreateVolumeRequest {
+    create_req(
+        name,
+        &[
+            ("backend", "local"),
+            ("source", uri),
+            ("progressive", "true"),
+        ],
+        READER,
+    )
+}
+
+fn seal_of(d: &Driver, sid: &str) -> PathBuf {
+    d.source_dir("local", sid).join("seal.json")
+}
+
+/// The files under `dir` with their sizes, sorted.
+fn listed(dir: &Path) -> Vec<(String, u64)> {
+    let mut files = fixtures::tree_files(dir);
+    files.sort();
+    files
+}
+
+/// Published within a quarter of the transfer; the whole tree shown at
+/// once with final sizes; the first shard read before half the transfer;
+/// every byte exact; an mmap reader of the last shard gets it whole;
+/// writes fail with EROFS; after the seal a new stage is the ordinary
+/// read-only bind, and the view staged before it keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_progressive_volume_is_published_before_its_model_arrives_and_reads_only_verified_bytes()
+{
+    // Two connections of 2 MiB/s: about 8 s for the 32 MiB.
+    let o = origin(2 << 20, 40).await;
+    let d = driver().await;
+    let started = Instant::now();
+    let v = d
+        .create(progressive_req("pvc-prog", &o.uri))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
+    let sid = v.volume_context["source"].clone();
+    assert_eq!(v.capacity_bytes, (SHARDS * SHARD_BYTES + 13) as i64);
+    let (staging, target) = (d.staging("prog"), d.target("prog"));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    let published = started.elapsed();
+    assert!(
+        !seal_of(&d, &sid).exists(),
+        "the model sealed before the volume was published: the origin is too fast for this test"
+    );
+    let view = single_mount(&content(&staging));
+    assert_eq!(view.fs_type, "fuse.modelcache", "{view:#?}");
+    assert_mount_options(&view, &["ro", "nosuid", "nodev"]);
+    assert_mount_options(&single_mount(&target), &["ro", "nosuid", "nodev"]);
+
+    // The whole tree at once, with final sizes.
+    let mut want: Vec<(String, u64)> = (0..SHARDS)
+        .map(|i| (shard_name(i), SHARD_BYTES as u64))
+        .collect();
+    want.push(("config.json".into(), 13));
+    want.sort();
+    assert_eq!(listed(&target), want);
+    assert_eq!(
+        fs::metadata(target.join(shard_name(3))).unwrap().size(),
+        SHARD_BYTES as u64
+    );
+    assert_erofs(&target.join("new-file"));
+
+    // The "inference server": every shard in order, timed; and an mmap
+    // reader of the last shard beside it.
+    let reader = {
+        let t = target.clone();
+        std::thread::spawn(move || {
+            (0..SHARDS)
+                .map(|i| (fs::read(t.join(shard_name(i))), started.elapsed()))
+                .collect::<Vec<_>>()
+        })
+    };
+    let mapped = {
+        let p = target.join(shard_name(SHARDS - 1));
+        std::thread::spawn(move || mmap_bytes(&p))
+    };
+    assert!(
+        eventually(Duration::from_secs(60), || seal_of(&d, &sid).exists()),
+        "the model never sealed"
+    );
+    let pull_took = started.elapsed();
+    let read = tokio::task::spawn_blocking(move || reader.join().unwrap())
+        .await
+        .unwrap();
+    for (i, (bytes, _)) in read.iter().enumerate() {
+        let bytes = bytes
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{}: {e}", shard_name(i)));
+        assert!(*bytes == o.shards[i], "{}: wrong bytes", shard_name(i));
+    }
+    let mapped = tokio::task::spawn_blocking(move || mapped.join().unwrap())
+        .await
+        .unwrap();
+    assert!(mapped == o.shards[SHARDS - 1], "mmap: wrong bytes");
+    let first_shard = read[0].1;
+    eprintln!(
+        "published at {published:?}, first shard read at {first_shard:?}, model sealed at {pull_took:?}"
+    );
+    assert!(
+        published * 4 < pull_took,
+        "published at {published:?}, the transfer took {pull_took:?}"
+    );
+    assert!(
+        first_shard * 2 < pull_took,
+        "the first shard was read at {first_shard:?}, the transfer took {pull_took:?}"
+    );
+
+    // A pod starting after the seal gets the ordinary read-only bind; the
+    // view staged before it goes on serving its pod.
+    let v2 = d
+        .create(progressive_req("pvc-prog-2", &o.uri))
+        .await
+        .unwrap();
+    assert_eq!(v2.volume_context["source"], sid);
+    let (staging2, target2) = (d.staging("prog-2"), d.target("prog-2"));
+    d.stage(&v2.volume_id, &staging2, READER).await.unwrap();
+    d.publish(&v2.volume_id, &staging2, &target2, READER, true)
+        .await
+        .unwrap();
+    assert_ne!(single_mount(&content(&staging2)).fs_type, "fuse.modelcache");
+    assert!(fs::read(target2.join(shard_name(1))).unwrap() == o.shards[1]);
+    assert!(fs::read(target.join(shard_name(2))).unwrap() == o.shards[2]);
+
+    for (v, staging, target) in [(&v, &staging, &target), (&v2, &staging2, &target2)] {
+        d.unpublish(&v.volume_id, target).await.unwrap();
+        d.unstage(&v.volume_id, staging).await.unwrap();
+        assert_not_mounted(target);
+        assert_not_mounted(staging);
+        d.delete(&v.volume_id).await.unwrap();
+    }
+    // Both references went with their volumes.
+    let refs = d.source_dir("local", &sid).join("refs");
+    assert_eq!(fs::read_dir(&refs).map(|r| r.count()).unwrap_or(0), 0);
+}
+
+/// A shard whose bytes the origin corrupts on every fetch of this pull:
+/// its reads fail with EIO (never a wrong byte) while other shards read
+/// right; the pull fails naming it, and the driver runs the pull again on
+/// its own (nobody else would: the volume exists), after which the shard
+/// reads right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_the_origin_corrupts_reads_eio_and_heals_when_the_pull_runs_again() {
+    let o = origin(8 << 20, 60).await;
+    // The first fetch and both re-fetches of the pull are corrupt.
+    o.server.corrupt_first_byte(&shard_name(1), 3);
+    let d = driver().await;
+    let v = d
+        .create(progressive_req("pvc-corrupt", &o.uri))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
+    let sid = v.volume_context["source"].clone();
+    let (staging, target) = (d.staging("corrupt"), d.target("corrupt"));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    let bad = target.join(shard_name(1));
+    let e = tokio::task::spawn_blocking({
+        let bad = bad.clone();
+        move || fs::read(bad)
+    })
+    .await
+    .unwrap()
+    .expect_err("a read of a shard whose every fetch failed");
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    assert!(fs::read(target.join(shard_name(0))).unwrap() == o.shards[0]);
+    assert!(!seal_of(&d, &sid).exists());
+    assert!(
+        d.log_text().contains("failed verification"),
+        "the failure is not logged"
+    );
+    // The pull runs again (about 10 s later) and seals.
+    assert!(
+        eventually(Duration::from_secs(60), || seal_of(&d, &sid).exists()),
+        "the pull never ran again"
+    );
+    assert!(
+        fs::read(&bad).unwrap() == o.shards[1],
+        "wrong bytes after the heal"
+    );
+    // The reference made in the first pull's area was lost with it (the
+    // area of a pull the origin served garbage to is discarded); the
+    // driver made it again in the sealed model.
+    let refs = d.source_dir("local", &sid).join("refs");
+    assert_eq!(
+        fs::read_dir(&refs).map(|r| r.count()).unwrap_or(0),
+        1,
+        "the sealed model holds no reference of the volume"
+    );
+    d.unpublish(&v.volume_id, &target).await.unwrap();
+    d.unstage(&v.volume_id, &staging).await.unwrap();
+    d.delete(&v.volume_id).await.unwrap();
+}
+
+/// What the class may not combine with `progressive`, refused with
+/// INVALID_ARGUMENT naming the field.
+#[tokio::test]
+async fn progressive_is_refused_where_it_cannot_hold() {
+    let d = driver().await;
+    let key = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "openssl ecparam -name prime256v1 -genkey -noout | openssl ec -pubout 2>/dev/null",
+        ])
+        .output()
+        .expect("openssl");
+    let key = String::from_utf8(key.stdout).unwrap();
+    assert!(key.contains("PUBLIC KEY"), "{key}");
+    for (params, field) in [
+        (
+            vec![
+                ("backend", "xfs"),
+                ("source", "s3://bucket/m"),
+                ("progressive", "true"),
+            ],
+            "backend: local",
+        ),
+        (
+            vec![("backend", "local"), ("progressive", "yes")],
+            "parameters.progressive",
+        ),
+        (
+            vec![("role", "source"), ("progressive", "true")],
+            "role: source",
+        ),
+        (
+            vec![
+                ("backend", "local"),
+                ("source", "s3://bucket/m"),
+                ("progressive", "true"),
+                ("modelSignature", "required"),
+                ("signaturePublicKey", key.as_str()),
+            ],
+            "modelSignature",
+        ),
+    ] {
+        let e = d
+            .create(create_req("pvc-bad", &params, READER))
+            .await
+            .expect_err("refused");
+        assert_eq!(
+            e.code(),
+            Code::InvalidArgument,
+            "{params:?}: {}",
+            e.message()
+        );
+        assert!(e.message().contains("progressive"), "{}", e.message());
+        assert!(e.message().contains(field), "{params:?}: {}", e.message());
+    }
+}
+
+/// The bytes of `path` read through a shared mapping: page faults, not
+/// read(2).
+fn mmap_bytes(path: &Path) -> Vec<u8> {
+    let f = fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    // SAFETY: a read-only mapping of a file nobody truncates while mapped.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: the mapping is `len` readable bytes until munmap below.
+    let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len) }.to_vec();
+    // SAFETY: unmapping what was mapped above.
+    unsafe { libc::munmap(p, len) };
+    bytes
+}
