@@ -46,6 +46,8 @@ pub struct Config {
     pub shared_central: bool,
     /// The StorageClass whose parameters govern inline volumes; none: off.
     pub inline_class: Option<String>,
+    /// The FUSE keeper's socket (`progressive::keeper`), if one runs.
+    pub fuse_keeper: Option<PathBuf>,
     /// Pull what ModelPrefetch objects ask of this node (`prefetch`).
     pub prefetch: bool,
     /// Serve sealed models to other nodes and fill from them (`peer`).
@@ -130,6 +132,7 @@ impl Default for Config {
             modify_node_local: false,
             shared_central: false,
             inline_class: None,
+            fuse_keeper: None,
             prefetch: false,
             peer: None,
         }

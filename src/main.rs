@@ -42,6 +42,11 @@ enum Command {
         #[command(subcommand)]
         command: modelcache_csi::admin::CacheCommand,
     },
+    /// Hold progressive volumes' FUSE connections across restarts of the node plugin (a second container of its pod).
+    FuseKeeper {
+        #[arg(long, default_value = "/var/lib/modelcache-csi/fuse-keeper.sock")]
+        socket: PathBuf,
+    },
     /// Seal a source volume through a running controller (ControllerModifyVolume sealed=true).
     Seal {
         #[arg(long, default_value = "unix:///csi/csi.sock")]
@@ -284,6 +289,12 @@ struct ServeArgs {
     /// a pod's inline volume is refused.
     #[arg(long)]
     inline_storage_class: Option<String>,
+    /// The FUSE keeper's socket (`modelcache-csi fuse-keeper`, a second
+    /// container of the node pod): progressive volumes' connections are
+    /// handed to it, so that a restart of this process never breaks a
+    /// pod's reads. Without it a restart leaves their mounts dead.
+    #[arg(long)]
+    fuse_keeper_socket: Option<PathBuf>,
     /// Keep warm on this node the models that ModelPrefetch objects select
     /// it for, and report each in their status; needs --node-id, the
     /// controller service and Kubernetes API access.
@@ -477,6 +488,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         modify_node_local: a.modify_node_local_volumes,
         shared_central: a.shared_by_central_controller,
         inline_class: a.inline_storage_class.clone().filter(|c| !c.is_empty()),
+        fuse_keeper: a.fuse_keeper_socket.clone(),
         prefetch: a.prefetch,
         peer: peer_config(a)?,
         evict_idle: a
@@ -552,6 +564,12 @@ async fn main() -> anyhow::Result<()> {
                 eprintln!("error: {e}");
                 std::process::exit(1);
             }
+            Ok(())
+        }
+        Some(Command::FuseKeeper { socket }) => {
+            init_logging("text", "info");
+            tokio::task::spawn_blocking(move || modelcache_csi::progressive::keeper::run(&socket))
+                .await??;
             Ok(())
         }
         Some(Command::Serve(a)) => run_serve(*a).await,

@@ -154,6 +154,8 @@ pub async fn serve_on(
         }))
         .add_optional_service(node.then(|| {
             let ops = Arc::new(NodeOps::new(cfg.clone()));
+            let o = ops.clone();
+            tokio::spawn(async move { o.take_over_views().await });
             let mut svc = NodeService::new(ops.clone());
             if let Some(p) = &provisioner {
                 svc = svc.with_inline(Arc::new(Inline::new(&ctx, p.clone(), ops)));

@@ -36,6 +36,8 @@ pub struct NodeOps {
     sources: KeyedMutex,
     /// `verify: full` rehashes, bounded by each NodeStage's deadline.
     verifier: super::verify::Verifier,
+    /// Progressive volumes' views served by this process.
+    views: Arc<super::progressive::Views>,
 }
 
 /// What a staged volume's condition says.
@@ -121,13 +123,29 @@ impl NodeOps {
 
     pub fn with_mounter(cfg: Arc<Config>, mounter: Arc<dyn Mounter>) -> NodeOps {
         let roots = cfg.roots();
+        let views = Arc::new(super::progressive::Views::new(
+            &cfg.state_dir,
+            cfg.fuse_keeper.as_deref(),
+        ));
         NodeOps {
             cfg,
             roots,
             mounter,
             sources: KeyedMutex::default(),
             verifier: Default::default(),
+            views,
         }
+    }
+
+    /// Takes over the progressive views a previous process served (see
+    /// `super::progressive::Views::take_over`); run once, at start.
+    pub async fn take_over_views(&self) {
+        let (m, roots, views) = (self.mounter.clone(), self.roots.clone(), self.views.clone());
+        let _ = blocking(move || {
+            views.take_over(&*m, &roots);
+            Ok(())
+        })
+        .await;
     }
 
     /// Stages the volume; a `verify: full` rehash that outlasts `budget`
@@ -153,14 +171,15 @@ impl NodeOps {
         };
         let m = self.mounter.clone();
         if rec.progressive {
-            let (r, rc, mm, st, sealed) = (
+            let (r, rc, mm, st, sealed, views) = (
                 root.clone(),
                 rec.clone(),
                 m.clone(),
                 staging.clone(),
                 seal.is_some(),
+                self.views.clone(),
             );
-            if blocking(move || stage_progressive(&*mm, &r, &rc, &st, sealed)).await? {
+            if blocking(move || stage_progressive(&*mm, &views, &r, &rc, &st, sealed)).await? {
                 return Ok(());
             }
         }
@@ -239,8 +258,13 @@ impl NodeOps {
 
     pub async fn unstage(&self, volume_id: &str, staging: PathBuf) -> Result<()> {
         {
-            let (m, staging) = (self.mounter.clone(), staging.clone());
-            blocking(move || unmount_staging(&*m, &staging)).await?;
+            let (m, staging, views) = (self.mounter.clone(), staging.clone(), self.views.clone());
+            blocking(move || {
+                unmount_staging(&*m, &staging)?;
+                views.forget(&staging.join(CONTENT));
+                Ok(())
+            })
+            .await?;
         }
         // The volume may be gone already, or live in a root this node does
         // not serve; either way there is no lease of ours to drop.
@@ -414,6 +438,7 @@ fn stage_external(m: &dyn Mounter, ext: &External, staging: &Path) -> Result<()>
 /// nothing is staged, so the volume is staged as any other.
 fn stage_progressive(
     m: &dyn Mounter,
+    views: &super::progressive::Views,
     root: &Root,
     rec: &VolumeRecord,
     staging: &Path,
@@ -437,7 +462,7 @@ fn stage_progressive(
         return Ok(false);
     }
     let content = wrap(m, staging)?;
-    let mounted = super::progressive::mount(m, root, rec, &content);
+    let mounted = views.mount(m, root, &rec.id, rec.source.as_str(), &content);
     if mounted.is_err() {
         let _ = unmount_staging(m, staging);
     }

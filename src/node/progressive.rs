@@ -1,18 +1,24 @@
 //! Staging a progressive volume whose model is not sealed yet: the FUSE
-//! view of the model's pull on the staging path, served by this process
-//! until it is unmounted, and kept following the model's pulls (a failed
-//! pull runs again with a new partial view) until the seal.
+//! view of the model's pull on the staging path, served by this process,
+//! kept following the model's pulls (a failed pull runs again with a new
+//! partial view) until the seal, and handed to the keeper so that a
+//! restart of this process takes the view over instead of breaking it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
 use crate::cache::partial::{self, Partial};
-use crate::cache::{self, Root, VolumeRecord};
+use crate::cache::{self, Root, Roots};
 use crate::error::{Error, IoContext, Result};
 use crate::mount::Mounter;
+use crate::progressive::keeper::Keeper;
 use crate::progressive::{self, fuse, gate::Gates, tree::Tree};
+use crate::state;
 
 /// The view's name in the mount table: `fuse.modelcache`.
 pub const FS_NAME: &str = "modelcache";
@@ -30,63 +36,219 @@ pub fn is_view(fs_type: &str) -> bool {
     fs_type.strip_prefix("fuse.") == Some(FS_NAME)
 }
 
-/// Mounts the view of `rec`'s model on `content` (an empty directory
-/// inside the staging path's wrapper) and serves it from threads of this
-/// process. The model's pull must run in this process with its listing
-/// known; otherwise UNAVAILABLE, and kubelet's retry finds it (a restart
-/// resumes the pull, see `provision::wanted`).
-pub fn mount(m: &dyn Mounter, root: &Root, rec: &VolumeRecord, content: &Path) -> Result<()> {
-    let sid = &rec.source;
-    let Some(pull) = partial::lookup(sid.as_str()).filter(|p| p.listing().is_some()) else {
-        return Err(Error::Transient(format!(
-            "model {sid} of progressive volume {} is neither sealed nor being pulled on this \
-             node yet; its pull is started again by the provisioner, retry",
-            rec.id
-        )));
-    };
-    let listing = pull.listing().unwrap_or_default().to_vec();
-    let tree = Arc::new(Tree::new(&listing).map_err(|e| {
+/// What a server taking a view over needs that the kernel does not keep:
+/// which volume it shows, and the listing its inode numbers come from.
+#[derive(Serialize, Deserialize)]
+struct ViewRecord {
+    content: PathBuf,
+    volume_id: String,
+    listing: Vec<(String, u64)>,
+}
+
+/// The progressive views this node serves: their records (under the state
+/// directory's `views/`) and the keeper that holds their connections.
+pub struct Views {
+    dir: PathBuf,
+    keeper: Option<Keeper>,
+}
+
+impl Views {
+    pub fn new(state_dir: &Path, keeper: Option<&Path>) -> Views {
+        Views {
+            dir: state_dir.join("views"),
+            keeper: keeper.map(Keeper::new),
+        }
+    }
+
+    fn record_path(&self, content: &Path) -> PathBuf {
+        let h = hex::encode(Sha256::digest(content.as_os_str().as_encoded_bytes()));
+        self.dir.join(format!("{}.json", &h[..32]))
+    }
+
+    /// Mounts the view of volume `volume_id` (model `sid` in `root`) on
+    /// `content` (an empty directory inside the staging path's wrapper)
+    /// and serves it. The model's pull must run in this process with its
+    /// listing known; otherwise UNAVAILABLE, and kubelet's retry finds it
+    /// (a restart resumes the pull, see `provision::wanted`).
+    pub fn mount(
+        &self,
+        m: &dyn Mounter,
+        root: &Root,
+        volume_id: &str,
+        sid: &str,
+        content: &Path,
+    ) -> Result<()> {
+        let Some(pull) = partial::lookup(sid).filter(|p| p.listing().is_some()) else {
+            return Err(Error::Transient(format!(
+                "model {sid} of progressive volume {volume_id} is neither sealed nor being \
+                 pulled on this node yet; its pull is started again by the provisioner, retry"
+            )));
+        };
+        let rec = ViewRecord {
+            content: content.to_path_buf(),
+            volume_id: volume_id.to_string(),
+            listing: pull.listing().unwrap_or_default().to_vec(),
+        };
+        let at = self.record_path(content);
+        std::fs::create_dir_all(&self.dir).ctx("create", &self.dir)?;
+        state::write_json(&at, &rec).ctx("write", &at)?;
+        let dev = m
+            .mount_fuse(content, FS_NAME)
+            .ctx("mount the progressive view on", content)?;
+        if let Some(k) = &self.keeper
+            && let Err(e) = k.hold(&content.to_string_lossy(), &dev)
+        {
+            // Served all the same; only a restart would break it.
+            tracing::warn!(volume = %volume_id, error = %e, "the keeper does not hold this view: a restart of the driver would break its pods' reads");
+        }
+        start(root, sid, rec, dev, false)
+    }
+
+    /// The view on `content` is unmounted: its record and its kept
+    /// connection go.
+    pub fn forget(&self, content: &Path) {
+        let at = self.record_path(content);
+        if !at.exists() {
+            return;
+        }
+        if let Some(k) = &self.keeper
+            && let Err(e) = k.release(&content.to_string_lossy())
+        {
+            tracing::warn!(view = %content.display(), error = %e, "the keeper did not release the view");
+        }
+        let _ = state::remove_file(&at);
+    }
+
+    /// At start: takes over every view a previous process served, from
+    /// the connections the keeper held for it. The pods' requests waited
+    /// in the kernel meanwhile; those the old process had read are sent
+    /// again. A view whose connection nobody kept is dead (its pods' reads
+    /// fail with ENOTCONN until they are restarted), and is logged.
+    pub fn take_over(&self, m: &dyn Mounter, roots: &Roots) {
+        let kept = match &self.keeper {
+            Some(k) => match k.take_all() {
+                Ok(kept) => kept,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not take progressive views over from the keeper");
+                    Vec::new()
+                }
+            },
+            None => Vec::new(),
+        };
+        let mut served = std::collections::BTreeSet::new();
+        for (key, dev) in kept {
+            let content = PathBuf::from(&key);
+            match self.take_one(m, roots, &content, dev) {
+                Ok(()) => {
+                    served.insert(self.record_path(&content));
+                }
+                Err(e) => {
+                    tracing::warn!(view = %key, error = %e, "a kept view was not taken over");
+                    self.forget(&content);
+                }
+            }
+        }
+        let Ok(records) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for r in records.flatten() {
+            if !served.contains(&r.path())
+                && let Ok(Some(rec)) = state::read_json::<ViewRecord>(&r.path())
+            {
+                if m.entry_at(&rec.content)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|e| is_view(&e.fs_type))
+                {
+                    tracing::warn!(view = %rec.content.display(), volume = %rec.volume_id, "this view's connection was not kept (no keeper ran): its pods' reads fail until they are restarted");
+                } else {
+                    let _ = state::remove_file(&r.path());
+                }
+            }
+        }
+    }
+
+    fn take_one(
+        &self,
+        m: &dyn Mounter,
+        roots: &Roots,
+        content: &Path,
+        dev: std::os::fd::OwnedFd,
+    ) -> Result<()> {
+        let mounted = m
+            .entry_at(content)
+            .ctx("look up the mount at", content)?
+            .is_some_and(|e| is_view(&e.fs_type));
+        if !mounted {
+            return Err(Error::NotFound(format!(
+                "no view is mounted at {} any more",
+                content.display()
+            )));
+        }
+        let at = self.record_path(content);
+        let rec: ViewRecord = state::read_json(&at)
+            .ctx("read", &at)?
+            .ok_or_else(|| Error::NotFound(format!("no record of the view at {}", at.display())))?;
+        let (root, vol) = cache::lookup(roots, &rec.volume_id)?;
+        let sid = vol.source.to_string();
+        tracing::info!(volume = %rec.volume_id, view = %content.display(), "taking a progressive view over");
+        start(&root, &sid, rec, dev, true)
+    }
+}
+
+/// Serves a view on `dev` from threads of this process, and follows its
+/// model; `resumed`: a server before this one negotiated the connection.
+fn start(
+    root: &Root,
+    sid: &str,
+    rec: ViewRecord,
+    dev: std::os::fd::OwnedFd,
+    resumed: bool,
+) -> Result<()> {
+    let tree = Arc::new(Tree::new(&rec.listing).map_err(|e| {
         Error::Internal(format!("the listing of model {sid} cannot be shown: {e}"))
     })?);
-    let gates = Arc::new(Gates::new(listing.len()));
+    let gates = Arc::new(Gates::new(rec.listing.len()));
     let vol = Arc::new(fuse::Volume::new(
         tree.clone(),
         gates.clone(),
-        vec![root.pull_area(sid).data(), root.source(sid).data()],
+        vec![root.pull_area(&parse(sid)?).data(), root.source(sid).data()],
         WAIT_BOUND,
     ));
-    let dev = m
-        .mount_fuse(content, FS_NAME)
-        .ctx("mount the progressive view on", content)?;
     let serving = Arc::new(AtomicBool::new(true));
-    let (s, id) = (serving.clone(), rec.id.clone());
-    let spawned = std::thread::Builder::new()
+    let (s, id) = (serving.clone(), rec.volume_id.clone());
+    std::thread::Builder::new()
         .name("progressive-fuse".into())
         .spawn(move || {
-            if let Err(e) = fuse::serve(dev, vol) {
+            let served = match resumed {
+                true => fuse::serve_resumed(dev, vol),
+                false => fuse::serve(dev, vol),
+            };
+            if let Err(e) = served {
                 tracing::warn!(volume = %id, error = %e, "the progressive view stopped");
             }
             s.store(false, Ordering::Relaxed);
-        });
-    if let Err(e) = spawned {
-        let _ = m.unmount(content);
-        return Err(Error::io("start the server of", content, e));
-    }
+        })
+        .map_err(|e| Error::io("start the server of", &rec.content, e))?;
     let follower = Follower {
         root: root.clone(),
         sid: sid.to_string(),
-        files: listing.len(),
+        files: rec.listing.len(),
         tree,
         gates,
         serving,
         following: Weak::new(),
     };
-    let id = rec.id.clone();
+    let id = rec.volume_id.clone();
     std::thread::Builder::new()
         .name("progressive-follow".into())
         .spawn(move || follower.run(&id))
-        .map_err(|e| Error::io("start the follower of", content, e))?;
+        .map_err(|e| Error::io("start the follower of", &rec.content, e))?;
     Ok(())
+}
+
+fn parse(sid: &str) -> Result<cache::SourceId> {
+    cache::SourceId::parse(sid).ok_or_else(|| Error::Internal(format!("malformed model id {sid}")))
 }
 
 /// Keeps a view's gates following its model: each pull of it in turn,

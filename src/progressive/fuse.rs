@@ -50,6 +50,16 @@ const INIT_EXT: u32 = 1 << 30;
 /// FUSE_PASSTHROUGH (bit 37), in the second flags word.
 const PASSTHROUGH2: u32 = 1 << (37 - 32);
 const FOPEN_PASSTHROUGH: u32 = 1 << 7;
+/// No FLUSH at close: nothing is written here, and a close must never
+/// wait on this server (a pod's process that closes a file while the
+/// driver restarts, or a child closing its inherited descriptors at exec,
+/// would hang until a server answered).
+const FOPEN_NOFLUSH: u32 = 1 << 5;
+/// Reads bypass the page cache, and the open puts the inode in no io mode.
+const FOPEN_DIRECT_IO: u32 = 1 << 0;
+/// FUSE_DIRECT_IO_ALLOW_MMAP (bit 36): a direct-io file may still be
+/// mapped shared (safetensors readers map their shards).
+const DIRECT_IO_ALLOW_MMAP2: u32 = 1 << (36 - 32);
 /// `_IOW(229, 1, struct fuse_backing_map)` and `_IOW(229, 2, u32)`.
 const BACKING_OPEN: libc::c_ulong = 0x4010_e501;
 const BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
@@ -58,6 +68,29 @@ const BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
 /// asks for large ranges, never 4 KiB at a time.
 const MAX_READ_PAGES: u16 = 256;
 const IN_HEADER: usize = 40;
+/// `FUSE_NOTIFY_RESEND`: the kernel queues again every request a server
+/// read and did not answer.
+const NOTIFY_RESEND: i32 = 7;
+/// The low half of a handle that the daemon serves (not passthrough): no
+/// backing id has this bit (the kernel's ids count up from 1).
+const DAEMON_HANDLE: u32 = 1 << 31;
+
+/// A file handle names its file and how it is read, so that a server
+/// taking over the connection serves handles it never gave out: the file's
+/// listing index above, and below either its backing id (passthrough) or
+/// a count with `DAEMON_HANDLE` set.
+fn file_handle(index: usize, low: u32) -> u64 {
+    ((index as u64) << 32) | low as u64
+}
+
+/// The listing index and the backing id (if passthrough) of a handle.
+fn handle_parts(fh: u64) -> (usize, Option<u32>) {
+    let low = fh as u32;
+    (
+        (fh >> 32) as usize,
+        (low & DAEMON_HANDLE == 0).then_some(low),
+    )
+}
 /// Attributes never change while mounted: the listing's sizes are final.
 const TTL_SECS: u64 = 3600;
 
@@ -100,16 +133,29 @@ impl Volume {
 
 /// Serves `vol` on the connection `dev` until the filesystem is unmounted.
 pub fn serve(dev: OwnedFd, vol: Arc<Volume>) -> io::Result<()> {
-    let dev = Arc::new(File::from(dev));
-    let s = Arc::new(Server {
-        vol,
-        dev,
-        open: Mutex::new(HashMap::new()),
-        next_fh: AtomicU64::new(1),
-        passthrough: Default::default(),
-        parked: Mutex::new(Vec::new()),
-        stop: Default::default(),
-    });
+    run(Server::new(dev, vol))
+}
+
+/// Serves `vol` on a connection a server before this one negotiated and
+/// served (a driver that restarted, handed the descriptor by the keeper):
+/// no INIT comes. Passthrough is on when the kernel still takes backing
+/// files on this connection; the requests the old server had read but not
+/// answered are asked for again (`FUSE_NOTIFY_RESEND`).
+pub fn serve_resumed(dev: OwnedFd, vol: Arc<Volume>) -> io::Result<()> {
+    let s = Server::new(dev, vol);
+    s.passthrough
+        .store(s.probe_passthrough(), Ordering::Relaxed);
+    s.resumed.store(true, Ordering::Relaxed);
+    // struct fuse_out_header { len: 16, error: FUSE_NOTIFY_RESEND, unique: 0 }
+    let mut notify = Vec::with_capacity(16);
+    notify.extend_from_slice(&16u32.to_le_bytes());
+    notify.extend_from_slice(&NOTIFY_RESEND.to_le_bytes());
+    notify.extend_from_slice(&0u64.to_le_bytes());
+    (&*s.dev).write_all(&notify)?;
+    run(s)
+}
+
+fn run(s: Arc<Server>) -> io::Result<()> {
     let waker = {
         let s = s.clone();
         std::thread::Builder::new()
@@ -124,6 +170,35 @@ pub fn serve(dev: OwnedFd, vol: Arc<Volume>) -> io::Result<()> {
 }
 
 impl Server {
+    fn new(dev: OwnedFd, vol: Arc<Volume>) -> Arc<Server> {
+        Arc::new(Server {
+            vol,
+            dev: Arc::new(File::from(dev)),
+            open: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            passthrough: Default::default(),
+            parked: Mutex::new(Vec::new()),
+            stop: Default::default(),
+            resumed: Default::default(),
+        })
+    }
+
+    /// Whether this connection takes backing files, asked of the kernel
+    /// with a directory: it answers EPERM when passthrough is off, and
+    /// EISDIR (a directory cannot back a file) only when it is on.
+    fn probe_passthrough(&self) -> bool {
+        let Ok(dir) = File::open("/") else {
+            return false;
+        };
+        match self.register_backing(&dir) {
+            Ok(id) => {
+                self.close_backing(id);
+                true
+            }
+            Err(e) => e.raw_os_error() == Some(libc::EISDIR),
+        }
+    }
+
     /// Reads requests until the filesystem is unmounted.
     fn receive(self: Arc<Self>) -> io::Result<()> {
         let s = self;
@@ -167,6 +242,11 @@ struct Server {
     parked: Mutex<Vec<Parked>>,
     /// The connection is gone: the waker ends.
     stop: std::sync::atomic::AtomicBool,
+    /// Taken over from a server before this one, whose open files this
+    /// one does not know: the kernel allows one io mode per inode (cached
+    /// or passthrough), and an open asking for the other fails with EIO.
+    /// So every open here is direct io, which takes no mode.
+    resumed: std::sync::atomic::AtomicBool,
 }
 
 /// An open file of the view.
@@ -249,7 +329,13 @@ impl Server {
             RELEASE => {
                 let fh = u64_at(body, 0);
                 let gone = self.lock_open().remove(&fh);
-                if let Some(id) = gone.and_then(|h| h.backing_id) {
+                // A handle opened under the server before this one is known
+                // by its number alone.
+                let backing = match gone {
+                    Some(h) => h.backing_id,
+                    None => handle_parts(fh).1,
+                };
+                if let Some(id) = backing {
                     self.close_backing(id);
                 }
                 self.reply(h.unique, &[]);
@@ -293,7 +379,7 @@ impl Server {
         out.extend_from_slice(&MAX_READ_PAGES.to_le_bytes());
         out.extend_from_slice(&0u16.to_le_bytes()); // map_alignment
         let (flags2_out, depth) = if passthrough {
-            (PASSTHROUGH2, 1u32)
+            (PASSTHROUGH2 | (flags2 & DIRECT_IO_ALLOW_MMAP2), 1u32)
         } else {
             (0, 0)
         };
@@ -347,13 +433,23 @@ impl Server {
             return self.error(h.unique, libc::EISDIR);
         };
         let index = *index;
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         // A verified file is handed to the kernel (passthrough), unless
         // the file is open through the daemon already: the kernel allows
         // one mode per inode at a time. Decided and recorded under one
         // lock, so two opens racing cannot ask for both modes.
+        let resumed = self.resumed.load(Ordering::Relaxed);
         let mut open = self.lock_open();
-        let backing_id = self.passthrough_for(&open, index);
+        let backing_id = match resumed {
+            true => None,
+            false => self.passthrough_for(&open, index),
+        };
+        let fh = file_handle(
+            index,
+            backing_id.unwrap_or_else(|| {
+                DAEMON_HANDLE
+                    | (self.next_fh.fetch_add(1, Ordering::Relaxed) as u32 & !DAEMON_HANDLE)
+            }),
+        );
         open.insert(
             fh,
             Handle {
@@ -365,10 +461,15 @@ impl Server {
         drop(open);
         let mut out = [0u8; 16];
         out[0..8].copy_from_slice(&fh.to_le_bytes());
+        let mut flags = FOPEN_NOFLUSH;
+        if resumed {
+            flags |= FOPEN_DIRECT_IO;
+        }
         if let Some(id) = backing_id {
-            out[8..12].copy_from_slice(&FOPEN_PASSTHROUGH.to_le_bytes());
+            flags |= FOPEN_PASSTHROUGH;
             out[12..16].copy_from_slice(&id.to_le_bytes());
         }
+        out[8..12].copy_from_slice(&flags.to_le_bytes());
         self.reply(h.unique, &out);
     }
 
@@ -387,9 +488,18 @@ impl Server {
             return None;
         }
         let file = self.open_backing(index).ok()?;
+        self.register_backing(&file)
+            .inspect_err(|e| {
+                tracing::debug!(file = index, error = %e, "passthrough refused; reads go through the daemon")
+            })
+            .ok()
+    }
+
+    /// Registers `file` with the kernel for passthrough; its backing id.
+    fn register_backing(&self, file: &File) -> io::Result<u32> {
         // struct fuse_backing_map { s32 fd; u32 flags; u64 padding; }
         let mut map = [0u8; 16];
-        map[0..4].copy_from_slice(&std::os::fd::AsRawFd::as_raw_fd(&file).to_le_bytes());
+        map[0..4].copy_from_slice(&std::os::fd::AsRawFd::as_raw_fd(file).to_le_bytes());
         // SAFETY: the ioctl reads a 16-byte fuse_backing_map from `map`.
         let id = unsafe {
             libc::ioctl(
@@ -398,15 +508,14 @@ impl Server {
                 map.as_ptr(),
             )
         };
-        if id <= 0 {
-            tracing::debug!(
-                file = index,
-                error = %io::Error::last_os_error(),
-                "passthrough refused; reads go through the daemon"
-            );
-            return None;
+        if id < 0 {
+            return Err(io::Error::last_os_error());
         }
-        Some(id as u32)
+        if id == 0 || id as u32 & DAEMON_HANDLE != 0 {
+            self.close_backing(id as u32);
+            return Err(io::Error::other(format!("backing id {id} out of range")));
+        }
+        Ok(id as u32)
     }
 
     fn close_backing(&self, id: u32) {
@@ -422,8 +531,29 @@ impl Server {
 
     fn read(self: Arc<Self>, h: Header, body: &[u8]) {
         let (fh, offset, size) = (u64_at(body, 0), u64_at(body, 8), u32_at(body, 16));
-        let Some(index) = self.lock_open().get(&fh).map(|h| h.index) else {
-            return self.error(h.unique, libc::EBADF);
+        let index = {
+            let mut open = self.lock_open();
+            match open.get(&fh) {
+                Some(known) => known.index,
+                // Opened under the server before this one: the handle
+                // names its file.
+                None => {
+                    let (index, backing_id) = handle_parts(fh);
+                    if self.vol.tree.path_of(index).is_none() {
+                        drop(open);
+                        return self.error(h.unique, libc::EBADF);
+                    }
+                    open.insert(
+                        fh,
+                        Handle {
+                            index,
+                            file: None,
+                            backing_id,
+                        },
+                    );
+                    index
+                }
+            }
         };
         if self.vol.gates.state(index) == super::gate::State::Verified {
             return self.answer_read(&h, fh, index, offset, size);

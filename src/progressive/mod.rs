@@ -6,6 +6,7 @@
 
 pub mod fuse;
 pub mod gate;
+pub mod keeper;
 pub mod tree;
 
 use std::sync::Arc;

@@ -101,6 +101,17 @@ impl Provisioner {
         let (resolved, pull) = self.resolve(&req, params).await?;
         let plan = plan::plan(&self.cfg, &self.roots, &req, resolved)?;
         if let Some(existing) = self.existing(&plan).await? {
+            // A progressive volume exists before its model: until the seal,
+            // a repeat (a restart resuming wanted pulls) sees its pull run.
+            if existing.0.progressive && !self.jobs.is_running(&req.name) {
+                let (root, sid) = (plan.root.clone(), existing.0.source.clone());
+                if blocking(move || cache::read_seal(&root, &sid))
+                    .await?
+                    .is_none()
+                {
+                    return Ok((self.execute(&req, plan, pull, deadline).await?, existing.1));
+                }
+            }
             return Ok(existing);
         }
         let root = plan.root.clone();

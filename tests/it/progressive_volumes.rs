@@ -336,3 +336,170 @@ fn mmap_bytes(path: &Path) -> Vec<u8> {
     unsafe { libc::munmap(p, len) };
     bytes
 }
+
+/// The keeper as the node pod's second container runs it.
+struct KeeperProcess {
+    socket: PathBuf,
+    child: std::process::Child,
+    _dir: tempfile::TempDir,
+}
+
+impl KeeperProcess {
+    fn start() -> KeeperProcess {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("fuse-keeper.sock");
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
+            .args(["fuse-keeper", "--socket"])
+            .arg(&socket)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start the keeper");
+        assert!(
+            eventually(Duration::from_secs(10), || socket.exists()),
+            "the keeper never listened"
+        );
+        KeeperProcess {
+            socket,
+            child,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for KeeperProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// kill -9 of the node plugin while a pod waits for a shard, and again
+/// after the seal, with the keeper holding the views' connections: the
+/// waiting read returns the exact bytes once the new process has taken the
+/// view over and the resumed pull verified them; a file opened before the
+/// kill reads on; after the seal, the same across a second kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_9_of_the_driver_mid_fill_or_after_the_seal_never_breaks_a_pods_reads() {
+    let o = origin(2 << 20, 80).await;
+    let keeper = KeeperProcess::start();
+    let socket = keeper.socket.to_string_lossy().into_owned();
+    let mut d = Driver::start_with(&[
+        "--pull-chunk-mib",
+        "1",
+        "--pull-connections",
+        "2",
+        "--fuse-keeper-socket",
+        &socket,
+    ])
+    .await;
+    let v = d
+        .create(progressive_req("pvc-kill", &o.uri))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
+    let sid = v.volume_context["source"].clone();
+    let (staging, target) = (d.staging("kill"), d.target("kill"));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    // The first shard, read and still open; the third, waited for.
+    let first = tokio::task::spawn_blocking({
+        let p = target.join(shard_name(0));
+        move || {
+            let f = fs::File::open(&p).unwrap();
+            let mut b = vec![0u8; SHARD_BYTES];
+            std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, 0).unwrap();
+            (f, b)
+        }
+    })
+    .await
+    .unwrap();
+    assert!(first.1 == o.shards[0], "first shard: wrong bytes");
+    assert!(!seal_of(&d, &sid).exists(), "sealed too soon for this test");
+    // The pod's read, in a process of its own as a pod's is: this one
+    // spawns the new driver, and a process with a thread blocked on the
+    // view cannot spawn (the child's exec waits on the parent's memory).
+    let out = d.dir.join("third-shard");
+    let mut waiting = std::process::Command::new("cat")
+        .arg(target.join(shard_name(2)))
+        .stdout(fs::File::create(&out).unwrap())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        waiting.try_wait().unwrap().is_none(),
+        "the third shard came too soon"
+    );
+    d.kill_9();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        waiting.try_wait().unwrap().is_none(),
+        "the reader was answered by nobody"
+    );
+    d.restart().await;
+    let status = tokio::task::spawn_blocking(move || waiting.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        status.success(),
+        "the read that waited through the restart: {status}"
+    );
+    assert!(
+        fs::read(&out).unwrap() == o.shards[2],
+        "third shard: wrong bytes after the restart"
+    );
+    // A handle opened under the old process reads on.
+    let mut again = vec![0u8; 4096];
+    std::os::unix::fs::FileExt::read_exact_at(&first.0, &mut again, 4096).unwrap();
+    assert!(again[..] == o.shards[0][4096..8192]);
+    assert!(
+        d.log_text().contains("taking a progressive view over"),
+        "the view was not taken over"
+    );
+
+    assert!(
+        eventually(Duration::from_secs(60), || seal_of(&d, &sid).exists()),
+        "the resumed pull never sealed"
+    );
+    // Sealed: every gate is open. A file opened now and read while no
+    // driver runs gets its bytes once the next one takes the view over.
+    let shard = target.join(shard_name(1));
+    let read = fs::read(&shard);
+    assert!(
+        read.as_ref().is_ok_and(|b| *b == o.shards[1]),
+        "the second shard does not read right after the seal: {:?}",
+        read.map(|b| b.len())
+    );
+    let open = fs::File::open(&shard).unwrap();
+    d.kill_9();
+    let read_across = tokio::task::spawn_blocking(move || {
+        let mut b = vec![0u8; SHARD_BYTES];
+        std::os::unix::fs::FileExt::read_exact_at(&open, &mut b, 0).map(|_| b)
+    });
+    d.restart().await;
+    let read_across = read_across
+        .await
+        .unwrap()
+        .expect("a read across the second restart");
+    assert!(read_across == o.shards[1]);
+    for (i, s) in o.shards.iter().enumerate() {
+        let p = target.join(shard_name(i));
+        let b = tokio::task::spawn_blocking(move || fs::read(p))
+            .await
+            .unwrap();
+        assert!(
+            b.unwrap() == *s,
+            "{}: wrong bytes after the second restart",
+            shard_name(i)
+        );
+    }
+    drop(first);
+    d.unpublish(&v.volume_id, &target).await.unwrap();
+    d.unstage(&v.volume_id, &staging).await.unwrap();
+    assert_not_mounted(&staging);
+    d.delete(&v.volume_id).await.unwrap();
+    drop(d);
+    drop(keeper);
+}

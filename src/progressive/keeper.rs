@@ -1,0 +1,272 @@
+//! The keeper: a process of its own (a second container of the node pod)
+//! that holds a duplicate of every progressive view's `/dev/fuse`
+//! descriptor, so that a driver killed or restarted never takes the
+//! connections down with it: the kernel keeps a connection while any
+//! descriptor of it is open, queues the pods' requests meanwhile, and the
+//! new driver takes the descriptors back and serves on.
+//!
+//! One request per connection on a Unix seqpacket socket, descriptors
+//! passed with `SCM_RIGHTS`: hold one under a key (the view's mount
+//! point), release one, or hand all of them over. The socket is the
+//! driver's alone (mode 0600 in its state directory): whoever holds a
+//! descriptor answers the view's reads.
+
+use std::collections::BTreeMap;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use nix::sys::socket::{
+    AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
+    UnixAddr, accept, bind, connect, listen, recvmsg, sendmsg, setsockopt, socket, sockopt,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, IoContext, Result};
+
+/// The largest request or answer: a key is a path.
+const MESSAGE_BYTES: usize = 8192;
+/// How long either side waits for the other before giving up on it.
+const PATIENCE: Duration = Duration::from_secs(5);
+
+#[derive(Serialize, Deserialize, Debug)]
+#[serde(rename_all = "snake_case")]
+enum Request {
+    /// Keep the descriptor sent with this message under `key`.
+    Hold(String),
+    /// Close the descriptor kept under `key`.
+    Release(String),
+    /// Send every descriptor kept, one message each, then `Done`.
+    TakeAll,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+#[serde(rename_all = "snake_case")]
+enum Answer {
+    Ok,
+    /// A descriptor kept under this key comes with the message.
+    Held(String),
+    Done,
+    Refused(String),
+}
+
+fn seqpacket() -> Result<OwnedFd> {
+    socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| Error::Internal(format!("create a seqpacket socket: {e}")))
+}
+
+fn send(fd: RawFd, msg: &impl Serialize, pass: Option<RawFd>) -> nix::Result<()> {
+    let bytes = serde_json::to_vec(msg).unwrap_or_default();
+    let iov = [IoSlice::new(&bytes)];
+    let fds = pass.map(|f| [f]);
+    let cmsgs: Vec<ControlMessage<'_>> = fds
+        .as_ref()
+        .map(|f| vec![ControlMessage::ScmRights(f)])
+        .unwrap_or_default();
+    sendmsg::<UnixAddr>(fd, &iov, &cmsgs, MsgFlags::empty(), None).map(drop)
+}
+
+fn receive<T: for<'de> Deserialize<'de>>(fd: RawFd) -> std::io::Result<(T, Option<OwnedFd>)> {
+    let mut buf = vec![0u8; MESSAGE_BYTES];
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let (n, passed) = {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<UnixAddr>(fd, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+        let mut passed = None;
+        for c in msg.cmsgs()? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                for f in fds {
+                    // SAFETY: SCM_RIGHTS installed `f` in this process for us.
+                    let owned = unsafe { OwnedFd::from_raw_fd(f) };
+                    passed.get_or_insert(owned);
+                }
+            }
+        }
+        (msg.bytes, passed)
+    };
+    if n == 0 {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    let msg = serde_json::from_slice(&buf[..n]).map_err(std::io::Error::other)?;
+    Ok((msg, passed))
+}
+
+fn patient(fd: &OwnedFd) -> nix::Result<()> {
+    let t = nix::sys::time::TimeVal::new(PATIENCE.as_secs() as i64, 0);
+    setsockopt(fd, sockopt::ReceiveTimeout, &t)?;
+    setsockopt(fd, sockopt::SendTimeout, &t)
+}
+
+/// Runs the keeper on `socket` until killed.
+pub fn run(socket: &Path) -> Result<()> {
+    let _ = std::fs::remove_file(socket);
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir).ctx("create", dir)?;
+    }
+    let listener = seqpacket()?;
+    let addr = UnixAddr::new(socket).map_err(|e| Error::io("name", socket, e.into()))?;
+    bind(listener.as_raw_fd(), &addr).map_err(|e| Error::io("bind", socket, e.into()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .ctx("chmod", socket)?;
+    listen(&listener, Backlog::new(64).unwrap_or(Backlog::MAXCONN))
+        .map_err(|e| Error::io("listen on", socket, e.into()))?;
+    tracing::info!(socket = %socket.display(), "keeping FUSE connections");
+    let mut held: BTreeMap<String, OwnedFd> = BTreeMap::new();
+    loop {
+        let conn = match accept(listener.as_raw_fd()) {
+            // SAFETY: accept returned a new descriptor that nothing owns.
+            Ok(fd) => unsafe { OwnedFd::from_raw_fd(fd) },
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(Error::io("accept on", socket, e.into())),
+        };
+        if let Err(e) = serve(&conn, &mut held) {
+            tracing::warn!(error = %e, "a request to the keeper failed");
+        }
+    }
+}
+
+fn serve(conn: &OwnedFd, held: &mut BTreeMap<String, OwnedFd>) -> std::io::Result<()> {
+    patient(conn)?;
+    let fd = conn.as_raw_fd();
+    let (req, passed) = receive::<Request>(fd)?;
+    let answer = match (req, passed) {
+        (Request::Hold(key), Some(dev)) => {
+            tracing::info!(view = %key, "holding a view's connection");
+            held.insert(key, dev);
+            Answer::Ok
+        }
+        (Request::Hold(_), None) => Answer::Refused("hold: no descriptor came with it".into()),
+        (Request::Release(key), _) => {
+            if held.remove(&key).is_some() {
+                tracing::info!(view = %key, "released a view's connection");
+            }
+            Answer::Ok
+        }
+        (Request::TakeAll, _) => {
+            for (key, dev) in held.iter() {
+                send(fd, &Answer::Held(key.clone()), Some(dev.as_raw_fd()))?;
+            }
+            tracing::info!(views = held.len(), "handed every connection over");
+            Answer::Done
+        }
+    };
+    send(fd, &answer, None)?;
+    Ok(())
+}
+
+/// A driver's line to its keeper.
+#[derive(Clone, Debug)]
+pub struct Keeper {
+    socket: std::path::PathBuf,
+}
+
+impl Keeper {
+    pub fn new(socket: &Path) -> Keeper {
+        Keeper {
+            socket: socket.to_path_buf(),
+        }
+    }
+
+    fn ask(&self, req: &Request, pass: Option<RawFd>) -> Result<OwnedFd> {
+        let fail = |what: &str, e: std::io::Error| {
+            Error::Transient(format!(
+                "the FUSE keeper at {} did not answer ({what}: {e}); is its container running?",
+                self.socket.display()
+            ))
+        };
+        let conn = seqpacket()?;
+        patient(&conn).map_err(|e| fail("set timeouts", e.into()))?;
+        let addr = UnixAddr::new(&self.socket).map_err(|e| fail("name", e.into()))?;
+        connect(conn.as_raw_fd(), &addr).map_err(|e| fail("connect", e.into()))?;
+        send(conn.as_raw_fd(), req, pass).map_err(|e| fail("send", e.into()))?;
+        Ok(conn)
+    }
+
+    fn finish(&self, conn: &OwnedFd) -> Result<()> {
+        match receive::<Answer>(conn.as_raw_fd()) {
+            Ok((Answer::Ok, _)) => Ok(()),
+            Ok((other, _)) => Err(Error::Internal(format!("the keeper answered {other:?}"))),
+            Err(e) => Err(Error::Transient(format!(
+                "the FUSE keeper at {} did not answer: {e}",
+                self.socket.display()
+            ))),
+        }
+    }
+
+    /// Hands the keeper a duplicate of `dev` to hold under `key`.
+    pub fn hold(&self, key: &str, dev: &OwnedFd) -> Result<()> {
+        let conn = self.ask(&Request::Hold(key.to_string()), Some(dev.as_raw_fd()))?;
+        self.finish(&conn)
+    }
+
+    /// The keeper closes what it holds under `key` (the view is unmounted).
+    pub fn release(&self, key: &str) -> Result<()> {
+        let conn = self.ask(&Request::Release(key.to_string()), None)?;
+        self.finish(&conn)
+    }
+
+    /// Every descriptor the keeper holds, by key; it keeps holding them.
+    pub fn take_all(&self) -> Result<Vec<(String, OwnedFd)>> {
+        let conn = self.ask(&Request::TakeAll, None)?;
+        let mut out = Vec::new();
+        loop {
+            match receive::<Answer>(conn.as_raw_fd()) {
+                Ok((Answer::Held(key), Some(dev))) => out.push((key, dev)),
+                Ok((Answer::Done, _)) => return Ok(out),
+                Ok((other, _)) => {
+                    return Err(Error::Internal(format!("the keeper answered {other:?}")));
+                }
+                Err(e) => {
+                    return Err(Error::Transient(format!(
+                        "the FUSE keeper at {} did not answer: {e}",
+                        self.socket.display()
+                    )));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Descriptors go to the keeper and come back the same open files.
+    #[test]
+    fn the_keeper_holds_descriptors_and_hands_them_back() {
+        let d = tempfile::tempdir().unwrap();
+        let socket = d.path().join("keeper.sock");
+        let s = socket.clone();
+        std::thread::spawn(move || run(&s));
+        while !socket.exists() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let k = Keeper::new(&socket);
+        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        k.hold("/views/a", &OwnedFd::from(b)).unwrap();
+        let other = std::fs::File::open("/").unwrap();
+        k.hold("/views/b", &OwnedFd::from(other)).unwrap();
+        k.release("/views/b").unwrap();
+        let all = k.take_all().unwrap();
+        assert_eq!(all.len(), 1);
+        assert_eq!(all[0].0, "/views/a");
+        // The descriptor handed back is the other end of `a`.
+        use std::io::{Read, Write};
+        let mut back = std::os::unix::net::UnixStream::from(all.into_iter().next().unwrap().1);
+        back.write_all(b"ping").unwrap();
+        let mut got = [0u8; 4];
+        a.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"ping");
+        // Still held after a take.
+        assert_eq!(k.take_all().unwrap().len(), 1);
+        let gone = Keeper::new(&d.path().join("none.sock")).release("x");
+        assert!(matches!(gone, Err(Error::Transient(_))), "{gone:?}");
+    }
+}
