@@ -260,6 +260,16 @@ struct Handle {
     backing_id: Option<u32>,
 }
 
+impl Handle {
+    fn new(index: usize, backing_id: Option<u32>) -> Handle {
+        Handle {
+            index,
+            file: None,
+            backing_id,
+        }
+    }
+}
+
 type Handles = HashMap<u64, Handle>;
 
 struct Header {
@@ -450,14 +460,7 @@ impl Server {
                     | (self.next_fh.fetch_add(1, Ordering::Relaxed) as u32 & !DAEMON_HANDLE)
             }),
         );
-        open.insert(
-            fh,
-            Handle {
-                index,
-                file: None,
-                backing_id,
-            },
-        );
+        open.insert(fh, Handle::new(index, backing_id));
         drop(open);
         let mut out = [0u8; 16];
         out[0..8].copy_from_slice(&fh.to_le_bytes());
@@ -543,14 +546,7 @@ impl Server {
                         drop(open);
                         return self.error(h.unique, libc::EBADF);
                     }
-                    open.insert(
-                        fh,
-                        Handle {
-                            index,
-                            file: None,
-                            backing_id,
-                        },
-                    );
+                    open.insert(fh, Handle::new(index, backing_id));
                     index
                 }
             }

@@ -324,9 +324,16 @@ fn page_faults_of_an_mmap_reader_become_large_reads() {
 
 /// Sums every byte of `path` through a shared read-only mapping.
 fn mmap_sum(path: &Path) -> (u64, usize) {
-    let mut f = fs::File::open(path).unwrap();
+    let bytes = mmap_bytes(path);
+    (bytes.iter().map(|b| *b as u64).sum(), bytes.len())
+}
+
+/// The bytes of `path` read through a shared mapping: page faults, not
+/// read(2).
+pub fn mmap_bytes(path: &Path) -> Vec<u8> {
+    let f = fs::File::open(path).unwrap();
     let len = f.metadata().unwrap().len() as usize;
-    // SAFETY: a private read of a file nobody truncates while mapped.
+    // SAFETY: a read-only mapping of a file nobody truncates while mapped.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -339,12 +346,10 @@ fn mmap_sum(path: &Path) -> (u64, usize) {
     };
     assert_ne!(p, libc::MAP_FAILED);
     // SAFETY: the mapping is `len` readable bytes until munmap below.
-    let s = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
-    let sum = s.iter().map(|b| *b as u64).sum();
+    let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len) }.to_vec();
     // SAFETY: unmapping what was mapped above.
     unsafe { libc::munmap(p, len) };
-    let _ = f.read(&mut [0u8; 1]);
-    (sum, len)
+    bytes
 }
 
 /// A real pull in progress, as a progressive stage finds it: the engine

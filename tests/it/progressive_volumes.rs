@@ -9,6 +9,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::progressive::mmap_bytes;
 use crate::support::fixtures::{self, FileServer, pseudo_random};
 use crate::support::harness::*;
 use modelcache_csi::csi::CreateVolumeRequest;
@@ -311,30 +312,6 @@ async fn progressive_is_refused_where_it_cannot_hold() {
         assert!(e.message().contains("progressive"), "{}", e.message());
         assert!(e.message().contains(field), "{params:?}: {}", e.message());
     }
-}
-
-/// The bytes of `path` read through a shared mapping: page faults, not
-/// read(2).
-fn mmap_bytes(path: &Path) -> Vec<u8> {
-    let f = fs::File::open(path).unwrap();
-    let len = f.metadata().unwrap().len() as usize;
-    // SAFETY: a read-only mapping of a file nobody truncates while mapped.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            std::os::fd::AsRawFd::as_raw_fd(&f),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    // SAFETY: the mapping is `len` readable bytes until munmap below.
-    let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len) }.to_vec();
-    // SAFETY: unmapping what was mapped above.
-    unsafe { libc::munmap(p, len) };
-    bytes
 }
 
 /// The keeper as the node pod's second container runs it.
