@@ -92,9 +92,13 @@ impl Views {
         let at = self.record_path(content);
         std::fs::create_dir_all(&self.dir).ctx("create", &self.dir)?;
         state::write_json(&at, &rec).ctx("write", &at)?;
-        let dev = m
-            .mount_fuse(content, FS_NAME)
-            .ctx("mount the progressive view on", content)?;
+        let dev = match m.mount_fuse(content, FS_NAME) {
+            Ok(dev) => dev,
+            Err(e) => {
+                let _ = state::remove_file(&at);
+                return Err(Error::io("mount the progressive view on", content, e));
+            }
+        };
         if let Some(k) = &self.keeper
             && let Err(e) = k.hold(&content.to_string_lossy(), &dev)
         {
@@ -268,6 +272,12 @@ impl Follower {
     fn run(mut self, volume: &str) {
         let _span = tracing::info_span!("progressive", volume = %volume).entered();
         while self.serving.load(Ordering::Relaxed) {
+            // While a pull runs, its verdicts open the gates; the seal is
+            // looked for only when none runs (before the first, after each).
+            if self.following.strong_count() > 0 {
+                std::thread::sleep(FOLLOW_EVERY);
+                continue;
+            }
             if cache::read_seal(&self.root, &self.sid)
                 .ok()
                 .flatten()

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::progressive::mmap_bytes;
 use crate::support::fixtures::{self, FileServer, pseudo_random};
 use crate::support::harness::*;
-use modelcache_csi::csi::CreateVolumeRequest;
+use modelcache_csi::csi::{CreateVolumeRequest, Volume};
 use tonic::Code;
 
 const SHARDS: usize = 4;
@@ -66,6 +66,22 @@ fn progressive_req(name: &str, uri: &str) -> CreateVolumeRequest {
         ],
         READER,
     )
+}
+
+/// A progressive volume of `uri` created, staged and published as `name`:
+/// the volume, its model's id, its staging path and its target.
+async fn published(d: &Driver, name: &str, uri: &str) -> (Volume, String, PathBuf, PathBuf) {
+    let v = d
+        .create(progressive_req(name, uri))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
+    let sid = v.volume_context["source"].clone();
+    let (staging, target) = (d.staging(name), d.target(name));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    (v, sid, staging, target)
 }
 
 fn seal_of(d: &Driver, sid: &str) -> PathBuf {
@@ -209,16 +225,7 @@ async fn a_shard_the_origin_corrupts_reads_eio_and_heals_when_the_pull_runs_agai
     // The first fetch and both re-fetches of the pull are corrupt.
     o.server.corrupt_first_byte(&shard_name(1), 3);
     let d = driver().await;
-    let v = d
-        .create(progressive_req("pvc-corrupt", &o.uri))
-        .await
-        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
-    let sid = v.volume_context["source"].clone();
-    let (staging, target) = (d.staging("corrupt"), d.target("corrupt"));
-    d.stage(&v.volume_id, &staging, READER).await.unwrap();
-    d.publish(&v.volume_id, &staging, &target, READER, true)
-        .await
-        .unwrap();
+    let (v, sid, staging, target) = published(&d, "pvc-corrupt", &o.uri).await;
     let bad = target.join(shard_name(1));
     let e = tokio::task::spawn_blocking({
         let bad = bad.clone();
@@ -371,16 +378,7 @@ async fn a_kill_9_of_the_driver_mid_fill_or_after_the_seal_never_breaks_a_pods_r
         &socket,
     ])
     .await;
-    let v = d
-        .create(progressive_req("pvc-kill", &o.uri))
-        .await
-        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
-    let sid = v.volume_context["source"].clone();
-    let (staging, target) = (d.staging("kill"), d.target("kill"));
-    d.stage(&v.volume_id, &staging, READER).await.unwrap();
-    d.publish(&v.volume_id, &staging, &target, READER, true)
-        .await
-        .unwrap();
+    let (v, sid, staging, target) = published(&d, "pvc-kill", &o.uri).await;
     // The first shard, read and still open; the third, waited for.
     let first = tokio::task::spawn_blocking({
         let p = target.join(shard_name(0));
