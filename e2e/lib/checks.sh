@@ -24,6 +24,7 @@ check() {
 note() { printf '      %-12s %s\n' "$FLOW" "$*" | tee -a "$SUMMARY" >&2; }
 
 same_file() { diff -u "$1" "$2"; }
+not() { ! "$@"; }
 contains() { grep -qF -- "$2" "$1" || { echo "'$2' not in $1:"; cat "$1"; return 1; }; }
 
 # --- cluster objects -----------------------------------------------------------------------

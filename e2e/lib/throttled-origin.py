@@ -16,6 +16,7 @@ Listens on ADDRESS (default 127.0.0.1 only).
 import hashlib
 import http.server
 import json
+import os
 import sys
 import threading
 import time
@@ -26,8 +27,13 @@ MIB = 1 << 20
 PIECE = 256 << 10
 
 
+# Another salt, other bytes: a run that must pull (not find the model of
+# an earlier run in the cache) sets ORIGIN_SALT.
+SALT = os.environ.get("ORIGIN_SALT", "")
+
+
 def block(seed):
-    h = hashlib.sha256(seed.encode()).digest()
+    h = hashlib.sha256((SALT + seed).encode()).digest()
     return (h * (MIB // len(h)))[:MIB]
 
 
@@ -55,19 +61,30 @@ class Synthetic:
         return h.hexdigest()
 
 
+class Fixed:
+    """A small file of given bytes, served like the shards (ranges too:
+    one file without them would cost the whole model its resumable,
+    parallel ranges)."""
+
+    def __init__(self, name, data):
+        self.name, self.size, self.data = name, len(data), data
+
+    def read(self, start, end):
+        yield self.data[start:end]
+
+    def sha256(self):
+        return hashlib.sha256(self.data).hexdigest()
+
+
 first = TOTAL_MIB * 3 // 4
 files = {
     "model-00001-of-00002.safetensors": Synthetic("s1", first * MIB),
     "model-00002-of-00002.safetensors": Synthetic("s2", (TOTAL_MIB - first) * MIB + 12345),
+    "config.json": Fixed("config", b'{"architectures":["E2E"]}\n\n'),
 }
 t0 = time.time()
-manifest = {"files": [
-    {"path": n, "size": f.size, "sha256": f.sha256()} for n, f in files.items()
-] + [{"path": "config.json", "size": 27, "sha256": hashlib.sha256(b'{"architectures":["E2E"]}\n\n').hexdigest()}]}
-docs = {
-    "/manifest.json": json.dumps(manifest).encode(),
-    "/config.json": b'{"architectures":["E2E"]}\n\n',
-}
+manifest = {"files": [{"path": n, "size": f.size, "sha256": f.sha256()} for n, f in files.items()]}
+docs = {"/manifest.json": json.dumps(manifest).encode()}
 hashing = time.time() - t0
 
 

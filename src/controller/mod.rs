@@ -49,6 +49,10 @@ impl ControllerService {
             tokio::spawn(
                 async move {
                     match guard.hold(p.create(req)).await {
+                        // A progressive volume exists while its pull runs.
+                        Ok(_) if p.is_pulling(&name) => tracing::info!(
+                            "resumed the pull of a progressive volume that was running before the restart"
+                        ),
                         Ok(_) => tracing::info!("a wanted pull had finished; volume ready"),
                         Err(_) if p.is_pulling(&name) => {
                             tracing::info!("resumed a pull that was running before the restart")
