@@ -18,6 +18,9 @@
 # Every run reads its own copy of the model in MinIO, so nothing is served
 # from an earlier run's cache.
 #
+# `e2e/run serving` does the same with an inference-server-like main
+# container (flow_serving, bench_server).
+#
 # Settings: BENCH_REPLICAS (default "1 4"), BENCH_MODELS (default
 # "minilm synth"), BENCH_SYNTH_MIB (default 4096: the synthetic model, two
 # shards), BENCH_PLOT (default docs/time-to-ready.svg).
@@ -28,6 +31,12 @@ MATPLOTLIB_VERSION=3.10.8
 
 bench_setup() {
     local bin synth
+    # e2e-s3 with progressive volumes; made first, so the provisioner has
+    # published its capacity before a run is timed.
+    kctl delete storageclass e2e-s3-progressive --ignore-not-found >/dev/null
+    kctl get storageclass e2e-s3 -o json \
+        | jq '.metadata = {name: "e2e-s3-progressive"} | .parameters.progressive = "true"' \
+        | kctl apply -f - >/dev/null || die "cannot create StorageClass e2e-s3-progressive"
     bin=$(bash "$REPO_ROOT/tests/bench/deps-s5cmd.sh") || die "no s5cmd"
     eval "$("$E2E_ROOT/images.sh" s5cmd "$bin" | grep '^S5CMD_')"
     ctr --address "$CTRD_SOCK" -n k8s.io images import "$S5CMD_TAR" >>"$LOGS/ctr.log" 2>&1 \
@@ -117,10 +126,27 @@ $extra
         - name: server
           image: $BUSYBOX_IMAGE
           imagePullPolicy: Never
-          command: [sh, -c, "ls /model > /dev/null && exec sleep 3600"]
+$(bench_server)
           volumeMounts: [{name: model, mountPath: /model, readOnly: true}]
 $tail
 YAML
+}
+
+# bench_server: the main container's command (indented 10). With
+# BENCH_SERVER_SECONDS set (the serving flow), it behaves like an inference
+# server: it starts (a sleep of that many seconds stands for imports and
+# CUDA init), reads every file of the model in path order (the shards in
+# order), and only then is Ready (a readiness probe). Otherwise it lists
+# the model and is Ready at once.
+bench_server() {
+    if [[ -z ${BENCH_SERVER_SECONDS:-} ]]; then
+        echo '          command: [sh, -c, "ls /model > /dev/null && exec sleep 3600"]'
+        return
+    fi
+    cat <<EOF
+          command: [sh, -c, "sleep $BENCH_SERVER_SECONDS && find /model -type f | sort | while read f; do cat \"\$f\" > /dev/null || exit 1; done && touch /tmp/loaded && exec sleep 3600"]
+          readinessProbe: {exec: {command: [cat, /tmp/loaded]}, periodSeconds: 1, failureThreshold: 1000}
+EOF
 }
 
 # s5cmd_env INDENT: the env list of a container that runs s5cmd against MinIO.
@@ -146,8 +172,8 @@ $(s5cmd_env "            ")
           volumeMounts: [{name: model, mountPath: /model}]" \
             "      volumes: [{name: model, emptyDir: {}}]"
         ;;
-    uri)
-        pvc $BENCH_NS model e2e-s3 ReadWriteOnce \
+    uri | progressive)
+        pvc $BENCH_NS model "$([[ $method == uri ]] && echo e2e-s3 || echo e2e-s3-progressive)" ReadWriteOnce \
             "\"modelcache.csi.io/source\": \"s3://models/$prefix\", \"modelcache.csi.io/source-secret\": \"minio\""
         bench_workload Deployment "$n" "" \
             "      volumes: [{name: model, persistentVolumeClaim: {claimName: model, readOnly: true}}]"
@@ -237,6 +263,21 @@ bench_one() {
 }
 
 flow_bench() {
+    bench_runs "copy uri clone" "${BENCH_PLOT:-$REPO_ROOT/docs/time-to-ready.svg}"
+}
+
+# The serving benchmark (`e2e/run serving`, docs/benchmarks.md): the same
+# runs with a main container that behaves like an inference server
+# (bench_server, BENCH_SERVER_SECONDS default 15): copy-per-pod, sealed (a
+# model URI PVC) and progressive (the same with `progressive: "true"`).
+flow_serving() {
+    BENCH_SERVER_SECONDS=${BENCH_SERVER_SECONDS:-15}
+    bench_runs "${BENCH_METHODS:-copy uri progressive}" "${BENCH_PLOT:-$REPO_ROOT/docs/time-to-ready-serving.svg}"
+}
+
+# bench_runs METHODS PLOT: every model, replica count and method, timed;
+# the table and the plot.
+bench_runs() {
     local model method n
     tenant_ns $BENCH_NS
     bench_setup
@@ -244,13 +285,13 @@ flow_bench() {
     note "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB; MinIO, the driver, kubelet and the pods share them"
     for model in ${BENCH_MODELS:-minilm synth}; do
         for n in ${BENCH_REPLICAS:-1 4}; do
-            for method in copy uri clone; do
+            for method in $1; do
                 bench_one "$method" "$model" "$n"
             done
         done
     done
     column -t -s $'\t' "$RESULTS/bench-ready.tsv" | sed 's/^/        /' >&2
-    bench_plot "$RESULTS/bench-ready.tsv" "${BENCH_PLOT:-$REPO_ROOT/docs/time-to-ready.svg}"
+    bench_plot "$RESULTS/bench-ready.tsv" "$2"
     kctl delete namespace $BENCH_NS --wait=false >/dev/null 2>&1
 }
 

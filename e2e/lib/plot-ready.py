@@ -18,10 +18,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 LABELS = {
     "copy": "copy-per-pod (init container, s5cmd)",
-    "uri": "modelcache-csi, model URI PVC",
+    "uri": "modelcache-csi, model URI PVC (usable once sealed)",
     "clone": "modelcache-csi, sealed source cloned per replica",
+    "progressive": "modelcache-csi, model URI PVC, progressive",
 }
-STYLE = {"copy": "o-", "uri": "s-", "clone": "^-"}
+STYLE = {"copy": "o-", "uri": "s-", "clone": "^-", "progressive": "D-"}
 
 tsv, out = sys.argv[1:3]
 rows = list(csv.DictReader(open(tsv), delimiter="\t"))

@@ -8,6 +8,7 @@ on the fly from a repeating pattern, so nothing of it is on disk, and
 `/manifest.json` listing every file with its size and sha256 (the driver
 verifies them). HEAD, Range (one range) and a strong ETag are supported.
 All responses together are paced to RATE_MIB_PER_S, like one origin link.
+ORIGIN_SALT and ORIGIN_CORRUPT (below) vary the bytes.
 `/served` answers how many bytes of the model's files were sent so far, so
 a test can tell one download from a restarted one.
 Writes "ready <seconds spent hashing>" to READY_FILE once it listens.
@@ -30,6 +31,19 @@ PIECE = 256 << 10
 # Another salt, other bytes: a run that must pull (not find the model of
 # an earlier run in the cache) sets ORIGIN_SALT.
 SALT = os.environ.get("ORIGIN_SALT", "")
+# ORIGIN_CORRUPT=PATH:N: the first N responses that cover byte 0 of PATH
+# flip that byte (an origin or a link that serves wrong bytes for a while).
+CORRUPT_PATH, _, CORRUPT_N = os.environ.get("ORIGIN_CORRUPT", "").partition(":")
+corrupt_left = [int(CORRUPT_N or 0)]
+corrupt_lock = threading.Lock()
+
+
+def corrupts(path, start):
+    with corrupt_lock:
+        if path != CORRUPT_PATH or start != 0 or corrupt_left[0] <= 0:
+            return False
+        corrupt_left[0] -= 1
+        return True
 
 
 def block(seed):
@@ -167,7 +181,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if not body:
             return
+        flip = corrupts(path.lstrip("/"), start)
         for piece in f.read(start, end):
+            if flip:
+                piece, flip = bytes([piece[0] ^ 0xFF]) + piece[1:], False
             pace.take(len(piece))
             self.wfile.write(piece)
             served.add(len(piece))
