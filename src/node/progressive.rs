@@ -45,6 +45,12 @@ struct ViewRecord {
     listing: Vec<(String, u64)>,
 }
 
+/// A view's name in the records: a digest of its mount point.
+fn view_key(content: &Path) -> String {
+    let h = hex::encode(Sha256::digest(content.as_os_str().as_encoded_bytes()));
+    h[..32].to_string()
+}
+
 /// The progressive views this node serves: their records (under the state
 /// directory's `views/`) and the keeper that holds their connections.
 pub struct Views {
@@ -61,8 +67,13 @@ impl Views {
     }
 
     fn record_path(&self, content: &Path) -> PathBuf {
-        let h = hex::encode(Sha256::digest(content.as_os_str().as_encoded_bytes()));
-        self.dir.join(format!("{}.json", &h[..32]))
+        self.dir.join(format!("{}.json", view_key(content)))
+    }
+
+    /// The view's passthrough ids (`fuse::Volume::with_ids_file`): they
+    /// belong to its connection, so they go with it.
+    fn ids_path(&self, content: &Path) -> PathBuf {
+        self.dir.join(format!("{}.passthrough", view_key(content)))
     }
 
     /// Mounts the view of volume `volume_id` (model `sid` in `root`) on
@@ -91,6 +102,9 @@ impl Views {
         };
         let at = self.record_path(content);
         std::fs::create_dir_all(&self.dir).ctx("create", &self.dir)?;
+        // Ids of a connection before this one mean nothing on a new one.
+        let ids = self.ids_path(content);
+        state::remove_file(&ids).ctx("remove", &ids)?;
         state::write_json(&at, &rec).ctx("write", &at)?;
         let dev = match m.mount_fuse(content, FS_NAME) {
             Ok(dev) => dev,
@@ -105,7 +119,7 @@ impl Views {
             // Served all the same; only a restart would break it.
             tracing::warn!(volume = %volume_id, error = %e, "the keeper does not hold this view: a restart of the driver would break its pods' reads");
         }
-        start(root, sid, rec, dev, false)
+        start(root, sid, rec, dev, false, ids)
     }
 
     /// The view on `content` is unmounted: its record and its kept
@@ -120,6 +134,7 @@ impl Views {
         {
             tracing::warn!(view = %content.display(), error = %e, "the keeper did not release the view");
         }
+        let _ = state::remove_file(&self.ids_path(content));
         let _ = state::remove_file(&at);
     }
 
@@ -166,6 +181,7 @@ impl Views {
                 {
                     tracing::warn!(view = %rec.content.display(), volume = %rec.volume_id, "this view's connection was not kept (no keeper ran): its pods' reads fail until they are restarted");
                 } else {
+                    let _ = state::remove_file(&self.ids_path(&rec.content));
                     let _ = state::remove_file(&r.path());
                 }
             }
@@ -196,7 +212,7 @@ impl Views {
         let (root, vol) = cache::lookup(roots, &rec.volume_id)?;
         let sid = vol.source.to_string();
         tracing::info!(volume = %rec.volume_id, view = %content.display(), "taking a progressive view over");
-        start(&root, &sid, rec, dev, true)
+        start(&root, &sid, rec, dev, true, self.ids_path(content))
     }
 }
 
@@ -208,17 +224,21 @@ fn start(
     rec: ViewRecord,
     dev: std::os::fd::OwnedFd,
     resumed: bool,
+    ids: PathBuf,
 ) -> Result<()> {
     let tree = Arc::new(Tree::new(&rec.listing).map_err(|e| {
         Error::Internal(format!("the listing of model {sid} cannot be shown: {e}"))
     })?);
     let gates = Arc::new(Gates::new(rec.listing.len()));
-    let vol = Arc::new(fuse::Volume::new(
-        tree.clone(),
-        gates.clone(),
-        vec![root.pull_area(&parse(sid)?).data(), root.source(sid).data()],
-        WAIT_BOUND,
-    ));
+    let vol = Arc::new(
+        fuse::Volume::new(
+            tree.clone(),
+            gates.clone(),
+            vec![root.pull_area(&parse(sid)?).data(), root.source(sid).data()],
+            WAIT_BOUND,
+        )
+        .with_ids_file(ids),
+    );
     let serving = Arc::new(AtomicBool::new(true));
     let (s, id) = (serving.clone(), rec.volume_id.clone());
     std::thread::Builder::new()

@@ -1,10 +1,11 @@
 //! The FUSE server of a progressive volume, over the raw `/dev/fuse`
 //! protocol: the tree from the listing, and READs answered only from files
-//! their gate has verified. A READ of a file still pending is parked, not
-//! given a thread: one waker per volume answers the parked READs as their
-//! files are decided (or EIO at their bound), so a hundred readers waiting
-//! on a slow fill cost a hundred entries, and every other request (and
-//! every verified read) goes on meanwhile.
+//! their gate has verified. A READ (or, with passthrough, an OPEN) of a
+//! file still pending is parked, not given a thread: one waker per volume
+//! answers the parked requests as their files are decided (or EIO at their
+//! bound), so a hundred readers waiting on a slow fill cost a hundred
+//! entries, and every other request (and every verified read) goes on
+//! meanwhile.
 //!
 //! Raw rather than `fuser`: a server that must take over a connection from
 //! its predecessor (docs/design.md, *Progressive volumes*) never sees an
@@ -71,26 +72,23 @@ const IN_HEADER: usize = 40;
 /// `FUSE_NOTIFY_RESEND`: the kernel queues again every request a server
 /// read and did not answer.
 const NOTIFY_RESEND: i32 = 7;
-/// The low half of a handle that the daemon serves (not passthrough): no
-/// backing id has this bit (the kernel's ids count up from 1).
+/// Set in a handle the daemon serves (not passthrough).
 const DAEMON_HANDLE: u32 = 1 << 31;
 
-/// A file handle names its file and how it is read, so that a server
-/// taking over the connection serves handles it never gave out: the file's
-/// listing index above, and below either its backing id (passthrough) or
-/// a count with `DAEMON_HANDLE` set.
-fn file_handle(index: usize, low: u32) -> u64 {
+/// A file handle names its file, so that a server taking over the
+/// connection serves handles it never gave out: the file's listing index
+/// above, and below a count, with `DAEMON_HANDLE` set when the daemon
+/// serves its reads.
+fn file_handle(index: usize, daemon: bool, count: u32) -> u64 {
+    let low = (count & !DAEMON_HANDLE) | if daemon { DAEMON_HANDLE } else { 0 };
     ((index as u64) << 32) | low as u64
 }
 
-/// The listing index and the backing id (if passthrough) of a handle.
-fn handle_parts(fh: u64) -> (usize, Option<u32>) {
-    let low = fh as u32;
-    (
-        (fh >> 32) as usize,
-        (low & DAEMON_HANDLE == 0).then_some(low),
-    )
+/// The listing index of a handle.
+fn handle_index(fh: u64) -> usize {
+    (fh >> 32) as usize
 }
+
 /// Attributes never change while mounted: the listing's sizes are final.
 const TTL_SECS: u64 = 3600;
 
@@ -110,6 +108,14 @@ pub struct Volume {
     pub read_bytes: AtomicU64,
     /// READs parked now, waiting for their file's verdict.
     pub parked: AtomicU64,
+    /// Each verified file's one backing id: the kernel refuses a second
+    /// backing file for an inode open for passthrough, so every open of a
+    /// file shares one, kept until the connection goes. Written to
+    /// `ids_file` before an OPEN is answered with it, so a server taking
+    /// the connection over reuses the ids of its predecessor's open
+    /// handles.
+    passthrough_ids: Mutex<HashMap<usize, u32>>,
+    ids_file: Option<PathBuf>,
 }
 
 impl Volume {
@@ -127,7 +133,21 @@ impl Volume {
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
             parked: AtomicU64::new(0),
+            passthrough_ids: Mutex::new(HashMap::new()),
+            ids_file: None,
         }
+    }
+
+    /// Keeps the passthrough ids in `file`, starting from those a server
+    /// before this one wrote there.
+    pub fn with_ids_file(mut self, file: PathBuf) -> Volume {
+        let ids: HashMap<usize, u32> = crate::state::read_json(&file)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        self.passthrough_ids = Mutex::new(ids);
+        self.ids_file = Some(file);
+        self
     }
 }
 
@@ -221,14 +241,26 @@ impl Server {
     }
 }
 
-/// A READ waiting for its file's verdict.
+/// A request waiting for its file's verdict.
 struct Parked {
     h: Header,
-    fh: u64,
     index: usize,
-    offset: u64,
-    size: u32,
+    op: Wait,
     until: std::time::Instant,
+}
+
+enum Wait {
+    Read {
+        fh: u64,
+        offset: u64,
+        size: u32,
+    },
+    /// An OPEN of a pending file, answered at the verdict so that a file
+    /// verified meanwhile is read by passthrough from its first byte:
+    /// with gates per file, a READ would wait for the same verdict
+    /// anyway, and a handle opened through the daemon would carry every
+    /// read of the file through it for as long as it stays open.
+    Open,
 }
 
 struct Server {
@@ -243,9 +275,7 @@ struct Server {
     /// The connection is gone: the waker ends.
     stop: std::sync::atomic::AtomicBool,
     /// Taken over from a server before this one, whose open files this
-    /// one does not know: the kernel allows one io mode per inode (cached
-    /// or passthrough), and an open asking for the other fails with EIO.
-    /// So every open here is direct io, which takes no mode.
+    /// one does not know (see `answer_open`).
     resumed: std::sync::atomic::AtomicBool,
 }
 
@@ -255,23 +285,17 @@ struct Handle {
     index: usize,
     /// Its backing file, once a verified READ opened it.
     file: Option<Arc<File>>,
-    /// The kernel reads it itself (passthrough) through this backing id,
-    /// closed at RELEASE.
-    backing_id: Option<u32>,
 }
 
 impl Handle {
-    fn new(index: usize, backing_id: Option<u32>) -> Handle {
-        Handle {
-            index,
-            file: None,
-            backing_id,
-        }
+    fn new(index: usize) -> Handle {
+        Handle { index, file: None }
     }
 }
 
 type Handles = HashMap<u64, Handle>;
 
+#[derive(Clone, Copy)]
 struct Header {
     opcode: u32,
     unique: u64,
@@ -298,7 +322,11 @@ impl Server {
         out.extend_from_slice(&unique.to_le_bytes());
         out.extend_from_slice(payload);
         // ENOENT: the request was interrupted and is gone; nothing to do.
-        let _ = (&*self.dev).write(&out);
+        if let Err(e) = (&*self.dev).write(&out)
+            && e.raw_os_error() != Some(libc::ENOENT)
+        {
+            tracing::warn!(unique, error = %e, "the kernel refused a reply");
+        }
     }
 
     fn error(&self, unique: u64, errno: i32) {
@@ -337,17 +365,8 @@ impl Server {
             },
             READDIR => self.readdir(&h, body),
             RELEASE => {
-                let fh = u64_at(body, 0);
-                let gone = self.lock_open().remove(&fh);
-                // A handle opened under the server before this one is known
-                // by its number alone.
-                let backing = match gone {
-                    Some(h) => h.backing_id,
-                    None => handle_parts(fh).1,
-                };
-                if let Some(id) = backing {
-                    self.close_backing(id);
-                }
+                // Backing ids outlive handles (`Volume::passthrough_ids`).
+                self.lock_open().remove(&u64_at(body, 0));
                 self.reply(h.unique, &[]);
             }
             STATFS => self.statfs(&h),
@@ -443,29 +462,36 @@ impl Server {
             return self.error(h.unique, libc::EISDIR);
         };
         let index = *index;
-        // A verified file is handed to the kernel (passthrough), unless
-        // the file is open through the daemon already: the kernel allows
-        // one mode per inode at a time. Decided and recorded under one
-        // lock, so two opens racing cannot ask for both modes.
-        let resumed = self.resumed.load(Ordering::Relaxed);
-        let mut open = self.lock_open();
-        let backing_id = match resumed {
-            true => None,
-            false => self.passthrough_for(&open, index),
-        };
-        let fh = file_handle(
-            index,
-            backing_id.unwrap_or_else(|| {
-                DAEMON_HANDLE
-                    | (self.next_fh.fetch_add(1, Ordering::Relaxed) as u32 & !DAEMON_HANDLE)
-            }),
-        );
-        open.insert(fh, Handle::new(index, backing_id));
-        drop(open);
+        if self.passthrough.load(Ordering::Relaxed)
+            && self.vol.gates.state(index) == super::gate::State::Pending
+        {
+            return self.park(*h, index, Wait::Open);
+        }
+        self.answer_open(h, index);
+    }
+
+    /// An OPEN's answer. The kernel allows one io mode per inode: once a
+    /// handle of it is open for passthrough, every other open must be
+    /// passthrough too (else EIO), and passthrough is refused while a
+    /// cached-mode handle is open. A server that took the connection over
+    /// does not know its predecessor's handles, so no open here ever
+    /// leaves the inode in a mode the next server could not match: with
+    /// passthrough, a verified file is always opened for passthrough and
+    /// any other with `FOPEN_DIRECT_IO`, which takes no mode. Without it
+    /// (kernels before 6.9) nothing is passthrough, and only a server
+    /// that took over answers direct io (its predecessor's cached handles
+    /// and its own may not mix otherwise).
+    fn answer_open(&self, h: &Header, index: usize) {
+        let passthrough = self.passthrough.load(Ordering::Relaxed);
+        let backing_id = self.passthrough_for(index);
+        let direct = backing_id.is_none() && (passthrough || self.resumed.load(Ordering::Relaxed));
+        let count = self.next_fh.fetch_add(1, Ordering::Relaxed) as u32;
+        let fh = file_handle(index, backing_id.is_none(), count);
+        self.lock_open().insert(fh, Handle::new(index));
         let mut out = [0u8; 16];
         out[0..8].copy_from_slice(&fh.to_le_bytes());
         let mut flags = FOPEN_NOFLUSH;
-        if resumed {
+        if direct {
             flags |= FOPEN_DIRECT_IO;
         }
         if let Some(id) = backing_id {
@@ -476,26 +502,42 @@ impl Server {
         self.reply(h.unique, &out);
     }
 
-    /// A backing id for `index` when it may be read by passthrough, given
-    /// the files `open` now.
-    fn passthrough_for(&self, open: &Handles, index: usize) -> Option<u32> {
+    /// The backing id of `index` when it may be read by passthrough: the
+    /// kernel agreed to it and the file is verified. Registered at its
+    /// first open, and recorded before any handle uses it.
+    fn passthrough_for(&self, index: usize) -> Option<u32> {
         if !self.passthrough.load(Ordering::Relaxed)
             || self.vol.gates.state(index) != super::gate::State::Verified
         {
             return None;
         }
-        let cached = open
-            .values()
-            .any(|h| h.index == index && h.backing_id.is_none());
-        if cached {
-            return None;
+        let mut ids = self
+            .vol
+            .passthrough_ids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(id) = ids.get(&index) {
+            return Some(*id);
         }
         let file = self.open_backing(index).ok()?;
-        self.register_backing(&file)
+        let id = self
+            .register_backing(&file)
             .inspect_err(|e| {
                 tracing::debug!(file = index, error = %e, "passthrough refused; reads go through the daemon")
             })
-            .ok()
+            .ok()?;
+        ids.insert(index, id);
+        if let Some(f) = &self.vol.ids_file
+            && let Err(e) = crate::state::write_json(f, &*ids)
+        {
+            // Unrecorded, a server taking over would register another
+            // backing file for an inode open with this one: EIO.
+            tracing::warn!(file = index, error = %e, "could not record a passthrough id; reads go through the daemon");
+            ids.remove(&index);
+            self.close_backing(id);
+            return None;
+        }
+        Some(id)
     }
 
     /// Registers `file` with the kernel for passthrough; its backing id.
@@ -541,12 +583,12 @@ impl Server {
                 // Opened under the server before this one: the handle
                 // names its file.
                 None => {
-                    let (index, backing_id) = handle_parts(fh);
+                    let index = handle_index(fh);
                     if self.vol.tree.path_of(index).is_none() {
                         drop(open);
                         return self.error(h.unique, libc::EBADF);
                     }
-                    open.insert(fh, Handle::new(index, backing_id));
+                    open.insert(fh, Handle::new(index));
                     index
                 }
             }
@@ -554,13 +596,17 @@ impl Server {
         if self.vol.gates.state(index) == super::gate::State::Verified {
             return self.answer_read(&h, fh, index, offset, size);
         }
+        self.park(h, index, Wait::Read { fh, offset, size });
+    }
+
+    /// Leaves a request of pending file `index` to the waker, and tells
+    /// the fill the file is wanted.
+    fn park(&self, h: Header, index: usize, op: Wait) {
         self.vol.gates.ask(index);
         self.lock_parked().push(Parked {
             h,
-            fh,
             index,
-            offset,
-            size,
+            op,
             until: std::time::Instant::now() + self.vol.wait_bound,
         });
         self.vol.parked.fetch_add(1, Ordering::Relaxed);
@@ -595,16 +641,21 @@ impl Server {
             };
             for p in ready {
                 self.vol.parked.fetch_sub(1, Ordering::Relaxed);
-                match self.vol.gates.state(p.index) {
-                    super::gate::State::Verified => {
-                        self.answer_read(&p.h, p.fh, p.index, p.offset, p.size)
+                match (self.vol.gates.state(p.index), p.op) {
+                    // A failed file opens (through the daemon): its reads
+                    // fail, and read right once it is fetched again.
+                    (super::gate::State::Verified | super::gate::State::Failed(_), Wait::Open) => {
+                        self.answer_open(&p.h, p.index)
                     }
-                    super::gate::State::Failed(why) => {
+                    (super::gate::State::Verified, Wait::Read { fh, offset, size }) => {
+                        self.answer_read(&p.h, fh, p.index, offset, size)
+                    }
+                    (super::gate::State::Failed(why), Wait::Read { .. }) => {
                         tracing::warn!(file = p.index, %why, "read of a failed file: EIO");
                         self.error(p.h.unique, libc::EIO)
                     }
-                    super::gate::State::Pending => {
-                        tracing::warn!(file = p.index, "read waited past its bound: EIO");
+                    (super::gate::State::Pending, _) => {
+                        tracing::warn!(file = p.index, "a read or open waited past its bound: EIO");
                         self.error(p.h.unique, libc::EIO)
                     }
                 }
@@ -637,7 +688,10 @@ impl Server {
                 Ok(0) => break,
                 Ok(n) => got += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return self.error(h.unique, libc::EIO),
+                Err(e) => {
+                    tracing::warn!(file = index, error = %e, "reading a verified file failed: EIO");
+                    return self.error(h.unique, libc::EIO);
+                }
             }
         }
         self.vol.reads.fetch_add(1, Ordering::Relaxed);

@@ -9,7 +9,7 @@
 
 use std::fs;
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -299,8 +299,16 @@ fn page_faults_of_an_mmap_reader_become_large_reads() {
         &[("shard.safetensors", bytes.len() as u64)],
         Duration::from_secs(30),
     );
-    let path = m.mnt().join("shard.safetensors");
-    let mapped = std::thread::spawn(move || mmap_sum(&path));
+    // A file opened pending waits for its verdict and is then read by
+    // passthrough (the kernel's own page cache). Through the daemon: one
+    // opened while it had failed (direct io), then fetched again.
+    m.vol.gates.failed(0, "sha256 mismatch");
+    let opened = fs::File::open(m.mnt().join("shard.safetensors")).unwrap();
+    m.vol.gates.refetching(0);
+    let mapped = std::thread::spawn(move || {
+        let bytes = mmap_file(&opened);
+        (bytes.iter().map(|b| *b as u64).sum::<u64>(), bytes.len())
+    });
     std::thread::sleep(Duration::from_millis(200));
     assert!(
         !mapped.is_finished(),
@@ -322,16 +330,13 @@ fn page_faults_of_an_mmap_reader_become_large_reads() {
     );
 }
 
-/// Sums every byte of `path` through a shared read-only mapping.
-fn mmap_sum(path: &Path) -> (u64, usize) {
-    let bytes = mmap_bytes(path);
-    (bytes.iter().map(|b| *b as u64).sum(), bytes.len())
-}
-
 /// The bytes of `path` read through a shared mapping: page faults, not
 /// read(2).
 pub fn mmap_bytes(path: &Path) -> Vec<u8> {
-    let f = fs::File::open(path).unwrap();
+    mmap_file(&fs::File::open(path).unwrap())
+}
+
+fn mmap_file(f: &fs::File) -> Vec<u8> {
     let len = f.metadata().unwrap().len() as usize;
     // SAFETY: a read-only mapping of a file nobody truncates while mapped.
     let p = unsafe {
@@ -340,7 +345,7 @@ pub fn mmap_bytes(path: &Path) -> Vec<u8> {
             len,
             libc::PROT_READ,
             libc::MAP_SHARED,
-            std::os::fd::AsRawFd::as_raw_fd(&f),
+            std::os::fd::AsRawFd::as_raw_fd(f),
             0,
         )
     };
@@ -623,6 +628,17 @@ fn a_verified_file_is_read_by_passthrough_at_the_speed_of_its_backing_file() {
         "READs reached the daemon: no passthrough"
     );
     assert!(fs::read(m.mnt().join("big.bin")).unwrap() == bytes);
+    // Replicas read one shard at once: every open of a verified file is
+    // passthrough, each with its own backing id, and the kernel takes them.
+    let opened: Vec<fs::File> = (0..4)
+        .map(|_| fs::File::open(m.mnt().join("big.bin")).unwrap())
+        .collect();
+    for f in &opened {
+        let mut b = vec![0u8; 4096];
+        f.read_exact_at(&mut b, 4096).unwrap();
+        assert!(b[..] == bytes[4096..8192]);
+    }
+    drop(opened);
     through_view.sort();
     direct.sort();
     let ratio = through_view[1].as_secs_f64() / direct[1].as_secs_f64();
@@ -632,13 +648,28 @@ fn a_verified_file_is_read_by_passthrough_at_the_speed_of_its_backing_file() {
         "passthrough read took {ratio:.2}x the direct read"
     );
 
-    // Open while pending (through the daemon), verified meanwhile.
-    let mut held = fs::File::open(m.mnt().join("pending.bin")).unwrap();
+    // Opened while pending: the open waits for the verdict, and the file
+    // is then read by passthrough like any verified one (a handle opened
+    // through the daemon would carry all its reads).
+    let opener = std::thread::spawn({
+        let p = m.mnt().join("pending.bin");
+        move || fs::File::open(p)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !opener.is_finished(),
+        "an open of a pending file returned before its verdict"
+    );
     m.arrive(1, "pending.bin", b"late");
-    assert_eq!(fs::read(m.mnt().join("pending.bin")).unwrap(), b"late");
+    let mut held = opener.join().unwrap().unwrap();
     let mut s = String::new();
     held.read_to_string(&mut s).unwrap();
     assert_eq!(s, "late");
+    assert_eq!(
+        m.vol.reads.load(Ordering::Relaxed),
+        0,
+        "the file opened while pending was read through the daemon"
+    );
 }
 
 /// The origin corrupts a shard's first byte: a reader of that shard never

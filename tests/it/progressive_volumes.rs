@@ -459,6 +459,9 @@ async fn a_kill_9_of_the_driver_mid_fill_or_after_the_seal_never_breaks_a_pods_r
         .unwrap()
         .expect("a read across the second restart");
     assert!(read_across == o.shards[1]);
+    // Every shard opened anew, the first while the handle opened for
+    // passthrough under the first process is still open: the kernel takes
+    // one backing file per inode, so the ids outlive the processes.
     for (i, s) in o.shards.iter().enumerate() {
         let p = target.join(shard_name(i));
         let b = tokio::task::spawn_blocking(move || fs::read(p))
