@@ -213,7 +213,7 @@ pub(super) async fn download(
     }
     // O_DIRECT pays for itself on large files; a small one would only
     // cost a second descriptor.
-    let direct = ranged && file.size.is_some_and(|s| s >= ctx.flush_at as u64);
+    let direct = ranged && !ctx.page_cache && file.size.is_some_and(|s| s >= ctx.flush_at as u64);
     let out = Arc::new(PartFile::open(part, !ranged, direct)?);
     let (size, (sha, chunks)) = if let (true, Some(size)) = (ranged, file.size) {
         out.reserve(size, part)?;

@@ -156,6 +156,8 @@ struct Pull<'a> {
     signature: Option<&'a Arc<Policy>>,
     /// Fetch in the listing's order (`EngineConfig::listing_order`).
     listing_order: bool,
+    /// Pods read the files as they are verified (a progressive volume).
+    readers: bool,
 }
 
 /// Who asks for a pull, and how.
@@ -188,6 +190,11 @@ struct Ctx {
     /// Bytes a stream buffers before it writes them.
     flush_at: usize,
     flow: Arc<Flow>,
+    /// Write through the page cache, not O_DIRECT: pods of a progressive
+    /// volume read each file as soon as it is verified, and would read
+    /// O_DIRECT bytes back from the disk. Durability is the same (ranges
+    /// are fdatasynced before they are recorded, files before the seal).
+    page_cache: bool,
 }
 
 impl Ctx {
@@ -456,6 +463,7 @@ impl Engine {
                 limits,
                 signature,
                 listing_order: self.cfg.listing_order || ask.listing_order,
+                readers: ask.listing_order,
             };
             let counted = Counted {
                 inner: sink,
@@ -740,6 +748,7 @@ impl Engine {
             state_lock: Mutex::new(()),
             flush_at: flush_at(&self.cfg),
             flow: Arc::new(Flow::new(self.cfg.connections.max(1))),
+            page_cache: pull.readers,
         });
 
         // Largest first: the biggest file bounds the pull, so it must not
