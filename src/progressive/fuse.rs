@@ -106,7 +106,7 @@ pub struct Volume {
     /// requests are (a page fault's readahead should be large).
     pub reads: AtomicU64,
     pub read_bytes: AtomicU64,
-    /// READs parked now, waiting for their file's verdict.
+    /// READs (and OPENs) parked now, waiting for their file's verdict.
     pub parked: AtomicU64,
     /// Each verified file's one backing id: the kernel refuses a second
     /// backing file for an inode open for passthrough, so every open of a
