@@ -205,6 +205,14 @@ start_minio() {
         MINIO_AUDIT_WEBHOOK_ENABLE=on MINIO_AUDIT_WEBHOOK_ENDPOINT="http://127.0.0.1:$audit_port/" \
         "$bin" server --quiet --address "${MINIO_HOST:-127.0.0.1}:$MINIO_PORT" "$E2E_DIR/minio/data"
     wait_until 60 "MinIO on $MINIO_URL" curl -fsS "$MINIO_URL/minio/health/ready" || return 1
-    s3 PUT /models -o /dev/null
+    # Ready can still answer a PUT with 503 for a moment (seen on a loaded
+    # machine); a bucket made by an earlier try answers 409.
+    bucket_made() {
+        local code
+        code=$(curl -sS -o /dev/null -w '%{http_code}' --aws-sigv4 "aws:amz:us-east-1:s3" \
+            --user "$MINIO_USER:$MINIO_PASSWORD" -X PUT "$MINIO_URL/models")
+        [[ $code == 200 || $code == 409 ]]
+    }
+    wait_until 30 "MinIO's bucket" bucket_made
 }
 

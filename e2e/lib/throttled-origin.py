@@ -8,7 +8,8 @@ on the fly from a repeating pattern, so nothing of it is on disk, and
 `/manifest.json` listing every file with its size and sha256 (the driver
 verifies them). HEAD, Range (one range) and a strong ETag are supported.
 All responses together are paced to RATE_MIB_PER_S, like one origin link.
-ORIGIN_SALT and ORIGIN_CORRUPT (below) vary the bytes.
+ORIGIN_SALT and ORIGIN_CORRUPT (below) vary the bytes; ORIGIN_HOLD holds
+each shard's last piece back until a file exists.
 `/served` answers how many bytes of the model's files were sent so far, so
 a test can tell one download from a restarted one.
 Writes "ready <seconds spent hashing>" to READY_FILE once it listens.
@@ -35,6 +36,16 @@ SALT = os.environ.get("ORIGIN_SALT", "")
 # flip that byte (an origin or a link that serves wrong bytes for a while).
 CORRUPT_PATH, _, CORRUPT_N = os.environ.get("ORIGIN_CORRUPT", "").partition(":")
 corrupt_left = [int(CORRUPT_N or 0)]
+# ORIGIN_HOLD=FILE: the last piece of each shard waits until FILE exists, so
+# no pull can finish (and seal) before the test says so: a volume staged in
+# the meantime is certainly staged while its model arrives.
+HOLD = os.environ.get("ORIGIN_HOLD", "")
+
+
+def hold(f, end):
+    if HOLD and isinstance(f, Synthetic) and end == f.size:
+        while not os.path.exists(HOLD):
+            time.sleep(0.2)
 corrupt_lock = threading.Lock()
 
 
@@ -182,7 +193,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not body:
             return
         flip = corrupts(path.lstrip("/"), start)
+        at = start
         for piece in f.read(start, end):
+            at += len(piece)
+            if at == end:
+                hold(f, end)
             if flip:
                 piece, flip = bytes([piece[0] ^ 0xFF]) + piece[1:], False
             pace.take(len(piece))
