@@ -6,9 +6,9 @@ use std::time::Duration;
 
 /// Where pull progress goes besides the log (Kubernetes events, metrics).
 pub trait ProgressSink: Send + Sync {
-    /// The origin resolved the request to model `_sid` (before any byte,
-    /// hit or pull).
-    fn resolved(&self, _sid: &str) {}
+    /// The origin resolved the request to model `_sid`, which it calls
+    /// `_uri` at `_revision` (before any byte, hit or pull).
+    fn resolved(&self, _sid: &str, _uri: &str, _revision: &str) {}
     fn started(&self, _uri: &str, _total: Option<u64>) {}
     fn progress(&self, _p: &Progress) {}
     fn sealed(&self, _s: &Sealed<'_>) {}

@@ -172,6 +172,16 @@ impl Partial {
         }
     }
 
+    /// Whether every file of the listing is verified (false before the
+    /// listing is known).
+    pub fn all_verified(&self) -> bool {
+        let Some(listing) = self.listing() else {
+            return false;
+        };
+        let done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        listing.iter().all(|(p, _)| done.0.contains(p))
+    }
+
     /// `path` failed its digest and will not be fetched again by this pull.
     pub fn failed(&self, path: &str, why: &str) {
         let done = self.done.lock().unwrap_or_else(|p| p.into_inner());

@@ -7,7 +7,8 @@ use crate::cache::{self, Root, Seal, VolumeId, VolumeRecord};
 use crate::csi::Topology;
 use crate::error::{Error, Result};
 use crate::offload::blocking;
-use crate::puller::{self, jobs};
+use crate::puller;
+use crate::puller::jobs::{self, Until};
 
 use super::Provisioner;
 use super::plan::{self, CreateRequest, Plan, Work};
@@ -125,7 +126,7 @@ impl Provisioner {
                 self.reference(root, from.source, rec, required, limit)
                     .await
             }
-            Work::Pull { uri, progressive } => {
+            Work::Pull { uri, until } => {
                 let ns = pull.owner.as_ref().map(|o| o.namespace().to_string());
                 if let Some(ns) = &ns {
                     let (r, n, u, max) = (
@@ -141,18 +142,24 @@ impl Provisioner {
                 // reference (it never waits for a create); a new pull
                 // brings it back. Bounded: a cache evicting every model as
                 // soon as it lands answers UNAVAILABLE instead.
-                let progressive = progressive && progressive_kernel();
+                let until = match until {
+                    Until::Sealed => Until::Sealed,
+                    early if progressive_kernel() => early,
+                    _ => Until::Sealed,
+                };
                 let mut attempt = 1;
                 loop {
-                    let pulled = match self
-                        .pull(req, &uri, &root, &pull, deadline, progressive)
-                        .await?
-                    {
+                    let pulled = match self.pull(req, &uri, &root, &pull, deadline, until).await? {
                         jobs::Early::Sealed(p) => p,
-                        jobs::Early::Arriving { sid, partial } => {
-                            rec.model = Some(crate::trust::allowed::shown(&uri).to_string());
+                        jobs::Early::Arriving { model, partial } => {
+                            // What the seal will say, known since the
+                            // origin resolved the request.
+                            rec.model = Some(model.uri);
+                            rec.revision = Some(model.revision);
                             match self
-                                .reference_arriving(&root, &sid, &partial, &rec, required, limit)
+                                .reference_arriving(
+                                    &root, &model.sid, &partial, &rec, required, limit,
+                                )
                                 .await?
                             {
                                 Some(rec) => return Ok(rec),
@@ -290,8 +297,8 @@ impl Provisioner {
 
     /// Pulls a model URI into `root` through the pull job of this volume
     /// name, which outlives the call: at the caller's deadline it answers
-    /// "still pulling", and the retry joins the same job. `progressive`:
-    /// answers as soon as the pull runs with its listing known.
+    /// "still pulling", and the retry joins the same job. Answers early
+    /// (before the seal) as `until` says, and the job goes on.
     async fn pull(
         &self,
         req: &CreateRequest,
@@ -299,7 +306,7 @@ impl Provisioner {
         root: &Root,
         pull: &PullInputs,
         deadline: Option<std::time::Instant>,
-        progressive: bool,
+        until: Until,
     ) -> Result<jobs::Early> {
         let shown = crate::trust::allowed::shown(uri).to_string();
         let tenant = pull.options.tenant.is_some();
@@ -318,19 +325,29 @@ impl Provisioner {
             source,
             signature: pull.signature.clone(),
             sink: pull.sink.clone(),
-            listing_order: progressive,
+            until,
         };
         // Recorded so that a restart resumes it; a class secret would have
         // to be written too, so such a pull waits for the provisioner's
         // next call. An inline volume's pull is not: kubelet asks again.
         let resumable = req.inline.is_none() && (req.secrets.is_empty() || tenant);
+        // A volume answered once verified is served from the pull's files
+        // until the seal, which only a running pull brings: one that a
+        // restart would not resume waits for the seal. (A progressive
+        // volume was asked for by name, and its readers are told EIO if
+        // its pull never comes back.)
+        let until = match until {
+            Until::Verified if !resumable => Until::Sealed,
+            u => u,
+        };
+        let job = jobs::Request { until, ..job };
         if resumable && !self.jobs.is_running(&req.name) {
             let (d, w) = (self.wanted_dir(), req.clone());
             blocking(move || wanted::save(&d, &w)).await?;
         }
         let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
         tracing::debug!(budget = ?left, "joining the pull job");
-        let pulled = match progressive {
+        let pulled = match until != Until::Sealed {
             true => {
                 let early = self.jobs.pull_early(&self.engine, job.clone(), left).await;
                 if let Ok(jobs::Early::Arriving { .. }) = &early {
@@ -357,7 +374,8 @@ impl Provisioner {
 const REPULL_FIRST: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Provisioner {
-    /// Keeps a progressive volume's pull going after its create answered:
+    /// Keeps the pull of a volume answered before its seal (a progressive
+    /// one, or one answered once verified) going after its create:
     /// nobody else asks again (the volume exists), so a pull that fails is
     /// run again here, with backoff, for as long as the volume does. Its
     /// readers wait (bounded) meanwhile. The wanted record (`wanted`) goes
@@ -389,7 +407,7 @@ impl Provisioner {
                         return;
                     }
                     Err(e) => {
-                        tracing::warn!(volume.name = %name, error = %e, retry_in = ?wait, "a progressive volume's pull failed; its readers wait while it runs again");
+                        tracing::warn!(volume.name = %name, error = %e, retry_in = ?wait, "the pull of a volume answered before its seal failed; its readers wait while it runs again");
                     }
                 }
                 tokio::time::sleep(wait).await;
@@ -397,7 +415,7 @@ impl Provisioner {
                 let (r, u) = (root.clone(), uuid.clone());
                 let alive = blocking(move || cache::read_volume(&r, &u)).await;
                 if !matches!(alive, Ok(Some(_))) {
-                    tracing::info!(volume.name = %name, "the progressive volume is gone; its pull is not run again");
+                    tracing::info!(volume.name = %name, "the volume is gone; its pull is not run again");
                     return;
                 }
             }

@@ -102,9 +102,11 @@ pub struct Params {
     /// Whose signature a model must carry (`modelSignature` and its
     /// trust); None: signatures are not checked.
     pub signature: Option<std::sync::Arc<crate::signing::Policy>>,
-    /// Answer a model's create, stage and publish once its listing is
-    /// known; reads wait for each file's bytes (`progressive`).
-    pub progressive: bool,
+    /// `progressive`: "true" answers a model's create, stage and publish
+    /// once its listing is known (reads wait for each file's bytes);
+    /// "false" only once the model is sealed; unset, once every file is
+    /// verified, where that can be served (`plan`).
+    pub progressive: Option<bool>,
 }
 
 fn one_of<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T> {
@@ -193,7 +195,7 @@ impl Params {
                     );
                 }
                 PROGRESSIVE => {
-                    p.progressive = one_of(key, value, &[("true", true), ("false", false)])?;
+                    p.progressive = Some(one_of(key, value, &[("true", true), ("false", false)])?);
                 }
                 ALLOW_CROSS_NAMESPACE => {
                     p.allow_cross_namespace =
@@ -261,7 +263,7 @@ impl Params {
                 "only applies to backend: xfs",
             ));
         }
-        if p.progressive {
+        if p.progressive == Some(true) {
             if let Some(b) = p.backend.filter(|b| *b != Backend::Local) {
                 return Err(Error::invalid(
                     format!("parameters.{PROGRESSIVE}"),
@@ -282,7 +284,7 @@ impl Params {
         }
         if p.role == Some(Role::Source) {
             for (set, key) in [
-                (p.progressive, PROGRESSIVE),
+                (p.progressive.is_some(), PROGRESSIVE),
                 (p.sub_path.is_some(), SUB_PATH),
                 (p.verify.is_some(), VERIFY),
                 (p.source.is_some(), SOURCE),

@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::csi::{CapacityRange, Topology, TopologyRequirement, VolumeCapability};
 use crate::error::{Error, Result};
 use crate::progress::ProgressSink;
+use crate::puller::jobs::Until;
 
 use super::params::{ImageLocation, Params};
 
@@ -86,9 +87,22 @@ pub enum Work {
     External { path: String },
     /// A cache volume of a sealed source volume.
     Clone { from: VolumeRecord },
-    /// A cache volume of a model the puller fetches (or already holds);
-    /// `progressive`: answered once the pull's listing is known.
-    Pull { uri: String, progressive: bool },
+    /// A cache volume of a model the puller fetches (or already holds),
+    /// answered when `until` says.
+    Pull { uri: String, until: Until },
+}
+
+/// When a pulled model's volume answers. Unless the class says, once
+/// every file is verified, where the node that pulls serves the volume
+/// from the pull's own files until the seal (backend local), and no
+/// signature is left to check at the seal.
+fn until_of(params: &Params, backend: Backend) -> Until {
+    match params.progressive {
+        Some(true) => Until::Listed,
+        Some(false) => Until::Sealed,
+        None if backend == Backend::Local && params.signature.is_none() => Until::Verified,
+        None => Until::Sealed,
+    }
 }
 
 /// Decides a CreateVolume from what it resolved to.
@@ -211,7 +225,7 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         (Role::Cache, Some((_, from)), None) => Work::Clone { from },
         (Role::Cache, None, None) => Work::Pull {
             uri: params.source.clone().unwrap_or_default(),
-            progressive: params.progressive,
+            until: until_of(&params, root.backend),
         },
     };
     Ok(Plan {
@@ -576,7 +590,7 @@ mod tests {
                 ),
                 Work::Pull {
                     uri: "s3://models/minilm".into(),
-                    progressive: false,
+                    until: Until::Verified,
                 },
                 Backend::Local,
                 true,
@@ -590,7 +604,7 @@ mod tests {
                 ),
                 Work::Pull {
                     uri: "hf://org/m".into(),
-                    progressive: false,
+                    until: Until::Sealed,
                 },
                 Backend::Shared,
                 false,

@@ -46,7 +46,7 @@ struct Job {
     started: Instant,
     last: Arc<Mutex<Option<Progress>>>,
     /// The model the origin resolved the request to, once it has.
-    sid: Arc<Mutex<Option<String>>>,
+    sid: Arc<Mutex<Option<Resolved>>>,
     done: watch::Receiver<Outcome>,
     task: tokio::task::AbortHandle,
 }
@@ -62,7 +62,7 @@ pub struct Jobs {
 struct Recording {
     inner: Arc<dyn ProgressSink>,
     last: Arc<Mutex<Option<Progress>>>,
-    sid: Arc<Mutex<Option<String>>>,
+    sid: Arc<Mutex<Option<Resolved>>>,
     /// Bytes counted into the in-flight gauge, taken out when the job ends.
     counted: std::sync::atomic::AtomicI64,
     metrics: Arc<crate::metrics::Metrics>,
@@ -78,9 +78,13 @@ impl Drop for Recording {
 }
 
 impl ProgressSink for Recording {
-    fn resolved(&self, sid: &str) {
-        *self.sid.lock().unwrap_or_else(|e| e.into_inner()) = Some(sid.to_string());
-        self.inner.resolved(sid)
+    fn resolved(&self, sid: &str, uri: &str, revision: &str) {
+        *self.sid.lock().unwrap_or_else(|e| e.into_inner()) = Some(Resolved {
+            sid: sid.to_string(),
+            uri: uri.to_string(),
+            revision: revision.to_string(),
+        });
+        self.inner.resolved(sid, uri, revision)
     }
     fn started(&self, uri: &str, total: Option<u64>) {
         self.inner.started(uri, total)
@@ -115,18 +119,42 @@ pub struct Request {
     /// The asking class's signature policy.
     pub signature: Option<Arc<crate::signing::Policy>>,
     pub sink: Arc<dyn ProgressSink>,
-    /// A progressive volume waits on it (`Ask::listing_order`).
-    pub listing_order: bool,
+    /// When the volume that asks may be answered.
+    pub until: Until,
 }
 
-/// What a progressive volume's create waits for: the model sealed, or its
-/// pull under way with its listing known.
+/// When a create that pulls a model may answer, and so how the pull runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Until {
+    /// Once the model is sealed: durable, recorded, immutable.
+    Sealed,
+    /// Once every file is verified, its bytes maybe not yet durable: the
+    /// volume is served from the pull's own files until the seal, and the
+    /// pull writes through the page cache, where its pods read them.
+    Verified,
+    /// Once the listing is known (a progressive volume): fetched in the
+    /// listing's order, each file readable as it is verified.
+    Listed,
+}
+
+/// What an early create waits for: the model sealed, or its pull under
+/// way far enough (`Until`).
 pub enum Early {
     Sealed(Arc<Pulled>),
     Arriving {
-        sid: String,
+        /// The model, as the origin resolved it.
+        model: Resolved,
         partial: Arc<crate::cache::partial::Partial>,
     },
+}
+
+/// What the origin resolved a request to: the model's id, and its name and
+/// revision at the origin.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    pub sid: String,
+    pub uri: String,
+    pub revision: String,
 }
 
 impl Jobs {
@@ -149,15 +177,17 @@ impl Jobs {
     }
 
     /// Like `pull`, but answers as soon as the pull of the job's model runs
-    /// in this process with its listing known (`Early::Arriving`); the job
-    /// goes on. A model already sealed, or one whose listing cannot be
-    /// shown before its bytes, is waited for as `pull` would.
+    /// in this process with its listing known, or every listed file
+    /// verified (`Early::Arriving`, as `Request::until` says); the job goes
+    /// on. A model already sealed, or one whose listing cannot be shown
+    /// before its bytes, is waited for as `pull` would.
     pub async fn pull_early(
         &self,
         engine: &Arc<Engine>,
         req: Request,
         wait: Option<Duration>,
     ) -> Result<Early> {
+        let until = req.until;
         let job = self.join_or_start(engine, req);
         let deadline = wait.map(|w| tokio::time::Instant::now() + w);
         let mut done = job.done.clone();
@@ -166,21 +196,25 @@ impl Jobs {
                 self.forget(&job);
                 return outcome.map(Early::Sealed).map_err(|e| e.replay());
             }
-            let sid = job.sid.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            if let Some(sid) = sid
-                && let Some(partial) = crate::cache::partial::lookup(&sid)
-                && partial.listing().is_some()
+            let model = job.sid.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(model) = model
+                && let Some(partial) = crate::cache::partial::lookup(&model.sid)
+                && match until {
+                    Until::Listed => partial.listing().is_some(),
+                    Until::Verified => partial.all_verified(),
+                    Until::Sealed => false,
+                }
             {
-                return Ok(Early::Arriving { sid, partial });
+                return Ok(Early::Arriving { model, partial });
             }
             // The sid and the view have no channel of their own; a short
             // poll costs nothing beside a pull.
             let tick = tokio::time::Instant::now() + Duration::from_millis(20);
-            let until = deadline.map_or(tick, |d| d.min(tick));
+            let wake = deadline.map_or(tick, |d| d.min(tick));
             if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
                 return Err(Error::Transient(still_pulling(&job)));
             }
-            if let Ok(Err(_)) = tokio::time::timeout_at(until, done.changed()).await {
+            if let Ok(Err(_)) = tokio::time::timeout_at(wake, done.changed()).await {
                 self.forget(&job);
                 return Err(Error::Internal(
                     "a pull job ended without an outcome".into(),
@@ -207,7 +241,7 @@ impl Jobs {
             metrics,
         });
         let (engine, root, source, uri) = (engine.clone(), req.root, req.source, req.uri.clone());
-        let (signature, listing_order) = (req.signature, req.listing_order);
+        let (signature, until) = (req.signature, req.until);
         let asker = req.key.clone();
         // Slots are shared fairly between the namespaces that want pulls.
         let who = req
@@ -222,7 +256,8 @@ impl Jobs {
                         who: &who,
                         asker: Some(&asker),
                         signature: signature.as_ref(),
-                        listing_order,
+                        listing_order: until == Until::Listed,
+                        readers: until != Until::Sealed,
                     },
                     &root,
                     source,
@@ -425,7 +460,7 @@ mod tests {
             source: s,
             signature: None,
             sink: Arc::new(NoProgress),
-            listing_order: false,
+            until: Until::Sealed,
         };
         let t0 = Instant::now();
         let e = jobs
@@ -483,7 +518,7 @@ mod tests {
             source: Arc::new(src),
             signature: None,
             sink: Arc::new(NoProgress),
-            listing_order: false,
+            until: Until::Sealed,
         };
         // 4 KiB every 20 ms: about 200 KB/s, live but slow; 20 s in all.
         let slow = |uri| Slow {
@@ -590,7 +625,7 @@ mod tests {
             source: src,
             signature: None,
             sink: Arc::new(NoProgress),
-            listing_order: false,
+            until: Until::Sealed,
         };
         let _ = jobs.pull(&engine, r, Some(Duration::from_millis(20))).await;
         assert_eq!(

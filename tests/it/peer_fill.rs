@@ -114,6 +114,13 @@ async fn advertised(api: &ApiServer, node: &str, sid: &str) {
 
 /// Every file of `model` is in `d`'s copy of source `sid`, byte for byte.
 fn assert_exact(d: &Driver, sid: &str, model: &Path) {
+    // A create answers once every file is verified; the seal, which moves
+    // the files into place, follows.
+    let seal = d.source_dir("local", sid).join("seal.json");
+    assert!(
+        eventually(Duration::from_secs(30), || seal.exists()),
+        "{sid} never sealed"
+    );
     for (path, size) in fixtures::tree_files(model) {
         let got = d.source_dir("local", sid).join("data").join(&path);
         assert_eq!(fs::metadata(&got).unwrap().len(), size, "{path}");

@@ -214,6 +214,95 @@ async fn a_progressive_volume_is_published_before_its_model_arrives_and_reads_on
     assert_eq!(fs::read_dir(&refs).map(|r| r.count()).unwrap_or(0), 0);
 }
 
+/// #24 item 7: a class that says nothing of `progressive` answers a
+/// model's create once every file is verified, not once the model is
+/// sealed, and the volume reads every byte at once; `progressive: "false"`
+/// answers only once the model is sealed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_without_progressive_is_answered_once_verified_and_false_waits_for_the_seal() {
+    // Four files at once of two connections each, 512 KiB/s a connection:
+    // about 8 s for the 32 MiB.
+    let o = origin(512 << 10, 120).await;
+    let d = driver().await;
+    let started = Instant::now();
+    let v = d
+        .create(create_req(
+            "pvc-verified",
+            &[("backend", "local"), ("source", o.uri.as_str())],
+            READER,
+        ))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
+    let answered = started.elapsed();
+    let sid = v.volume_context["source"].clone();
+    // Every byte had arrived and been checked: nothing of the model is
+    // still to come from the origin.
+    let served: usize = (0..SHARDS).map(|i| o.server.gets(&shard_name(i))).sum();
+    assert!(
+        served >= SHARDS,
+        "answered with {served} shard fetches started"
+    );
+    assert!(
+        answered >= Duration::from_secs(6),
+        "answered at {answered:?}, before the ~8 s transfer could end"
+    );
+    let (staging, target) = (d.staging("verified"), d.target("verified"));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    let kind = single_mount(&content(&staging)).fs_type;
+    let t = target.clone();
+    let (read, took) = tokio::task::spawn_blocking(move || {
+        let at = Instant::now();
+        let r: Vec<Vec<u8>> = (0..SHARDS)
+            .map(|i| fs::read(t.join(shard_name(i))).unwrap())
+            .collect();
+        (r, at.elapsed())
+    })
+    .await
+    .unwrap();
+    for (i, b) in read.iter().enumerate() {
+        assert!(*b == o.shards[i], "{}: wrong bytes", shard_name(i));
+    }
+    assert!(
+        took < Duration::from_secs(2),
+        "the volume's 32 MiB took {took:?} to read: it waited for something"
+    );
+    assert_erofs(&target.join("new-file"));
+    assert!(
+        eventually(Duration::from_secs(30), || seal_of(&d, &sid).exists()),
+        "the model never sealed"
+    );
+    eprintln!("answered at {answered:?}, staged as {kind}, read in {took:?}");
+
+    // "false": the seal is there when the create answers.
+    let o2 = origin(4 << 20, 130).await;
+    let v2 = d
+        .create(create_req(
+            "pvc-sealed",
+            &[
+                ("backend", "local"),
+                ("source", o2.uri.as_str()),
+                ("progressive", "false"),
+            ],
+            READER,
+        ))
+        .await
+        .unwrap();
+    let sid2 = v2.volume_context["source"].clone();
+    assert!(
+        seal_of(&d, &sid2).exists(),
+        "progressive: \"false\" answered before the seal"
+    );
+    d.unpublish(&v.volume_id, &target).await.unwrap();
+    d.unstage(&v.volume_id, &staging).await.unwrap();
+    assert_not_mounted(&staging);
+    for v in [&v, &v2] {
+        d.delete(&v.volume_id).await.unwrap();
+    }
+}
+
 /// A shard whose bytes the origin corrupts on every fetch of this pull:
 /// its reads fail with EIO (never a wrong byte) while other shards read
 /// right; the pull fails naming it, and the driver runs the pull again on

@@ -215,20 +215,45 @@ pub(super) async fn download(
     // cost a second descriptor.
     let direct = ranged && !ctx.page_cache && file.size.is_some_and(|s| s >= ctx.flush_at as u64);
     let out = Arc::new(PartFile::open(part, !ranged, direct)?);
+    let put_in_place = || {
+        let (p, d) = (part.to_path_buf(), dest.to_path_buf());
+        blocking(move || fs::rename(&p, &d).ctx("rename into place", &d))
+    };
     let (size, (sha, chunks)) = if let (true, Some(size)) = (ranged, file.size) {
         out.reserve(size, part)?;
-        ranged_download(ctx, work, file, &out, part, size, st).await?
+        let (size, (sha, chunks), durable) =
+            ranged_download(ctx, work, file, &out, part, size, st).await?;
+        // Readers wait for nothing but the verdict: the file goes in place
+        // and is told verified now, and its last ranges become durable
+        // after. A crash in between leaves it in place with no sha256
+        // recorded and no `.part`, which a resume fetches anew (see above).
+        let early = ctx.page_cache && file.unpack == Unpack::None && vouched(ctx, file, &sha);
+        if early {
+            put_in_place().await?;
+            work.partial()
+                .finished(&file.path, size, dest.to_path_buf(), chunks.clone());
+        }
+        durable.settle(st).await?;
+        if !early {
+            put_in_place().await?;
+        }
+        (size, (sha, chunks))
     } else {
         st.done.clear();
-        whole_download(ctx, file, &out, part).await?
+        let whole = whole_download(ctx, file, &out, part).await?;
+        put_in_place().await?;
+        whole
     };
-    let (p, d) = (part.to_path_buf(), dest.to_path_buf());
-    blocking(move || {
-        fs::rename(&p, &d).ctx("rename into place", &d)?;
-        Ok(())
-    })
-    .await?;
     Ok((size, sha, chunks))
+}
+
+/// Whether `sha` is all the checking a file gets: the origin's sha256
+/// matches it, or the origin gave none and no MD5 is left to check.
+fn vouched(ctx: &Ctx, file: &RemoteFile, sha: &str) -> bool {
+    match &file.sha256 {
+        Some(expected) => expected.eq_ignore_ascii_case(sha),
+        None => ctx.source.content_md5(file).is_none(),
+    }
 }
 
 pub(super) fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
@@ -255,10 +280,26 @@ pub(super) enum Finished {
     Prefix(u64, u64),
 }
 
+/// The ranges of a file still being made durable and recorded.
+pub(super) struct Durable(tokio::task::JoinHandle<Result<FileState>>);
+
+impl Durable {
+    /// Waits until every range is durable and recorded; `st` then says so.
+    pub(super) async fn settle(self, st: &mut FileState) -> Result<()> {
+        *st = self
+            .0
+            .await
+            .map_err(|e| Error::Internal(format!("committer failed: {e}")))??;
+        Ok(())
+    }
+}
+
 /// Parallel ranges written with positioned writes and hashed by a
 /// [`Frontier`]. A finished range is handed to a committer, which makes
 /// every range finished so far durable with one fdatasync and only then
 /// records them in `state/`; connections never wait for the disk.
+/// Answers once every byte is written and hashed, with the committer
+/// still at work: `Durable::settle` waits for it.
 pub(super) async fn ranged_download(
     ctx: &Arc<Ctx>,
     work: &Arc<PullArea>,
@@ -267,7 +308,7 @@ pub(super) async fn ranged_download(
     part: &Path,
     size: u64,
     st: &mut FileState,
-) -> Result<(u64, (String, Vec<String>))> {
+) -> Result<(u64, (String, Vec<String>), Durable)> {
     let chunk = ctx.cfg.chunk_bytes.max(1);
     // Chunk indexes mean nothing under another chunk size, nor for a file
     // the server now lists at another size.
@@ -349,20 +390,23 @@ pub(super) async fn ranged_download(
         .await;
     drop(finished_tx);
     frontier.close();
-    // What was fetched is made durable and recorded even when another
-    // range failed: a retry resumes from it.
-    let committed = committer
-        .await
-        .map_err(|e| Error::Internal(format!("committer failed: {e}")))?;
-    if let Ok(s) = &committed {
-        *st = s.clone();
+    let durable = Durable(committer);
+    let hashed = match fetched {
+        Ok(()) => hasher
+            .await
+            .map_err(|e| Error::Internal(format!("hasher failed: {e}")))
+            .and_then(|h| h),
+        Err(e) => Err(e),
+    };
+    match hashed {
+        Ok(sha) => Ok((size, sha, durable)),
+        // What was fetched is made durable and recorded even when another
+        // range failed: a retry resumes from it.
+        Err(e) => {
+            let _ = durable.settle(st).await;
+            Err(e)
+        }
     }
-    fetched?;
-    committed?;
-    let sha = hasher
-        .await
-        .map_err(|e| Error::Internal(format!("hasher failed: {e}")))??;
-    Ok((size, sha))
 }
 
 /// Makes finished ranges durable in batches: waits for one, takes every

@@ -156,7 +156,7 @@ struct Pull<'a> {
     signature: Option<&'a Arc<Policy>>,
     /// Fetch in the listing's order (`EngineConfig::listing_order`).
     listing_order: bool,
-    /// Pods read the files as they are verified (a progressive volume).
+    /// Pods read the files as they are verified (`Ask::readers`).
     readers: bool,
 }
 
@@ -175,6 +175,10 @@ pub struct Ask<'a> {
     /// A progressive volume waits on this pull: fetch in the listing's
     /// order, whatever the engine's default.
     pub listing_order: bool,
+    /// Pods may read each file as soon as it is verified, before the seal
+    /// (`jobs::Until`): write through the page cache, and tell each file
+    /// verified before its last bytes are durable.
+    pub readers: bool,
 }
 
 /// Shared by the tasks of one pull.
@@ -190,10 +194,12 @@ struct Ctx {
     /// Bytes a stream buffers before it writes them.
     flush_at: usize,
     flow: Arc<Flow>,
-    /// Write through the page cache, not O_DIRECT: pods of a progressive
-    /// volume read each file as soon as it is verified, and would read
-    /// O_DIRECT bytes back from the disk. Durability is the same (ranges
-    /// are fdatasynced before they are recorded, files before the seal).
+    /// Pods read each file as soon as it is verified (`Ask::readers`).
+    /// So it is written through the page cache, not O_DIRECT (they would
+    /// read O_DIRECT bytes back from the disk), and put in place and told
+    /// verified before its last ranges are durable. What is recorded is
+    /// not changed: ranges are fdatasynced before they are recorded, and
+    /// a file's sha256 and the seal only follow its durability.
     page_cache: bool,
 }
 
@@ -422,7 +428,7 @@ impl Engine {
             unsigned_listing(policy, &resolved)?;
         }
         let sid = source_id(source.as_ref(), &resolved.uri, &resolved.revision);
-        sink.resolved(sid.as_str());
+        sink.resolved(sid.as_str(), &resolved.uri, &resolved.revision);
         let span =
             info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
         let scheme = crate::metrics::scheme_of(&resolved.uri);
@@ -463,7 +469,7 @@ impl Engine {
                 limits,
                 signature,
                 listing_order: self.cfg.listing_order || ask.listing_order,
-                readers: ask.listing_order,
+                readers: ask.readers || ask.listing_order,
             };
             let counted = Counted {
                 inner: sink,
