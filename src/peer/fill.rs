@@ -162,7 +162,7 @@ impl Fill for PeerFill {
             let (Unpack::None, Some(size)) = (&f.unpack, f.size) else {
                 continue;
             };
-            let md5 = origin.content_md5(f);
+            let md5 = origin.origin_md5(f);
             if f.sha256.is_none() && md5.is_none() {
                 continue;
             }
@@ -787,9 +787,7 @@ impl Source for PeerSource {
             .unwrap_or_else(|p| p.into_inner())
             .get(&file.path)
             .is_some_and(|s| !s.is_empty());
-        served
-            .then(|| self.inner.origin.content_md5(file))
-            .flatten()
+        served.then(|| self.inner.origin.origin_md5(file)).flatten()
     }
 
     fn ranges(&self) -> bool {

@@ -271,6 +271,10 @@ impl Source for Scoped {
         self.inner.content_md5(file)
     }
 
+    fn origin_md5(&self, file: &source::RemoteFile) -> Option<String> {
+        self.inner.origin_md5(file)
+    }
+
     fn pinned(&self) -> Option<source::Pinned> {
         self.inner.pinned()
     }

@@ -476,7 +476,7 @@ fn revision(files: &[(String, ObjectMeta)]) -> String {
 impl Source for S3Source {
     /// A single-part object's ETag is the MD5 of its bytes (multipart ones
     /// end in `-<parts>`, and say nothing checkable).
-    fn content_md5(&self, file: &RemoteFile) -> Option<String> {
+    fn origin_md5(&self, file: &RemoteFile) -> Option<String> {
         let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
         let etag = pins.get(&file.locator)?.e_tag.as_deref()?.trim_matches('"');
         (etag.len() == 32 && etag.bytes().all(|b| b.is_ascii_hexdigit()))

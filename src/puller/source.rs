@@ -142,13 +142,20 @@ pub trait Source: Send + Sync {
         false
     }
 
-    /// The MD5 of `file`'s bytes as the origin states it, when the origin
-    /// states nothing stronger (an S3 ETag that looks like one), lowercase
-    /// hex. Such a claim is not always a digest (S3 encryption with KMS
-    /// changes ETags), so the engine checks it only for bytes that did not
-    /// all come from the origin: a source in front of the origin answers
-    /// only for files it served from elsewhere.
+    /// The MD5 the engine must check `file`'s bytes against, lowercase
+    /// hex: only for bytes that did not all come from the origin. An
+    /// origin's claim ([`Source::origin_md5`]) is not always a digest (S3
+    /// encryption with KMS changes ETags), and its own bytes are final; so
+    /// only a source in front of the origin answers, for files it served
+    /// from elsewhere.
     fn content_md5(&self, _file: &RemoteFile) -> Option<String> {
+        None
+    }
+
+    /// The MD5 of `file`'s bytes as the origin states it, when it states
+    /// nothing stronger (an S3 ETag that looks like one), lowercase hex:
+    /// what bytes from elsewhere are checked against.
+    fn origin_md5(&self, _file: &RemoteFile) -> Option<String> {
         None
     }
 

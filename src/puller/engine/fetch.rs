@@ -413,6 +413,7 @@ pub(super) async fn ranged_download(
 /// other already finished, fdatasyncs once, then records them all. So
 /// `state/` only ever names ranges whose bytes are on disk. A file of one
 /// range is not recorded per range: its sha256 record follows at once.
+/// With `Ctx::defer_durable`, the one batch is the whole transfer.
 pub(super) async fn commit_ranges(
     ctx: Arc<Ctx>,
     work: Arc<PullArea>,
@@ -424,6 +425,12 @@ pub(super) async fn commit_ranges(
 ) -> Result<FileState> {
     while let Some(first) = finished.recv().await {
         let mut batch = vec![first];
+        if ctx.defer_durable {
+            // One batch: everything, once the transfer has ended.
+            while let Some(f) = finished.recv().await {
+                batch.push(f);
+            }
+        }
         while let Ok(f) = finished.try_recv() {
             batch.push(f);
         }

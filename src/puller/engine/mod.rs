@@ -201,6 +201,13 @@ struct Ctx {
     /// not changed: ranges are fdatasynced before they are recorded, and
     /// a file's sha256 and the seal only follow its durability.
     page_cache: bool,
+    /// Make ranges durable (and record them) only once the file's
+    /// transfer ends, not batch by batch while it runs: a volume answered
+    /// once verified whose model fits in a share of this node's memory
+    /// (`defers_durability`). Its bytes stay in the page cache, where its
+    /// pods read them, and reach the disk after the transfer instead of
+    /// competing with it. A crash mid-file fetches that file again.
+    defer_durable: bool,
 }
 
 impl Ctx {
@@ -755,6 +762,9 @@ impl Engine {
             flush_at: flush_at(&self.cfg),
             flow: Arc::new(Flow::new(self.cfg.connections.max(1))),
             page_cache: pull.readers,
+            defer_durable: pull.readers
+                && !pull.listing_order
+                && pull.total.is_some_and(defers_durability),
         });
 
         // Largest first: the biggest file bounds the pull, so it must not
@@ -982,6 +992,23 @@ pub async fn vouch_sealed(
 /// Bytes of one buffer: the budget shared by every buffer that may exist,
 /// one per stream and one more per stream for the reorder windows; whole
 /// blocks, so that full buffers go out with O_DIRECT.
+/// Whether a model of `total` bytes may stay in the page cache until each
+/// file's transfer ends: up to a quarter of the memory available now, so
+/// the kernel's own writeback (from a tenth of it dirty) and other pods
+/// keep their share, and a crash loses at most that much transfer.
+fn defers_durability(total: u64) -> bool {
+    let available = fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        .saturating_mul(1024);
+    total <= available / 4
+}
+
 fn flush_at(cfg: &EngineConfig) -> usize {
     let buffers = (cfg.models.max(1) * cfg.files.max(1) * cfg.connections.max(1) * 2) as u64;
     let n = (cfg.buffer_budget / buffers).clamp(256 << 10, 4 << 20) as usize;

@@ -62,6 +62,11 @@ pub fn binary() -> PathBuf {
 impl Minio {
     /// Starts MinIO and waits until it reports ready.
     pub fn start() -> Minio {
+        Minio::start_with_env(&[])
+    }
+
+    /// Like `start`, with more environment (say, a KMS key).
+    pub fn start_with_env(env: &[(&str, &str)]) -> Minio {
         let bin = binary();
         let dir = tempfile::tempdir().expect("temp dir");
         let data = dir.path().join("data");
@@ -79,6 +84,7 @@ impl Minio {
                 .env("MINIO_BROWSER", "off")
                 .env("MINIO_PROMETHEUS_AUTH_TYPE", "public")
                 .env("MINIO_UPDATE", "off")
+                .envs(env.iter().copied())
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(std::fs::File::create(&log).expect("create log"))
