@@ -157,7 +157,7 @@ impl NodeOps {
         req: MountRequest,
         budget: Option<std::time::Duration>,
     ) -> Result<()> {
-        let (root, rec, seal) = {
+        let (root, rec, mut seal) = {
             let (roots, id) = (self.roots.clone(), volume_id.to_string());
             blocking(move || {
                 let (root, rec) = cache::lookup(&roots, &id)?;
@@ -179,8 +179,20 @@ impl NodeOps {
                 seal.is_some(),
                 self.views.clone(),
             );
-            if blocking(move || stage_progressive(&*mm, &views, &r, &rc, &st, sealed)).await? {
-                return Ok(());
+            match blocking(move || stage_progressive(&*mm, &views, &r, &rc, &st, sealed)).await {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                // No pull to serve a view from: it may have sealed since
+                // the seal was read (the seal is in place before the
+                // pull's view goes), and then the volume stages as any.
+                Err(e) if seal.is_none() => {
+                    let (r, s) = (root.clone(), rec.source.clone());
+                    seal = blocking(move || cache::read_seal(&r, &s)).await?;
+                    if seal.is_none() {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
             }
         }
         if let Some(ext) = rec.external.clone() {
