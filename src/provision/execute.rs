@@ -149,8 +149,13 @@ impl Provisioner {
                 };
                 let mut attempt = 1;
                 loop {
-                    let pulled = match self.pull(req, &uri, &root, &pull, deadline, until).await? {
-                        jobs::Early::Sealed(p) => p,
+                    let sid = match self.pull(req, &uri, &root, &pull, deadline, until).await? {
+                        jobs::Early::Sealed(pulled) => {
+                            rec.model = pulled.seal.origin.clone().into();
+                            rec.revision = pulled.seal.revision.clone();
+                            rec.signed_by = pulled.signed.clone();
+                            pulled.sid.clone()
+                        }
                         jobs::Early::Arriving { model, partial } => {
                             // What the seal will say, known since the
                             // origin resolved the request.
@@ -163,15 +168,16 @@ impl Provisioner {
                                 .await?
                             {
                                 Some(rec) => return Ok(rec),
-                                // Sealed meanwhile: referenced as any model.
-                                None => continue,
+                                // Sealed meanwhile: referenced as any sealed
+                                // model (asking the job again could start
+                                // another pull, a cache hit, once the job
+                                // is done).
+                                None => cache::SourceId::parse(&model.sid).ok_or_else(|| {
+                                    Error::Internal(format!("malformed model id {}", model.sid))
+                                })?,
                             }
                         }
                     };
-                    rec.model = pulled.seal.origin.clone().into();
-                    rec.revision = pulled.seal.revision.clone();
-                    rec.signed_by = pulled.signed.clone();
-                    let sid = pulled.sid.clone();
                     match self
                         .reference(root.clone(), sid, rec.clone(), required, limit)
                         .await
