@@ -323,16 +323,6 @@ impl Provisioner {
                 return Err(e);
             }
         };
-        let job = jobs::Request {
-            key: req.name.clone(),
-            uri: shown,
-            owner: pull.owner.clone(),
-            root: root.clone(),
-            source,
-            signature: pull.signature.clone(),
-            sink: pull.sink.clone(),
-            until,
-        };
         // Recorded so that a restart resumes it; a class secret would have
         // to be written too, so such a pull waits for the provisioner's
         // next call. An inline volume's pull is not: kubelet asks again.
@@ -346,7 +336,16 @@ impl Provisioner {
             Until::Verified if !resumable => Until::Sealed,
             u => u,
         };
-        let job = jobs::Request { until, ..job };
+        let job = jobs::Request {
+            key: req.name.clone(),
+            uri: shown,
+            owner: pull.owner.clone(),
+            root: root.clone(),
+            source,
+            signature: pull.signature.clone(),
+            sink: pull.sink.clone(),
+            until,
+        };
         if resumable && !self.jobs.is_running(&req.name) {
             let (d, w) = (self.wanted_dir(), req.clone());
             blocking(move || wanted::save(&d, &w)).await?;
