@@ -851,6 +851,12 @@ impl ProgressSink for BarSink {
             b.set(p.bytes, Some(p.rate_bytes_per_sec), p.eta);
         }
     }
+
+    fn refetching(&self, _uri: &str, file: &str, why: &str) {
+        if self.output != Output::Json {
+            eprintln!("{file} failed verification: {why}");
+        }
+    }
 }
 
 #[cfg(test)]

@@ -449,6 +449,14 @@ impl ProgressSink for PvcEvents {
         );
     }
 
+    fn refetching(&self, _uri: &str, file: &str, why: &str) {
+        self.emit(
+            EventType::Warning,
+            "FileFailedVerification",
+            format!("{file} failed verification: {why}"),
+        );
+    }
+
     fn sealed(&self, s: &crate::progress::Sealed<'_>) {
         self.emit(
             EventType::Normal,

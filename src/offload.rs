@@ -41,6 +41,22 @@ pub async fn blocking<T: Send + 'static>(
     done.map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
 }
 
+/// Runs `f` on a thread of its own at a lower CPU priority (nice 10) and
+/// waits for it: work that may lag (a chunk table after the verdict)
+/// yields the CPU to what a pod waits for. A thread of its own, because a
+/// pool thread could not take its priority back without CAP_SYS_NICE.
+pub fn niced<T: Send>(f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: setpriority on this thread's own id; no memory.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
+            f()
+        })
+        .join()
+        .map_err(|_| Error::Internal("a background hashing thread panicked".into()))?
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

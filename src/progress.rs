@@ -12,6 +12,9 @@ pub trait ProgressSink: Send + Sync {
     fn started(&self, _uri: &str, _total: Option<u64>) {}
     fn progress(&self, _p: &Progress) {}
     fn sealed(&self, _s: &Sealed<'_>) {}
+    /// File `_file` of the pull of `_uri` failed its digest and is
+    /// fetched again: `_why` says what failed and what happens next.
+    fn refetching(&self, _uri: &str, _file: &str, _why: &str) {}
     /// Called by the pull's caller, for every failure (resolving included).
     fn failed(&self, _uri: &str, _error: &str) {}
 }

@@ -880,10 +880,19 @@ async fn a_create_racing_eviction_gets_a_live_model_or_a_retry() {
             .await
         {
             Ok(v) => {
-                let rest = at_rest.lock().unwrap();
                 let id = crate::cache::VolumeId::parse(&v.volume_id).unwrap();
                 let root = d.roots.for_id(&id).unwrap();
                 let sid = &v.volume_context["source"];
+                // Answered once verified (#24 item 7), the model seals a
+                // moment later, with this volume's reference, while
+                // eviction runs on beside it.
+                let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while crate::cache::read_seal(root, sid).unwrap().is_none()
+                    && std::time::Instant::now() < until
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                let rest = at_rest.lock().unwrap();
                 assert!(
                     crate::cache::read_seal(root, sid).unwrap().is_some(),
                     "try {i}: a volume over {sid}, which has no seal"

@@ -127,7 +127,9 @@ fn is_zero(n: &u64) -> bool {
 #[derive(Clone)]
 pub struct FileHasher {
     whole: Sha256,
-    chunk: Sha256,
+    /// None: the sha256 alone, the chunk table computed later
+    /// ([`FileHasher::whole_only`]).
+    chunk: Option<Sha256>,
     /// Bytes of the current chunk hashed so far.
     in_chunk: u64,
     chunks: Vec<String>,
@@ -137,7 +139,7 @@ impl Default for FileHasher {
     fn default() -> Self {
         FileHasher {
             whole: Sha256::new(),
-            chunk: Sha256::new(),
+            chunk: Some(Sha256::new()),
             in_chunk: 0,
             chunks: Vec::new(),
         }
@@ -145,15 +147,28 @@ impl Default for FileHasher {
 }
 
 impl FileHasher {
+    /// The sha256 alone: half the hashing, for a pull whose verdict is
+    /// waited for and whose chunk table can come after it
+    /// ([`chunk_table`]); `finish` gives no chunks.
+    pub fn whole_only() -> FileHasher {
+        FileHasher {
+            chunk: None,
+            ..FileHasher::default()
+        }
+    }
+
     pub fn update(&mut self, mut data: &[u8]) {
         self.whole.update(data);
+        let Some(chunk) = self.chunk.as_mut() else {
+            return;
+        };
         while !data.is_empty() {
             let room = (CHUNK_BYTES - self.in_chunk) as usize;
             let (now, rest) = data.split_at(room.min(data.len()));
-            self.chunk.update(now);
+            chunk.update(now);
             self.in_chunk += now.len() as u64;
             if self.in_chunk == CHUNK_BYTES {
-                let done = std::mem::replace(&mut self.chunk, Sha256::new());
+                let done = std::mem::replace(chunk, Sha256::new());
                 self.chunks.push(hex::encode(done.finalize()));
                 self.in_chunk = 0;
             }
@@ -168,8 +183,10 @@ impl FileHasher {
 
     /// The file's sha256 and its chunk table.
     pub fn finish(mut self) -> (String, Vec<String>) {
-        if self.in_chunk > 0 {
-            self.chunks.push(hex::encode(self.chunk.finalize()));
+        if let Some(chunk) = self.chunk
+            && self.in_chunk > 0
+        {
+            self.chunks.push(hex::encode(chunk.finalize()));
         }
         (hex::encode(self.whole.finalize()), self.chunks)
     }
@@ -304,6 +321,24 @@ pub fn hash_file(path: &Path) -> Result<(u64, String)> {
     hash_file_chunked(path).map(|(size, sha, _)| (size, sha))
 }
 
+/// The chunk table of the file at `path` alone (its sha256 checked
+/// before, by a [`FileHasher::whole_only`]).
+pub fn chunk_table(path: &Path) -> Result<Vec<String>> {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(path).ctx("open", path)?;
+    let size = f.metadata().ctx("stat", path)?.len();
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    let mut out = Vec::with_capacity(size.div_ceil(CHUNK_BYTES) as usize);
+    let mut at = 0;
+    while at < size {
+        let n = (size - at).min(CHUNK_BYTES) as usize;
+        f.read_exact_at(&mut buf[..n], at).ctx("read", path)?;
+        out.push(chunk_digest(&buf[..n]));
+        at += n as u64;
+    }
+    Ok(out)
+}
+
 /// `hash_file` with the file's chunk table.
 pub fn hash_file_chunked(path: &Path) -> Result<(u64, String, Vec<String>)> {
     hash_open_file(File::open(path).ctx("open", path)?, path)
@@ -416,6 +451,18 @@ mod tests {
         let (empty_sha, empty) = FileHasher::default().finish();
         assert!(empty.is_empty());
         assert_eq!(empty_sha, hex::encode(Sha256::digest(b"")));
+        // The sha256 alone, and the table from the file afterwards: the
+        // same sha256 and the same table.
+        let mut whole = FileHasher::whole_only();
+        for piece in data.chunks(777_777) {
+            whole.update(piece);
+        }
+        assert_eq!(whole.finish(), (sha, Vec::new()));
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join("f"), &data).unwrap();
+        assert_eq!(chunk_table(&d.path().join("f")).unwrap(), chunks);
+        fs::write(d.path().join("e"), b"").unwrap();
+        assert!(chunk_table(&d.path().join("e")).unwrap().is_empty());
     }
 
     #[test]

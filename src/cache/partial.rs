@@ -48,20 +48,47 @@ pub enum Verdict {
     /// Whole, verified and in place.
     Verified,
     /// Its bytes failed their digest and the pull gave up on it: readers
-    /// get EIO. (A failure the pull mends by fetching the file again is
-    /// not told: readers wait on through it.)
+    /// get EIO.
     Failed(String),
+    /// Bytes `[0, bytes)` of the file, at `at`, matched a chunk table a
+    /// verified copy states ([`Partial::expect_chunks`]), chunk by chunk
+    /// as the pull's hasher passed them: readable before the file's own
+    /// verdict. 0: the file starts arriving again.
+    Readable { bytes: u64, at: PathBuf },
+    /// Its bytes failed their digest and are fetched again: what readers
+    /// may read is back to nothing, and they wait on (an EIO now would
+    /// fail a model load that the next fetch mends).
+    Refetching(String),
 }
 
 /// Told the path of each file the pull decided, and what.
 pub type Listener = Box<dyn Fn(&str, &Verdict) + Send + Sync>;
 
+/// A chunk table one file's bytes are matched against as they are hashed.
+struct Expected {
+    table: Vec<String>,
+    /// Leading chunks that matched.
+    matched: usize,
+}
+
+/// What listeners were told, so that one subscribing late hears it too.
+#[derive(Default)]
+struct Told {
+    /// Files whole, verified and in place.
+    done: std::collections::BTreeSet<String>,
+    /// Files readable up to a point before their verdict.
+    readable: HashMap<String, (u64, PathBuf)>,
+    listeners: Vec<Listener>,
+}
+
 /// The partial view of one model's pull in this process.
 #[derive(Default)]
 pub struct Partial {
     files: Mutex<HashMap<String, FileView>>,
-    /// Files whole, verified and in place, and who wants to hear of more.
-    done: Mutex<(std::collections::BTreeSet<String>, Vec<Listener>)>,
+    /// Chunk tables files are matched against (`expect_chunks`).
+    expected: Mutex<HashMap<String, Expected>>,
+    /// Verdicts so far, and who wants to hear of more.
+    told: Mutex<Told>,
     /// Bytes arrived so far across files: a reader waiting for a chunk
     /// waits while this moves.
     moved: AtomicU64,
@@ -94,23 +121,46 @@ impl Partial {
         self.listing.get().map(Vec::as_slice)
     }
 
-    /// A file starts (or resumes) arriving at `at`.
+    fn told(&self) -> std::sync::MutexGuard<'_, Told> {
+        self.told.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A file starts (or resumes) arriving at `at`: nothing of it is
+    /// readable until its chunks are matched again.
     pub fn begin(&self, path: &str, size: u64, at: PathBuf) {
         self.files().insert(
             path.to_string(),
             FileView {
                 size,
-                at,
+                at: at.clone(),
                 hashed: 0,
                 chunks: Vec::new(),
             },
         );
+        self.expected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(path);
+        let mut told = self.told();
+        if told.readable.remove(path).is_some_and(|(n, _)| n > 0) {
+            let v = Verdict::Readable { bytes: 0, at };
+            told.listeners.iter().for_each(|l| l(path, &v));
+        }
+    }
+
+    /// `path`'s chunks, as they are hashed, are matched against `table`;
+    /// each leading chunk that matches is readable at once.
+    pub fn expect_chunks(&self, path: &str, table: Vec<String>) {
+        self.expected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(path.to_string(), Expected { table, matched: 0 });
     }
 
     /// The hasher of `path` reached `hashed`, with `chunks` the digests of
     /// every whole chunk so far.
     pub fn hashed(&self, path: &str, hashed: u64, chunks: &[String]) {
-        {
+        let (size, at) = {
             let mut files = self.files();
             let Some(f) = files.get_mut(path) else {
                 return;
@@ -119,8 +169,38 @@ impl Partial {
             if chunks.len() > f.chunks.len() {
                 f.chunks.extend_from_slice(&chunks[f.chunks.len()..]);
             }
-        }
+            (f.size, f.at.clone())
+        };
         self.changed.notify_waiters();
+        let readable = {
+            let mut expected = self.expected.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(e) = expected.get_mut(path) else {
+                return;
+            };
+            let before = e.matched;
+            // A chunk that does not match stops the readable prefix there
+            // for this fetch: nothing after it is read before the verdict.
+            while e.matched < chunks.len().min(e.table.len())
+                && chunks[e.matched].eq_ignore_ascii_case(&e.table[e.matched])
+            {
+                e.matched += 1;
+            }
+            if e.matched == before {
+                return;
+            }
+            (e.matched as u64 * CHUNK_BYTES).min(size)
+        };
+        let mut told = self.told();
+        if told.done.contains(path) {
+            return;
+        }
+        told.readable
+            .insert(path.to_string(), (readable, at.clone()));
+        let v = Verdict::Readable {
+            bytes: readable,
+            at,
+        };
+        told.listeners.iter().for_each(|l| l(path, &v));
     }
 
     /// `n` more bytes of the model arrived (written, hashed or not yet):
@@ -164,9 +244,10 @@ impl Partial {
             },
         );
         self.changed.notify_waiters();
-        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        if done.0.insert(path.to_string()) {
-            for l in &done.1 {
+        let mut told = self.told();
+        told.readable.remove(path);
+        if told.done.insert(path.to_string()) {
+            for l in &told.listeners {
                 l(path, &Verdict::Verified);
             }
         }
@@ -178,27 +259,48 @@ impl Partial {
         let Some(listing) = self.listing() else {
             return false;
         };
-        let done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        listing.iter().all(|(p, _)| done.0.contains(p))
+        let told = self.told();
+        listing.iter().all(|(p, _)| told.done.contains(p))
     }
 
     /// `path` failed its digest and will not be fetched again by this pull.
     pub fn failed(&self, path: &str, why: &str) {
-        let done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        for l in &done.1 {
-            l(path, &Verdict::Failed(why.to_string()));
-        }
+        self.tell_failure(path, Verdict::Failed(why.to_string()));
     }
 
-    /// Calls `listener` with every file verified so far, then with each
-    /// one verified from now on (under one lock: none is missed or told
-    /// twice).
+    /// `path` failed its digest and is fetched again.
+    pub fn refetching(&self, path: &str, why: &str) {
+        self.tell_failure(path, Verdict::Refetching(why.to_string()));
+    }
+
+    fn tell_failure(&self, path: &str, v: Verdict) {
+        self.expected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(path);
+        let mut told = self.told();
+        told.readable.remove(path);
+        told.listeners.iter().for_each(|l| l(path, &v));
+    }
+
+    /// Calls `listener` with every file verified or readable in part so
+    /// far, then with each verdict from now on (under one lock: none is
+    /// missed or told twice).
     pub fn subscribe(&self, listener: Listener) {
-        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        for path in &done.0 {
+        let mut told = self.told();
+        for path in &told.done {
             listener(path, &Verdict::Verified);
         }
-        done.1.push(listener);
+        for (path, (bytes, at)) in &told.readable {
+            listener(
+                path,
+                &Verdict::Readable {
+                    bytes: *bytes,
+                    at: at.clone(),
+                },
+            );
+        }
+        told.listeners.push(listener);
     }
 
     pub fn file(&self, path: &str) -> Option<FileView> {
@@ -271,6 +373,59 @@ pub fn lookup(sid: &str) -> Option<Arc<Partial>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only leading chunks that match the table are readable: a chunk
+    /// that does not stops the prefix, even if later ones match; a late
+    /// subscriber hears the prefix; a refetch and a new fetch take it back.
+    #[test]
+    fn a_prefix_is_readable_only_as_far_as_the_chunk_table_matches() {
+        let view = Partial::default();
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let h = heard.clone();
+        view.subscribe(Box::new(move |p, v| {
+            h.lock().unwrap().push((p.to_string(), v.clone()));
+        }));
+        let at = PathBuf::from("/area/partial/x.part");
+        view.begin("w", 4 * CHUNK_BYTES - 5, at.clone());
+        view.expect_chunks("w", vec!["a".into(), "b".into(), "c".into(), "d".into()]);
+        view.hashed("w", CHUNK_BYTES, &["A".into()]);
+        view.hashed("w", 2 * CHUNK_BYTES, &["a".into(), "b".into()]);
+        view.hashed("w", 3 * CHUNK_BYTES, &["a".into(), "b".into(), "x".into()]);
+        let all: Vec<String> = ["a", "b", "x", "d"].map(String::from).to_vec();
+        view.hashed("w", 4 * CHUNK_BYTES - 5, &all);
+        let readable = |bytes| Verdict::Readable {
+            bytes,
+            at: at.clone(),
+        };
+        assert_eq!(
+            *heard.lock().unwrap(),
+            [
+                ("w".to_string(), readable(CHUNK_BYTES)),
+                ("w".to_string(), readable(2 * CHUNK_BYTES))
+            ],
+            "the first hash matched case-insensitively; the third chunk did not"
+        );
+        let late = Arc::new(Mutex::new(Vec::new()));
+        let l = late.clone();
+        view.subscribe(Box::new(move |p, v| {
+            l.lock().unwrap().push((p.to_string(), v.clone()));
+        }));
+        assert_eq!(
+            *late.lock().unwrap(),
+            [("w".to_string(), readable(2 * CHUNK_BYTES))]
+        );
+        view.refetching("w", "sha256 mismatch");
+        view.begin("w", 4 * CHUNK_BYTES - 5, at.clone());
+        // No table this time (its peers distrusted): nothing is readable.
+        view.hashed("w", CHUNK_BYTES, &["a".into()]);
+        assert_eq!(
+            late.lock().unwrap()[1..],
+            [(
+                "w".to_string(),
+                Verdict::Refetching("sha256 mismatch".into())
+            )]
+        );
+    }
 
     #[tokio::test]
     async fn a_reader_waits_for_a_chunk_while_the_pull_moves() {

@@ -760,6 +760,22 @@ impl Source for PeerSource {
         true
     }
 
+    fn chunk_table(&self, file: &RemoteFile) -> Option<Vec<String>> {
+        let inner = &self.inner;
+        let mut tables =
+            inner
+                .candidates(&file.path)
+                .into_iter()
+                .filter_map(|c| match &inner.copies[c].held {
+                    Held::Sealed(seal) => seal.chunks_of(&file.path).map(|e| &e.chunks),
+                    Held::Pulling { .. } => None,
+                });
+        // Sealed copies of one file hold one table; copies that disagree
+        // mean one of them lies, and none is taken at its word.
+        let first = tables.next()?;
+        tables.all(|t| t == first).then(|| first.clone())
+    }
+
     fn provenance(&self) -> Option<Provenance> {
         let served = self
             .inner

@@ -325,7 +325,12 @@ impl PeerServer {
             .and_then(|r| parse_range(r, u64::MAX))
             .ok_or_else(|| bad("a model still arriving is served one chunk at a time, by Range"))?;
         let idx = start / CHUNK_BYTES;
-        let ready = |f: &cache::partial::FileView| f.has_chunk(idx);
+        // Hashed: its digest is known, or (a pull hashing for the sha256
+        // alone, `FileHasher::whole_only`) its bytes are final and the
+        // digest is computed here.
+        let ready = |f: &cache::partial::FileView| {
+            f.has_chunk(idx) || f.hashed >= f.chunk_range(idx).1.max(1)
+        };
         let f = match view.file(&path).filter(ready) {
             Some(f) => f,
             None if wait => view
@@ -349,7 +354,6 @@ impl PeerServer {
         if (start, end) != f.chunk_range(idx) {
             return Err(bad("the range must be one whole chunk"));
         }
-        let digest = f.chunks[idx as usize].clone();
         let slot = self.slot().await.ok_or((
             "busy",
             StatusCode::SERVICE_UNAVAILABLE,
@@ -363,6 +367,25 @@ impl PeerServer {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the file is moving into place; ask again".to_string(),
             ))?;
+        let digest = match f.chunks.get(idx as usize) {
+            Some(d) => d.clone(),
+            None => {
+                let (file, at) = (
+                    file.try_clone()
+                        .map_err(|e| ("io", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
+                    f.at.clone(),
+                );
+                crate::offload::blocking(move || {
+                    use std::os::unix::fs::FileExt;
+                    let mut buf = vec![0u8; (end - start) as usize];
+                    file.read_exact_at(&mut buf, start)
+                        .map_err(|e| crate::error::Error::io("read a chunk of", &at, e))?;
+                    Ok(cache::manifest::chunk_digest(&buf))
+                })
+                .await
+                .map_err(|e| ("io", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+            }
+        };
         let body = self.stream(file, start, end, slot);
         Ok(Response::builder()
             .status(StatusCode::PARTIAL_CONTENT)

@@ -1,7 +1,8 @@
 //! The FUSE server of a progressive volume, over the raw `/dev/fuse`
 //! protocol: the tree from the listing, and READs answered only from files
-//! their gate has verified. A READ (or, with passthrough, an OPEN) of a
-//! file still pending is parked, not given a thread: one waker per volume
+//! their gate has verified, or from the prefix of a pending file matched
+//! against a chunk table. A READ (or, with passthrough, an OPEN) of bytes
+//! still pending is parked, not given a thread: one waker per volume
 //! answers the parked requests as their files are decided (or EIO at their
 //! bound), so a hundred readers waiting on a slow fill cost a hundred
 //! entries, and every other request (and every verified read) goes on
@@ -16,7 +17,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -108,6 +109,9 @@ pub struct Volume {
     pub read_bytes: AtomicU64,
     /// READs (and OPENs) parked now, waiting for their file's verdict.
     pub parked: AtomicU64,
+    /// READs answered from a pending file's prefix matched against a
+    /// chunk table, before its verdict.
+    pub early_reads: AtomicU64,
     /// Each verified file's one backing id: the kernel refuses a second
     /// backing file for an inode open for passthrough, so every open of a
     /// file shares one, kept until the connection goes. Written to
@@ -133,6 +137,7 @@ impl Volume {
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
             parked: AtomicU64::new(0),
+            early_reads: AtomicU64::new(0),
             passthrough_ids: Mutex::new(HashMap::new()),
             ids_file: None,
         }
@@ -247,6 +252,9 @@ struct Parked {
     index: usize,
     op: Wait,
     until: std::time::Instant,
+    /// Its matched prefix could not be read (the partial file renamed
+    /// into place just before the verdict): it waits for the verdict.
+    verdict_only: bool,
 }
 
 enum Wait {
@@ -285,11 +293,18 @@ struct Handle {
     index: usize,
     /// Its backing file, once a verified READ opened it.
     file: Option<Arc<File>>,
+    /// The pull's partial file, while READs of its matched prefix come
+    /// before the verdict.
+    part: Option<(PathBuf, Arc<File>)>,
 }
 
 impl Handle {
     fn new(index: usize) -> Handle {
-        Handle { index, file: None }
+        Handle {
+            index,
+            file: None,
+            part: None,
+        }
     }
 }
 
@@ -462,8 +477,12 @@ impl Server {
             return self.error(h.unique, libc::EISDIR);
         };
         let index = *index;
+        // A file whose prefix a chunk table vouches for opens through the
+        // daemon at once: its reads then start at the first matched
+        // chunk, not at the whole file's verdict.
         if self.passthrough.load(Ordering::Relaxed)
             && self.vol.gates.state(index) == super::gate::State::Pending
+            && !self.vol.gates.partly_readable(index)
         {
             return self.park(*h, index, Wait::Open);
         }
@@ -596,18 +615,108 @@ impl Server {
         if self.vol.gates.state(index) == super::gate::State::Verified {
             return self.answer_read(&h, fh, index, offset, size);
         }
-        self.park(h, index, Wait::Read { fh, offset, size });
+        let op = Wait::Read { fh, offset, size };
+        if self.ready(index, &op) {
+            return self.answer_early(h, index, op);
+        }
+        self.park(h, index, op);
+    }
+
+    /// The end of what a READ at `offset` of `size` bytes of file `index`
+    /// returns: short at the end of the file.
+    fn read_end(&self, index: usize, offset: u64, size: u32) -> u64 {
+        let len = self.vol.tree.size_of(index).unwrap_or(0);
+        offset.saturating_add(size as u64).min(len)
+    }
+
+    /// Whether parked `op` of pending file `index` may be answered before
+    /// the file's verdict: an OPEN once some prefix is matched, a READ
+    /// once the bytes it asks for are.
+    fn ready(&self, index: usize, op: &Wait) -> bool {
+        match op {
+            Wait::Open => self.vol.gates.partly_readable(index),
+            Wait::Read { offset, size, .. } => self
+                .vol
+                .gates
+                .readable_through(index, self.read_end(index, *offset, *size))
+                .is_some(),
+        }
+    }
+
+    /// Answers `op` of pending file `index` from its matched prefix.
+    fn answer_early(&self, h: Header, index: usize, op: Wait) {
+        let Wait::Read { fh, offset, size } = op else {
+            return self.answer_open(&h, index);
+        };
+        let end = self.read_end(index, offset, size);
+        let Some(at) = self.vol.gates.readable_through(index, end) else {
+            return self.park(h, index, op);
+        };
+        let file = match self.part_file(fh, &at) {
+            Ok(f) => f,
+            Err(e) => {
+                // Renamed into place meanwhile: the verdict is near.
+                tracing::debug!(file = index, error = %e, "the partial file is gone; the read waits for the verdict");
+                return self.park_until(h, index, op, true);
+            }
+        };
+        let mut buf = vec![0u8; (end.saturating_sub(offset)) as usize];
+        if let Err(e) = file.read_exact_at(&mut buf, offset) {
+            tracing::warn!(file = index, error = %e, "reading a matched prefix failed; the read waits for the verdict");
+            return self.park_until(h, index, op, true);
+        }
+        // Still vouched for after the read (not failed or fetched again
+        // in between): else the bytes may not be the ones matched.
+        let still = self.vol.gates.readable_through(index, end).as_ref() == Some(&at)
+            || self.vol.gates.state(index) == super::gate::State::Verified;
+        if !still {
+            return self.park_until(h, index, op, true);
+        }
+        self.vol.reads.fetch_add(1, Ordering::Relaxed);
+        self.vol
+            .read_bytes
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
+        self.vol.early_reads.fetch_add(1, Ordering::Relaxed);
+        self.reply(h.unique, &buf);
+    }
+
+    /// The pull's partial file at `at`, kept with the handle.
+    fn part_file(&self, fh: u64, at: &PathBuf) -> io::Result<Arc<File>> {
+        if let Some(Handle {
+            part: Some((p, f)), ..
+        }) = self.lock_open().get(&fh)
+            && p == at
+        {
+            return Ok(f.clone());
+        }
+        // The engine names it (a digest of the path under the pull's
+        // area), never a tenant; no link is followed all the same.
+        let f = Arc::new(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(at)?,
+        );
+        if let Some(entry) = self.lock_open().get_mut(&fh) {
+            entry.part = Some((at.clone(), f.clone()));
+        }
+        Ok(f)
     }
 
     /// Leaves a request of pending file `index` to the waker, and tells
     /// the fill the file is wanted.
     fn park(&self, h: Header, index: usize, op: Wait) {
+        self.park_until(h, index, op, false)
+    }
+
+    fn park_until(&self, h: Header, index: usize, op: Wait, verdict_only: bool) {
         self.vol.gates.ask(index);
         self.lock_parked().push(Parked {
             h,
             index,
             op,
             until: std::time::Instant::now() + self.vol.wait_bound,
+            verdict_only,
         });
         self.vol.parked.fetch_add(1, Ordering::Relaxed);
         // Decided between the check and the park: the waker may have
@@ -630,7 +739,8 @@ impl Server {
                 let all = std::mem::take(&mut *parked);
                 let mut ready = Vec::new();
                 for p in all {
-                    let decided = self.vol.gates.state(p.index) != super::gate::State::Pending;
+                    let decided = self.vol.gates.state(p.index) != super::gate::State::Pending
+                        || (!p.verdict_only && self.ready(p.index, &p.op));
                     if decided || p.until <= now {
                         ready.push(p);
                     } else {
@@ -653,6 +763,11 @@ impl Server {
                     (super::gate::State::Failed(why), Wait::Read { .. }) => {
                         tracing::warn!(file = p.index, %why, "read of a failed file: EIO");
                         self.error(p.h.unique, libc::EIO)
+                    }
+                    (super::gate::State::Pending, op)
+                        if !p.verdict_only && self.ready(p.index, &op) =>
+                    {
+                        self.answer_early(p.h, p.index, op)
                     }
                     (super::gate::State::Pending, _) => {
                         tracing::warn!(file = p.index, "a read or open waited past its bound: EIO");

@@ -1,9 +1,11 @@
 //! Which files of a model still arriving may be read: each is pending,
 //! verified or failed, and a reader of a pending file waits, bounded, for
-//! the pull to decide. Readers are told only what the verifier decided:
-//! nothing here looks at bytes.
+//! the pull to decide, unless what it reads lies in the file's prefix
+//! already matched chunk by chunk against a chunk table. Readers are told
+//! only what the verifier decided: nothing here looks at bytes.
 
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -42,6 +44,9 @@ pub type Asker = Box<dyn Fn(usize) + Send + Sync>;
 
 struct Inner {
     files: Vec<State>,
+    /// Of each pending file, the prefix matched against a chunk table and
+    /// where its bytes are (the pull's partial file).
+    readable: Vec<Option<(u64, PathBuf)>>,
     /// Files a reader is waiting for now: the fill takes them first.
     asked: BTreeSet<usize>,
     /// Bumped at every verdict, for [`Gates::changed_since`].
@@ -54,6 +59,7 @@ impl Gates {
         Gates {
             state: Mutex::new(Inner {
                 files: vec![State::Pending; n],
+                readable: vec![None; n],
                 asked: BTreeSet::new(),
                 generation: 0,
             }),
@@ -78,6 +84,12 @@ impl Gates {
         let mut g = self.lock();
         if let Some(f) = g.files.get_mut(file) {
             *f = s;
+        }
+        // A verdict ends what the chunk table said: verified, the whole
+        // file is read; failed or fetched again, nothing before the next
+        // match.
+        if let Some(r) = g.readable.get_mut(file) {
+            *r = None;
         }
         g.asked.remove(&file);
         g.generation += 1;
@@ -152,6 +164,38 @@ impl Gates {
         self.set(file, State::Pending);
     }
 
+    /// Bytes `[0, bytes)` of pending `file`, at `at`, matched a chunk
+    /// table: readers of them need not wait for the verdict. 0: none.
+    pub fn readable(&self, file: usize, bytes: u64, at: PathBuf) {
+        let mut g = self.lock();
+        if g.files.get(file) != Some(&State::Pending) {
+            return;
+        }
+        if let Some(r) = g.readable.get_mut(file) {
+            *r = (bytes > 0).then_some((bytes, at));
+        }
+        g.generation += 1;
+        drop(g);
+        self.changed.notify_all();
+    }
+
+    /// Where the bytes of pending `file` up to `end` may be read before
+    /// its verdict, when they all lie in its matched prefix.
+    pub fn readable_through(&self, file: usize, end: u64) -> Option<PathBuf> {
+        let g = self.lock();
+        match g.readable.get(file)? {
+            Some((bytes, at)) if *bytes >= end && g.files.get(file) == Some(&State::Pending) => {
+                Some(at.clone())
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether some prefix of pending `file` is readable.
+    pub fn partly_readable(&self, file: usize) -> bool {
+        self.lock().readable.get(file).is_some_and(Option::is_some)
+    }
+
     /// Files readers are waiting for, lowest index first: the fill's
     /// queue jumpers.
     pub fn asked(&self) -> Vec<usize> {
@@ -221,5 +265,24 @@ mod tests {
         assert!(!g.all_verified());
         g.verified(0);
         assert!(g.all_verified());
+    }
+
+    #[test]
+    fn a_matched_prefix_is_readable_until_the_verdict_or_a_refetch() {
+        let g = Gates::new(1);
+        assert!(!g.partly_readable(0));
+        g.readable(0, 16, "/p".into());
+        assert!(g.partly_readable(0));
+        assert_eq!(g.readable_through(0, 16), Some(PathBuf::from("/p")));
+        assert_eq!(g.readable_through(0, 17), None);
+        g.refetching(0);
+        assert_eq!(g.readable_through(0, 1), None);
+        g.readable(0, 8, "/q".into());
+        assert_eq!(g.readable_through(0, 8), Some(PathBuf::from("/q")));
+        g.failed(0, "sha256 mismatch");
+        assert_eq!(g.readable_through(0, 1), None);
+        // A prefix told after the verdict changes nothing.
+        g.readable(0, 8, "/q".into());
+        assert!(!g.partly_readable(0));
     }
 }

@@ -1,6 +1,7 @@
 //! Progressive volumes (issue #24): a model served to pods while it is
 //! still arriving, through a FUSE filesystem whose tree comes from the
-//! listing and whose reads wait for each file to be verified. This is the
+//! listing and whose reads wait for each file (or each chunk, under a
+//! chunk table) to be verified. This is the
 //! serving half: the tree, the gates and the server; the fill that opens
 //! the gates is the pull engine's.
 
@@ -30,6 +31,8 @@ pub fn follow(pull: &Arc<Partial>, tree: &Arc<tree::Tree>, gates: &Arc<gate::Gat
             match verdict {
                 Verdict::Verified => gates.verified(index),
                 Verdict::Failed(why) => gates.failed(index, why.clone()),
+                Verdict::Readable { bytes, at } => gates.readable(index, *bytes, at.clone()),
+                Verdict::Refetching(_) => gates.refetching(index),
             }
         }
     }));

@@ -111,6 +111,14 @@ impl Tree {
         }
     }
 
+    /// The listed size of file `index`.
+    pub fn size_of(&self, index: usize) -> Option<u64> {
+        match self.get(*self.files.get(index)?)? {
+            Node::File { size, .. } => Some(*size),
+            Node::Dir { .. } => None,
+        }
+    }
+
     pub fn lookup(&self, dir: u64, name: &str) -> Option<u64> {
         match self.get(dir)? {
             Node::Dir { children, .. } => children.get(name).copied(),

@@ -101,6 +101,9 @@ impl ProgressSink for Recording {
     fn sealed(&self, s: &crate::progress::Sealed<'_>) {
         self.inner.sealed(s)
     }
+    fn refetching(&self, uri: &str, file: &str, why: &str) {
+        self.inner.refetching(uri, file, why)
+    }
     fn failed(&self, uri: &str, error: &str) {
         self.inner.failed(uri, error)
     }

@@ -152,6 +152,16 @@ pub trait Source: Send + Sync {
         None
     }
 
+    /// The sha256 of each `CHUNK_BYTES` of `file` as a copy verified
+    /// against the origin's digest states it (a sealed peer's chunk
+    /// table), when such a copy serves it: what lets a reader of a
+    /// progressive volume read each chunk the pull's hasher matched
+    /// against it, before the whole file is checked. None for an origin:
+    /// it states no chunk digests.
+    fn chunk_table(&self, _file: &RemoteFile) -> Option<Vec<String>> {
+        None
+    }
+
     /// The MD5 of `file`'s bytes as the origin states it, when it states
     /// nothing stronger (an S3 ETag that looks like one), lowercase hex:
     /// what bytes from elsewhere are checked against.

@@ -108,15 +108,29 @@ pub(super) async fn fetch_file(
                 // the next fetch mends); only giving up tells them EIO.
                 let again = if ctx.source.distrust(&file) {
                     warn!(file = %file.path_or_locator(), "bytes from peers failed the origin's sha256; fetching the file from the origin");
-                    true
+                    Some(
+                        "bytes from peers did not add up to it; fetching it from the origin"
+                            .to_string(),
+                    )
                 } else if refetches < ORIGIN_REFETCHES {
                     refetches += 1;
                     warn!(file = %file.path_or_locator(), %why, refetches, "the origin's bytes failed verification; fetching the file again");
-                    true
+                    Some(format!(
+                        "fetching it again (fetch {} of {})",
+                        refetches + 1,
+                        ORIGIN_REFETCHES + 1
+                    ))
                 } else {
-                    false
+                    None
                 };
-                if again {
+                if let Some(next) = again {
+                    if file.unpack == Unpack::None {
+                        work.partial().refetching(&file.path, &why);
+                    }
+                    let _ = ctx.refetched.send(Refetched {
+                        file: file.path_or_locator().to_string(),
+                        why: format!("{why}; {next}"),
+                    });
                     ctx.bytes.fetch_sub(
                         size.min(ctx.bytes.load(Ordering::Relaxed)),
                         Ordering::Relaxed,
@@ -234,6 +248,16 @@ pub(super) async fn download(
                 .finished(&file.path, size, dest.to_path_buf(), chunks.clone());
         }
         durable.settle(st).await?;
+        // Hashed for the sha256 alone: the chunk table, from the page
+        // cache, while the volume's pods start.
+        let chunks = match chunks.is_empty() && size > 0 {
+            true => {
+                let at = if early { dest } else { part }.to_path_buf();
+                blocking(move || crate::offload::niced(|| crate::cache::manifest::chunk_table(&at)))
+                    .await?
+            }
+            false => chunks,
+        };
         if !early {
             put_in_place().await?;
         }
@@ -328,6 +352,15 @@ pub(super) async fn ranged_download(
     let frontier = ctx.frontier(Some(size));
     if file.unpack == Unpack::None {
         work.partial().begin(&file.path, size, part.to_path_buf());
+        match ctx.source.chunk_table(file) {
+            Some(table) => work.partial().expect_chunks(&file.path, table),
+            // Readers wait for the sha256 alone: the chunk table, half
+            // the hashing, comes after the verdict (`download`). Peers
+            // reading this pull meanwhile are sent digests computed as
+            // they ask (`peer::server`).
+            None if ctx.defer_durable => frontier.whole_only(),
+            None => {}
+        }
         frontier.report_to(work.partial().clone(), &file.path);
     }
     for i in &st.done {

@@ -106,6 +106,11 @@ impl Frontier {
         }
     }
 
+    /// Hashes the sha256 alone, not the chunk table (before any byte).
+    pub(super) fn whole_only(&self) {
+        self.lock().sha = Some(FileHasher::whole_only());
+    }
+
     /// Publishes the hashed prefix to `view` as it grows.
     pub(super) fn report_to(&self, view: Arc<Partial>, path: &str) {
         let _ = self.view.set((view, path.to_string()));

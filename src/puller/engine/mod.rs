@@ -208,6 +208,16 @@ struct Ctx {
     /// pods read them, and reach the disk after the transfer instead of
     /// competing with it. A crash mid-file fetches that file again.
     defer_durable: bool,
+    /// Files that failed their digest and are fetched again, told to the
+    /// pull's sink as they happen.
+    refetched: tokio::sync::mpsc::UnboundedSender<Refetched>,
+}
+
+/// A file of the pull failed its digest and is fetched again.
+struct Refetched {
+    file: String,
+    /// What failed, and what happens next.
+    why: String,
 }
 
 impl Ctx {
@@ -752,7 +762,9 @@ impl Engine {
                 })
                 .collect(),
         );
+        let (refetched, mut refetches) = tokio::sync::mpsc::unbounded_channel();
         let ctx = Arc::new(Ctx {
+            refetched,
             source,
             max_bytes: pull.limits.max_bytes,
             cfg: self.cfg.clone(),
@@ -852,6 +864,7 @@ impl Engine {
                     Some(Ok(r)) => results.push(r),
                     None => break,
                 },
+                Some(r) = refetches.recv() => sink.refetching(&resolved.uri, &r.file, &r.why),
                 _ = tick.tick() => {
                     let mut p = progress(&resolved.uri, ctx.bytes.load(Ordering::Relaxed), need, start.elapsed());
                     p.from = ctx.source.provenance().map(|f| f.describe());
@@ -1032,6 +1045,9 @@ impl ProgressSink for Counted<'_> {
     }
     fn sealed(&self, s: &crate::progress::Sealed<'_>) {
         self.inner.sealed(s)
+    }
+    fn refetching(&self, uri: &str, file: &str, why: &str) {
+        self.inner.refetching(uri, file, why)
     }
     fn failed(&self, uri: &str, error: &str) {
         self.inner.failed(uri, error)
