@@ -100,6 +100,8 @@ pub struct Partial {
     /// listing's order: known before any byte, so a progressive volume can
     /// show the whole tree at once.
     listing: std::sync::OnceLock<Vec<(String, u64)>>,
+    /// A create answered on this pull's verdicts has recorded its volume.
+    answered: tokio::sync::watch::Sender<bool>,
 }
 
 impl Partial {
@@ -250,6 +252,36 @@ impl Partial {
             for l in &told.listeners {
                 l(path, &Verdict::Verified);
             }
+        }
+    }
+
+    /// A create answered before the seal has recorded its volume: the
+    /// pull may now make its bytes durable. (An fsync of the volume's
+    /// record waited seconds behind a model's writeback on ext4 here.)
+    pub fn answered(&self) {
+        self.answered.send_replace(true);
+    }
+
+    /// Waits until [`Partial::answered`], or a moment after every file
+    /// is verified (nobody is answering then), or `bound`.
+    pub async fn until_answered(&self, bound: Duration) {
+        /// The create polls its pull every 20 ms, then records its volume.
+        const GRACE: Duration = Duration::from_secs(1);
+        let mut rx = self.answered.subscribe();
+        let deadline = tokio::time::Instant::now() + bound;
+        let mut verified_at = None;
+        loop {
+            if *rx.borrow_and_update() {
+                return;
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return;
+            }
+            if self.all_verified() && now.duration_since(*verified_at.get_or_insert(now)) >= GRACE {
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), rx.changed()).await;
         }
     }
 

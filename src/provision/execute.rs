@@ -167,7 +167,10 @@ impl Provisioner {
                                 )
                                 .await?
                             {
-                                Some(rec) => return Ok(rec),
+                                Some(rec) => {
+                                    partial.answered();
+                                    return Ok(rec);
+                                }
                                 // Sealed meanwhile: referenced as any sealed
                                 // model (asking the job again could start
                                 // another pull, a cache hit, once the job

@@ -208,6 +208,7 @@ impl Jobs {
                     Until::Sealed => false,
                 }
             {
+                tracing::debug!(model = %model.sid, ?until, "answering before the seal");
                 return Ok(Early::Arriving { model, partial });
             }
             // The sid and the view have no channel of their own; a short

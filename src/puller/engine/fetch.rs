@@ -246,6 +246,7 @@ pub(super) async fn download(
             put_in_place().await?;
             work.partial()
                 .finished(&file.path, size, dest.to_path_buf(), chunks.clone());
+            tracing::debug!(file = %file.path, "verified; readers may read it");
         }
         durable.settle(st).await?;
         // Hashed for the sha256 alone: the chunk table, from the page
@@ -290,6 +291,10 @@ pub(super) fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
     }
     out
 }
+
+/// How long a pull answered once verified holds its durability back for
+/// the create's answer at most (some file not verified yet).
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
 
 /// How far a range gets between records of its progress: finer than a
 /// chunk, coarse enough that recording (one fdatasync and one small state
@@ -424,6 +429,7 @@ pub(super) async fn ranged_download(
     drop(finished_tx);
     frontier.close();
     let durable = Durable(committer);
+    let (ended, behind) = (Instant::now(), size - frontier.lock().hashed.min(size));
     let hashed = match fetched {
         Ok(()) => hasher
             .await
@@ -431,6 +437,10 @@ pub(super) async fn ranged_download(
             .and_then(|h| h),
         Err(e) => Err(e),
     };
+    // The verdict waits for this: worth seeing when it is long.
+    if ended.elapsed() >= Duration::from_millis(200) {
+        info!(file = %file.path_or_locator(), behind, tail_ms = ended.elapsed().as_millis() as u64, "hashing ended after the transfer");
+    }
     match hashed {
         Ok(sha) => Ok((size, sha, durable)),
         // What was fetched is made durable and recorded even when another
@@ -459,10 +469,14 @@ pub(super) async fn commit_ranges(
     while let Some(first) = finished.recv().await {
         let mut batch = vec![first];
         if ctx.defer_durable {
-            // One batch: everything, once the transfer has ended.
+            // One batch: everything, once the transfer has ended, and once
+            // the create waiting for the verdict has recorded its volume:
+            // that record's fsync would otherwise wait behind this
+            // writeback (ext4 commits both in one journal transaction).
             while let Some(f) = finished.recv().await {
                 batch.push(f);
             }
+            work.partial().until_answered(ANSWER_WAIT).await;
         }
         while let Ok(f) = finished.try_recv() {
             batch.push(f);
