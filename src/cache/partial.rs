@@ -263,10 +263,18 @@ impl Partial {
     }
 
     /// Waits until [`Partial::answered`], or a moment after every file
-    /// is verified (nobody is answering then), or `bound`.
+    /// is verified (nobody is answering then), or `bound`; at once while
+    /// much of the model is still to arrive: then the answer is far off,
+    /// and a file that ended early is made durable now, so that a crash
+    /// before the answer resumes from it.
     pub async fn until_answered(&self, bound: Duration) {
         /// The create polls its pull every 20 ms, then records its volume.
         const GRACE: Duration = Duration::from_secs(1);
+        let total: u64 = self.listing().map_or(0, |l| l.iter().map(|(_, n)| n).sum());
+        let left = total.saturating_sub(self.moved());
+        if left > (64 << 20u64).max(total / 20) {
+            return;
+        }
         let mut rx = self.answered.subscribe();
         let deadline = tokio::time::Instant::now() + bound;
         let mut verified_at = None;

@@ -11,6 +11,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use crate::support::fixtures::{HUB_REPO, HUB_SHA, HubServer};
 use crate::support::harness::*;
@@ -394,7 +395,15 @@ async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_
     let v = created(create(&d, "pvc-plain", &[("source", &file_uri(&plain))]).await);
     assert_eq!(signed_by(&v), None);
 
-    // The operator sees who signed each sealed model.
+    // The operator sees who signed each sealed model. The plain class
+    // answered once its model was verified; its seal follows.
+    let seal = d
+        .source_dir("local", &v.volume_context["source"])
+        .join("seal.json");
+    assert!(
+        eventually(Duration::from_secs(30), || seal.exists()),
+        "the plain model never sealed"
+    );
     let models = sealed_models(&d);
     assert_eq!(models.len(), 4, "{models:#?}");
     let signers = |origin: &Path| -> Value {
