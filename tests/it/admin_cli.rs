@@ -55,6 +55,15 @@ fn models(d: &Driver) -> Vec<Value> {
         .collect()
 }
 
+/// Waits until `cache ls` lists a sealed model: a class without
+/// `progressive` answers once every file is verified, and the seal follows.
+fn sealed_soon(d: &Driver) {
+    assert!(
+        eventually(std::time::Duration::from_secs(30), || !models(d).is_empty()),
+        "no model sealed"
+    );
+}
+
 #[tokio::test]
 async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
     let d = Driver::start().await;
@@ -70,7 +79,9 @@ async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
         .await
         .expect("create from the model URI");
 
-    // ls: the pulled model, its origin, size, files and the volume using it.
+    // ls: the pulled model, its origin, size, files and the volume using it
+    // (once sealed: the create answered once every file was verified).
+    sealed_soon(&d);
     let m = models(&d);
     assert_eq!(m.len(), 1, "{m:?}");
     let id = m[0]["id"].as_str().unwrap().to_string();
@@ -229,6 +240,7 @@ async fn cache_flags_are_its_own_and_follow_the_verb() {
     d.create(create_req("m1", &[("source", &uri)], READER))
         .await
         .expect("pull");
+    sealed_soon(&d);
     let bin = env!("CARGO_BIN_EXE_modelcache-csi");
     let help = Command::new(bin)
         .args(["cache", "--help"])
