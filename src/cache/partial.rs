@@ -162,7 +162,7 @@ impl Partial {
     /// The hasher of `path` reached `hashed`, with `chunks` the digests of
     /// every whole chunk so far.
     pub fn hashed(&self, path: &str, hashed: u64, chunks: &[String]) {
-        let (size, at) = {
+        let size = {
             let mut files = self.files();
             let Some(f) = files.get_mut(path) else {
                 return;
@@ -171,7 +171,7 @@ impl Partial {
             if chunks.len() > f.chunks.len() {
                 f.chunks.extend_from_slice(&chunks[f.chunks.len()..]);
             }
-            (f.size, f.at.clone())
+            f.size
         };
         self.changed.notify_waiters();
         let readable = {
@@ -191,6 +191,10 @@ impl Partial {
                 return;
             }
             (e.matched as u64 * CHUNK_BYTES).min(size)
+        };
+        // Only when the prefix moved: the path is not cloned per window.
+        let Some(at) = self.files().get(path).map(|f| f.at.clone()) else {
+            return;
         };
         let mut told = self.told();
         if told.done.contains(path) {
