@@ -18,7 +18,8 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let policy = |trusted| {
-        signing::Policy::new(signing::Mode::Required, "model.sig", trusted, "fuzz").expect("fixture")
+        signing::Policy::new(signing::Mode::Required, "model.sig", trusted, "fuzz")
+            .expect("fixture")
     };
     let signed = match pick % 4 {
         0 => policy(signing::Trusted::PublicKey(KEY)).verify(rest),
@@ -37,10 +38,15 @@ fuzz_target!(|data: &[u8]| {
         assert!(
             !path.is_empty()
                 && !path.starts_with('/')
-                && path.split('/').all(|c| !c.is_empty() && c != "." && c != ".."),
+                && path
+                    .split('/')
+                    .all(|c| !c.is_empty() && c != "." && c != ".."),
             "{path:?} accepted"
         );
-        assert!(sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()), "{sha:?}");
+        assert!(
+            sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{sha:?}"
+        );
     }
     let sealed = signed.files.clone();
     signing::check_files(&signed, "model.sig", &sealed).expect("a statement matches its own files");

@@ -12,13 +12,20 @@ use std::collections::HashMap;
 
 use libfuzzer_sys::fuzz_target;
 use modelcache_csi::cache::{Backend, Role};
-use modelcache_csi::provision::params::{self, Params, parse_mutable};
 use modelcache_csi::error::Error;
+use modelcache_csi::provision::params::{self, Params, parse_mutable};
 
 /// The keys a StorageClass may set, besides `params::SOURCE_OPTIONS` and
 /// csi.storage.k8s.io/ ones.
-const CLASS_KEYS: [&str; 10] = [
+const CLASS_KEYS: [&str; 17] = [
     params::BACKEND,
+    params::PROGRESSIVE,
+    params::MODEL_SIGNATURE,
+    params::SIGNATURE_PUBLIC_KEY,
+    params::SIGNATURE_CERTIFICATE_CHAIN,
+    params::SIGNATURE_FILE,
+    params::SIGNATURE_IDENTITY,
+    params::SIGNATURE_ISSUER,
     params::ROLE,
     params::SHARED_PATH,
     params::IMAGE_LOCATION,
@@ -83,6 +90,11 @@ fuzz_target!(|data: &[u8]| {
                 assert!(p.source.is_none() && p.sub_path.is_none() && p.verify.is_none());
                 assert!(p.allowed_sources.is_none() && p.source_options.is_empty());
                 assert!(p.artifact_credentials.is_none());
+                assert!(p.progressive.is_none() && p.signature.is_none());
+            }
+            if p.progressive == Some(true) {
+                assert!(p.backend.is_none_or(|b| b == Backend::Local));
+                assert!(p.signature.is_none());
             }
             for k in map.keys() {
                 assert!(known(k), "unknown key {k:?} accepted");

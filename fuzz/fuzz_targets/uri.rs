@@ -8,9 +8,9 @@
 use std::path::Component;
 
 use libfuzzer_sys::fuzz_target;
-use modelcache_csi::uri::parse_pvc_uri;
 use modelcache_csi::mount::subpath::validate_syntax;
 use modelcache_csi::puller::{file, hf, http, oci, registry, s3, validate_uri};
+use modelcache_csi::uri::parse_pvc_uri;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(uri) = std::str::from_utf8(data) else {
