@@ -308,6 +308,15 @@ async fn hand_on(tx: &tokio::sync::mpsc::Sender<Result<Bytes>>, bytes: Bytes) ->
     true
 }
 
+/// The chunk table every sealed copy of a file records, or none. Sealed
+/// copies of one file hold one table; copies that disagree mean one of
+/// them lies, and none is taken at its word (the file is then gated by
+/// the origin's sha256 alone).
+fn agreed_table<'a>(mut tables: impl Iterator<Item = &'a Vec<String>>) -> Option<Vec<String>> {
+    let first = tables.next()?;
+    tables.all(|t| t == first).then(|| first.clone())
+}
+
 /// A peer and what it holds.
 struct Copy {
     peer: Peer,
@@ -762,7 +771,7 @@ impl Source for PeerSource {
 
     fn chunk_table(&self, file: &RemoteFile) -> Option<Vec<String>> {
         let inner = &self.inner;
-        let mut tables =
+        let tables =
             inner
                 .candidates(&file.path)
                 .into_iter()
@@ -770,10 +779,7 @@ impl Source for PeerSource {
                     Held::Sealed(seal) => seal.chunks_of(&file.path).map(|e| &e.chunks),
                     Held::Pulling { .. } => None,
                 });
-        // Sealed copies of one file hold one table; copies that disagree
-        // mean one of them lies, and none is taken at its word.
-        let first = tables.next()?;
-        tables.all(|t| t == first).then(|| first.clone())
+        agreed_table(tables)
     }
 
     fn provenance(&self) -> Option<Provenance> {
@@ -824,5 +830,32 @@ impl Source for PeerSource {
 
     async fn authorize(&self, resolved: &Resolved) -> Result<()> {
         self.inner.origin.authorize(resolved).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::agreed_table;
+
+    fn table(digests: &[&str]) -> Vec<String> {
+        digests.iter().map(|d| d.to_string()).collect()
+    }
+
+    #[test]
+    fn sealed_copies_that_disagree_on_a_files_chunks_give_no_table() {
+        let honest = table(&["aa", "bb", "cc"]);
+        let liar = table(&["aa", "bb", "dd"]);
+        let short = table(&["aa", "bb"]);
+        assert_eq!(agreed_table([&honest].into_iter()), Some(honest.clone()));
+        assert_eq!(
+            agreed_table([&honest, &honest.clone()].into_iter()),
+            Some(honest.clone())
+        );
+        // One liar among honest copies, first or last: no table at all.
+        assert_eq!(agreed_table([&honest, &honest, &liar].into_iter()), None);
+        assert_eq!(agreed_table([&liar, &honest].into_iter()), None);
+        // A table that stops early is no prefix of the truth to trust.
+        assert_eq!(agreed_table([&honest, &short].into_iter()), None);
+        assert_eq!(agreed_table(std::iter::empty()), None);
     }
 }
