@@ -45,6 +45,13 @@ impl ControllerService {
             };
             req.budget = Some(std::time::Duration::from_secs(1));
             let p = self.provisioner.clone();
+            // An inline volume is made by its pod's NodePublish alone: one
+            // released meanwhile (NodeUnpublish) is not made again here.
+            if req.inline.is_some() && !p.has_volume_named(&name).await {
+                tracing::info!(volume.name = %name, "a wanted inline pull's volume is gone; not resumed");
+                p.forget_wanted(&name).await;
+                continue;
+            }
             let span = info_span!("resume", volume.name = %name);
             tokio::spawn(
                 async move {

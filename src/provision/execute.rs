@@ -328,8 +328,14 @@ impl Provisioner {
         };
         // Recorded so that a restart resumes it; a class secret would have
         // to be written too, so such a pull waits for the provisioner's
-        // next call. An inline volume's pull is not: kubelet asks again.
-        let resumable = req.inline.is_none() && (req.secrets.is_empty() || tenant);
+        // next call. An inline volume's pull is recorded only when it is
+        // progressive: kubelet asks again for an unpublished volume, never
+        // for a published one, whose readers wait on the pull. Its secret
+        // (nodePublishSecretRef) is the pod's and cannot be read again.
+        let resumable = match &req.inline {
+            None => req.secrets.is_empty() || tenant,
+            Some(_) => until == Until::Listed && req.secrets.is_empty(),
+        };
         // A volume answered once verified is served from the pull's files
         // until the seal, which only a running pull brings: one that a
         // restart would not resume waits for the seal. (A progressive

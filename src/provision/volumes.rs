@@ -269,6 +269,21 @@ impl Provisioner {
             .unwrap_or_default()
     }
 
+    /// Whether a volume named `name` (the CreateVolume name) exists in
+    /// some root of this process.
+    pub async fn has_volume_named(&self, name: &str) -> bool {
+        let uuid = cache::uuid_for_name(&self.cfg.driver_name, name);
+        let roots = self.roots.clone();
+        blocking(move || {
+            Ok(roots
+                .roots
+                .iter()
+                .any(|r| matches!(cache::read_volume(r, &uuid), Ok(Some(_)))))
+        })
+        .await
+        .unwrap_or(false)
+    }
+
     /// Drops the record of the pull for volume `name`.
     pub async fn forget_wanted(&self, name: &str) {
         let (d, name) = (self.wanted_dir(), name.to_string());

@@ -16,7 +16,7 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::plan::CreateRequest;
+use super::plan::{CreateRequest, InlineSource};
 use crate::csi::{CapacityRange, TopologyRequirement, VolumeCapability};
 use crate::error::{IoContext, Result};
 use crate::state;
@@ -32,6 +32,15 @@ struct Record {
     capacity: Option<(i64, i64)>,
     content_volume: Option<String>,
     topology: Option<String>,
+    /// A progressive inline volume's source and pod (`node::inline`).
+    #[serde(default)]
+    inline: Option<InlineRecord>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct InlineRecord {
+    uri: String,
+    pod: Option<(String, String)>,
 }
 
 /// Volume names are the caller's strings: the file is named by their hash.
@@ -60,6 +69,10 @@ pub fn save(dir: &Path, req: &CreateRequest) -> Result<()> {
             .topology
             .as_ref()
             .map(|t| hex::encode(t.encode_to_vec())),
+        inline: req.inline.as_ref().map(|i| InlineRecord {
+            uri: i.uri.clone(),
+            pod: i.pod.clone(),
+        }),
     };
     let p = path(dir, &req.name);
     state::write_json(&p, &rec).ctx("record a wanted pull", &p)
@@ -119,7 +132,10 @@ fn decode(r: Record) -> std::io::Result<CreateRequest> {
         topology,
         secrets: Default::default(),
         budget: None,
-        inline: None,
+        inline: r.inline.map(|i| InlineSource {
+            uri: i.uri,
+            pod: i.pod,
+        }),
         progress: None,
     })
 }
@@ -164,7 +180,23 @@ mod tests {
         assert_eq!(back[0].capabilities, vec![cap]);
         assert_eq!(back[0].capacity, req.capacity);
         assert!(back[0].secrets.is_empty());
+        assert!(back[0].inline.is_none());
         remove(&dir, &req.name).unwrap();
         assert!(load(&dir).is_empty());
+
+        // A progressive inline volume's record keeps its pod's source.
+        let inline = CreateRequest {
+            name: "inline-csi-0123".into(),
+            inline: Some(InlineSource {
+                uri: "s3://b/m".into(),
+                pod: Some(("team-a".into(), "reader".into())),
+            }),
+            ..req
+        };
+        save(&dir, &inline).unwrap();
+        let back = load(&dir);
+        let i = back[0].inline.as_ref().expect("the inline source");
+        assert_eq!(i.uri, "s3://b/m");
+        assert_eq!(i.pod, Some(("team-a".into(), "reader".into())));
     }
 }
