@@ -67,6 +67,50 @@ fn api_error(what: &str, e: kube::Error) -> Error {
     }
 }
 
+/// A StorageClass's provisioner secret, as external-provisioner reads it.
+pub const CLASS_SECRET_NAME: &str = "csi.storage.k8s.io/provisioner-secret-name";
+pub const CLASS_SECRET_NAMESPACE: &str = "csi.storage.k8s.io/provisioner-secret-namespace";
+
+/// `template` (a class's provisioner secret name or namespace) with
+/// `${pvc.namespace}`, `${pvc.name}` and `${pv.name}` filled in, as
+/// external-provisioner fills them; `None` if any other `${...}` is left
+/// (a PVC annotation: a tenant may have changed it since the create, and
+/// a read now could name another secret than the create's).
+pub fn fill_secret_template(
+    template: &str,
+    pvc_ns: &str,
+    pvc_name: &str,
+    pv: &str,
+) -> Option<String> {
+    let filled = template
+        .replace("${pvc.namespace}", pvc_ns)
+        .replace("${pvc.name}", pvc_name)
+        .replace("${pv.name}", pv);
+    (!filled.contains("${")).then_some(filled)
+}
+
+/// A Secret's data as text; `named_by` says who named it, for the error.
+fn secret_strings(s: Secret, named_by: &str) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for (k, v) in s.data.unwrap_or_default() {
+        let v = String::from_utf8(v.0).map_err(|_| {
+            Error::invalid(
+                named_by,
+                format!(
+                    "key {k} of Secret {}/{} is not UTF-8 text",
+                    s.metadata.namespace.as_deref().unwrap_or_default(),
+                    s.metadata.name.as_deref().unwrap_or_default()
+                ),
+            )
+        })?;
+        out.insert(k, v);
+    }
+    for (k, v) in s.string_data.unwrap_or_default() {
+        out.insert(k, v);
+    }
+    Ok(out)
+}
+
 /// The component an admin applies to let the driver read source secrets in
 /// one namespace (a Role and RoleBinding there).
 pub const SECRET_GRANT: &str = "deploy/csi-driver/components/tenant-source-secrets";
@@ -194,20 +238,57 @@ impl KubeApi {
             .get(name)
             .await
             .map_err(|e| secret_error(namespace, name, e))?;
-        let mut out = BTreeMap::new();
-        for (k, v) in s.data.unwrap_or_default() {
-            let v = String::from_utf8(v.0).map_err(|_| {
-                Error::invalid(
-                    format!("annotation {SECRET_ANNOTATION}"),
-                    format!("key {k} of Secret {namespace}/{name} is not UTF-8 text"),
-                )
-            })?;
-            out.insert(k, v);
-        }
-        for (k, v) in s.string_data.unwrap_or_default() {
-            out.insert(k, v);
-        }
-        Ok(out)
+        secret_strings(s, &format!("annotation {SECRET_ANNOTATION}"))
+    }
+
+    /// The provisioner secret of the StorageClass of PVC `pvc_ns/pvc_name`
+    /// (bound to PV `pv`), read again as external-provisioner read it for
+    /// the PVC's CreateVolume; `None` when the class names none. Only for
+    /// a pull that a restart resumes: the admin's secret, from wherever
+    /// the admin's class says, which the driver may read only where RBAC
+    /// lets it (deploy/: this driver's namespace).
+    pub async fn claim_class_secret(
+        &self,
+        pvc_ns: &str,
+        pvc_name: &str,
+        pv: &str,
+    ) -> Result<Option<BTreeMap<String, String>>> {
+        let pvc = self.pvc(pvc_ns, pvc_name).await?;
+        let class = pvc.spec.and_then(|s| s.storage_class_name).ok_or_else(|| {
+            Error::Precondition(format!("PVC {pvc_ns}/{pvc_name} names no StorageClass"))
+        })?;
+        let raw = self
+            .storage_class(&class)
+            .await?
+            .parameters
+            .unwrap_or_default();
+        let (name, ns) = match (raw.get(CLASS_SECRET_NAME), raw.get(CLASS_SECRET_NAMESPACE)) {
+            (None, None) => return Ok(None),
+            (Some(n), Some(s)) => (n, s),
+            _ => {
+                return Err(Error::Precondition(format!(
+                    "StorageClass {class} names half of its provisioner secret \
+                     ({CLASS_SECRET_NAME}, {CLASS_SECRET_NAMESPACE})"
+                )));
+            }
+        };
+        let fill = |t: &str| {
+            fill_secret_template(t, pvc_ns, pvc_name, pv)
+                .filter(|v| is_object_name(v))
+                .ok_or_else(|| {
+                    Error::Precondition(format!(
+                        "StorageClass {class}'s provisioner secret {t:?} cannot be read again: \
+                         only ${{pvc.namespace}}, ${{pvc.name}} and ${{pv.name}} are filled in \
+                         (a PVC's annotations may have changed since its create)"
+                    ))
+                })
+        };
+        let (name, ns) = (fill(name)?, fill(ns)?);
+        let s = Api::<Secret>::namespaced(self.client.clone(), &ns)
+            .get(&name)
+            .await
+            .map_err(|e| api_error(&format!("Secret {ns}/{name}"), e))?;
+        secret_strings(s, &format!("StorageClass {class}'s provisioner secret")).map(Some)
     }
 
     /// Events on `pvc` for a pull, rate-limited to one progress event per
@@ -614,5 +695,20 @@ mod tests {
             secret_error("team", "creds", missing),
             Error::NotFound(m) if m.contains("Secret team/creds")
         ));
+    }
+
+    #[test]
+    fn a_class_secret_template_is_filled_from_the_claim_and_never_from_its_annotations() {
+        let fill = |t| fill_secret_template(t, "team-a", "llm", "pvc-123");
+        assert_eq!(fill("creds").as_deref(), Some("creds"));
+        assert_eq!(fill("${pvc.namespace}").as_deref(), Some("team-a"));
+        assert_eq!(
+            fill("${pvc.name}-${pv.name}").as_deref(),
+            Some("llm-pvc-123")
+        );
+        // Annotations change after the create: such a template is never
+        // resolved again.
+        assert_eq!(fill("${pvc.annotations['team/secret']}"), None);
+        assert_eq!(fill("x-${unknown}"), None);
     }
 }

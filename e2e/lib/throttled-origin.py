@@ -10,6 +10,8 @@ verifies them). HEAD, Range (one range) and a strong ETag are supported.
 All responses together are paced to RATE_MIB_PER_S, like one origin link.
 ORIGIN_SALT and ORIGIN_CORRUPT (below) vary the bytes; ORIGIN_HOLD holds
 each shard's last piece back until a file exists.
+ORIGIN_TOKEN, when set, is a bearer token every request of the model
+(listing and files) must carry, else 401: a class's provisioner secret.
 `/served` answers how many bytes of the model's files were sent so far, so
 a test can tell one download from a restarted one.
 Writes "ready <seconds spent hashing>" to READY_FILE once it listens.
@@ -40,6 +42,7 @@ corrupt_left = [int(CORRUPT_N or 0)]
 # no pull can finish (and seal) before the test says so: a volume staged in
 # the meantime is certainly staged while its model arrives.
 HOLD = os.environ.get("ORIGIN_HOLD", "")
+TOKEN = os.environ.get("ORIGIN_TOKEN", "")
 
 
 def hold(f, end):
@@ -162,6 +165,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             if body:
                 self.wfile.write(data)
+            return
+        if TOKEN and self.headers.get("Authorization") != "Bearer " + TOKEN:
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
             return
         if path in docs:
             data = docs[path]

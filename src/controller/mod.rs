@@ -38,13 +38,23 @@ impl ControllerService {
     /// stopped: each joins its pull job and leaves it running, and the
     /// provisioner's next call finds it (see `wanted`).
     pub async fn resume_wanted(&self) {
-        for mut req in self.provisioner.wanted().await {
+        for w in self.provisioner.wanted().await {
+            let mut req = w.req;
             let name = req.name.clone();
             let Ok(guard) = self.locks.try_lock(&format!("name/{name}")) else {
                 continue;
             };
             req.budget = Some(std::time::Duration::from_secs(1));
             let p = self.provisioner.clone();
+            if w.class_secret {
+                match p.class_secret_again(&req).await {
+                    Ok(s) => req.secrets = s,
+                    Err(e) => {
+                        tracing::warn!(volume.name = %name, error = %e, "a wanted pull's class secret could not be read again; the provisioner's next call resumes it");
+                        continue;
+                    }
+                }
+            }
             // An inline volume is made by its pod's NodePublish alone: one
             // released meanwhile (NodeUnpublish) is not made again here.
             if req.inline.is_some() && !p.has_volume_named(&name).await {

@@ -326,14 +326,31 @@ impl Provisioner {
                 return Err(e);
             }
         };
-        // Recorded so that a restart resumes it; a class secret would have
-        // to be written too, so such a pull waits for the provisioner's
-        // next call. An inline volume's pull is recorded only when it is
-        // progressive: kubelet asks again for an unpublished volume, never
-        // for a published one, whose readers wait on the pull. Its secret
-        // (nodePublishSecretRef) is the pod's and cannot be read again.
+        // Recorded so that a restart resumes it. Secrets are never
+        // written: a tenant's is read again from its PVC's annotation, the
+        // class's from the class, if a read now gives what
+        // external-provisioner passed (else the pull waits for the
+        // provisioner's next call). An inline volume's pull is recorded
+        // only when it is progressive: kubelet asks again for an
+        // unpublished volume, never for a published one, whose readers
+        // wait on the pull. Its secret (nodePublishSecretRef) is the pod's
+        // and cannot be named again.
+        let class_secret = req.inline.is_none() && !req.secrets.is_empty() && !tenant;
         let resumable = match &req.inline {
-            None => req.secrets.is_empty() || tenant,
+            None if class_secret => match self.class_secret_again(req).await {
+                Ok(again) if again == req.secrets => true,
+                Ok(_) => {
+                    tracing::info!(
+                        "the class's provisioner secret read now differs from the request's; a restart will not resume this pull"
+                    );
+                    false
+                }
+                Err(e) => {
+                    tracing::info!(error = %e, "the class's provisioner secret cannot be read again; a restart will not resume this pull");
+                    false
+                }
+            },
+            None => true,
             Some(_) => until == Until::Listed && req.secrets.is_empty(),
         };
         // A volume answered once verified is served from the pull's files
@@ -357,7 +374,7 @@ impl Provisioner {
         };
         if resumable && !self.jobs.is_running(&req.name) {
             let (d, w) = (self.wanted_dir(), req.clone());
-            blocking(move || wanted::save(&d, &w)).await?;
+            blocking(move || wanted::save(&d, &w, class_secret)).await?;
         }
         let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
         tracing::debug!(budget = ?left, "joining the pull job");

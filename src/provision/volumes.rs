@@ -262,11 +262,39 @@ impl Provisioner {
 
     /// The requests whose pulls were running when this process last
     /// stopped (see `wanted`).
-    pub async fn wanted(&self) -> Vec<CreateRequest> {
+    pub async fn wanted(&self) -> Vec<wanted::Wanted> {
         let d = self.wanted_dir();
         blocking(move || Ok(wanted::load(&d)))
             .await
             .unwrap_or_default()
+    }
+
+    /// The provisioner secret of `req`'s PVC's class, read again for a
+    /// pull a restart resumes (`wanted`): the PVC must be named in the
+    /// request (`--extra-create-metadata`), and the class's template
+    /// filled from the claim alone.
+    pub async fn class_secret_again(&self, req: &CreateRequest) -> Result<HashMap<String, String>> {
+        let kube = self.kube.as_ref().ok_or_else(|| {
+            Error::Precondition("no Kubernetes API access to read the class's secret again".into())
+        })?;
+        let got = |k: &str| {
+            req.params.get(k).ok_or_else(|| {
+                Error::Precondition(format!(
+                    "the request does not name {k} (external-provisioner --extra-create-metadata)"
+                ))
+            })
+        };
+        let (ns, pvc, pv) = (
+            got(crate::kubeapi::PVC_NAMESPACE)?,
+            got(crate::kubeapi::PVC_NAME)?,
+            got(super::params::PV_NAME)?,
+        );
+        Ok(kube
+            .claim_class_secret(ns, pvc, pv)
+            .await?
+            .unwrap_or_default()
+            .into_iter()
+            .collect())
     }
 
     /// Whether a volume named `name` (the CreateVolume name) exists in

@@ -5,9 +5,10 @@
 //! this process's own `--state-dir` (`wanted/`), never into a root: a
 //! `shared` root is writable by every node, and a record there could make
 //! a driver pull, with an admin's authority, a source no StorageClass
-//! named. Secrets never touch the disk: a pull that needs the class's secret is
-//! not recorded and resumes at the provisioner's next call, which brings
-//! the secret again; a PVC's own secret is read again from the API.
+//! named. Secrets never touch the disk: a class's provisioner secret is
+//! read again from the class (`KubeApi::claim_class_secret`) and a PVC's
+//! own from its annotation; a pull whose secret cannot be read again is
+//! not recorded and resumes at the provisioner's next call.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -35,6 +36,17 @@ struct Record {
     /// A progressive inline volume's source and pod (`node::inline`).
     #[serde(default)]
     inline: Option<InlineRecord>,
+    /// The pull ran with its class's provisioner secret, which is not
+    /// here: the resume reads it again (`KubeApi::claim_class_secret`).
+    #[serde(default)]
+    class_secret: bool,
+}
+
+/// A pull to resume, as recorded.
+pub struct Wanted {
+    pub req: CreateRequest,
+    /// Its class's provisioner secret must be read again first.
+    pub class_secret: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -49,8 +61,9 @@ fn path(dir: &Path, name: &str) -> PathBuf {
     dir.join(format!("{}.json", &h[..32]))
 }
 
-/// Records in `dir` that `req` wants a pull.
-pub fn save(dir: &Path, req: &CreateRequest) -> Result<()> {
+/// Records in `dir` that `req` wants a pull; `class_secret`: it pulls
+/// with its class's provisioner secret (not written).
+pub fn save(dir: &Path, req: &CreateRequest, class_secret: bool) -> Result<()> {
     let rec = Record {
         name: req.name.clone(),
         params: req.params.clone().into_iter().collect(),
@@ -73,6 +86,7 @@ pub fn save(dir: &Path, req: &CreateRequest) -> Result<()> {
             uri: i.uri.clone(),
             pod: i.pod.clone(),
         }),
+        class_secret,
     };
     let p = path(dir, &req.name);
     state::write_json(&p, &rec).ctx("record a wanted pull", &p)
@@ -86,7 +100,7 @@ pub fn remove(dir: &Path, name: &str) -> Result<()> {
 
 /// Every request recorded in `dir`. A record that cannot be read is
 /// dropped with a warning: the provisioner's retry still comes.
-pub fn load(d: &Path) -> Vec<CreateRequest> {
+pub fn load(d: &Path) -> Vec<Wanted> {
     let names = state::list_names(d).unwrap_or_default();
     let mut out = Vec::new();
     for n in names.iter().filter(|n| n.ends_with(".json")) {
@@ -103,7 +117,7 @@ pub fn load(d: &Path) -> Vec<CreateRequest> {
     out
 }
 
-fn decode(r: Record) -> std::io::Result<CreateRequest> {
+fn decode(r: Record) -> std::io::Result<Wanted> {
     let bad = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidData, e);
     let proto = |h: &str| hex::decode(h).map_err(|e| bad(e.to_string()));
     let capabilities = r
@@ -117,7 +131,7 @@ fn decode(r: Record) -> std::io::Result<CreateRequest> {
         ),
         None => None,
     };
-    Ok(CreateRequest {
+    let req = CreateRequest {
         name: r.name,
         params: r.params.into_iter().collect(),
         mutable: r.mutable.into_iter().collect(),
@@ -137,6 +151,10 @@ fn decode(r: Record) -> std::io::Result<CreateRequest> {
             pod: i.pod,
         }),
         progress: None,
+    };
+    Ok(Wanted {
+        req,
+        class_secret: r.class_secret,
     })
 }
 
@@ -168,13 +186,15 @@ mod tests {
             inline: None,
             progress: None,
         };
-        save(&dir, &req).unwrap();
+        save(&dir, &req, true).unwrap();
         let on_disk = std::fs::read_dir(&dir).unwrap().count();
         assert_eq!(on_disk, 1);
         let text = std::fs::read_to_string(path(&dir, &req.name)).unwrap();
         assert!(!text.contains("secret"), "{text}");
         let back = load(&dir);
         assert_eq!(back.len(), 1);
+        assert!(back[0].class_secret);
+        let back: Vec<_> = back.into_iter().map(|w| w.req).collect();
         assert_eq!(back[0].name, req.name);
         assert_eq!(back[0].params, req.params);
         assert_eq!(back[0].capabilities, vec![cap]);
@@ -193,9 +213,10 @@ mod tests {
             }),
             ..req
         };
-        save(&dir, &inline).unwrap();
+        save(&dir, &inline, false).unwrap();
         let back = load(&dir);
-        let i = back[0].inline.as_ref().expect("the inline source");
+        assert!(!back[0].class_secret);
+        let i = back[0].req.inline.as_ref().expect("the inline source");
         assert_eq!(i.uri, "s3://b/m");
         assert_eq!(i.pod, Some(("team-a".into(), "reader".into())));
     }
