@@ -181,7 +181,7 @@ mod tests {
             }),
             content_volume: None,
             topology: None,
-            secrets: [("k".to_string(), "secret".to_string())].into(),
+            secrets: [("k".to_string(), "hunter2-value".to_string())].into(),
             budget: Some(std::time::Duration::from_secs(3)),
             inline: None,
             progress: None,
@@ -190,7 +190,7 @@ mod tests {
         let on_disk = std::fs::read_dir(&dir).unwrap().count();
         assert_eq!(on_disk, 1);
         let text = std::fs::read_to_string(path(&dir, &req.name)).unwrap();
-        assert!(!text.contains("secret"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
         let back = load(&dir);
         assert_eq!(back.len(), 1);
         assert!(back[0].class_secret);
