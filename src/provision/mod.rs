@@ -13,6 +13,7 @@ pub mod plan;
 mod resolve;
 mod volumes;
 mod wanted;
+pub use wanted::Wanted;
 
 pub use plan::{CreateRequest, DEFAULT_CAPACITY, InlineSource};
 
@@ -77,7 +78,9 @@ impl Provisioner {
 
     /// Whether a pull for volume `name` runs in this process now.
     pub fn is_pulling(&self, name: &str) -> bool {
-        self.jobs.is_running(name)
+        // A job that ended keeps its place until a create collects its
+        // outcome: it is not pulling.
+        self.jobs.is_running(name) && !self.jobs.has_ended(name)
     }
 
     /// The roots this provisioner serves.
@@ -103,7 +106,7 @@ impl Provisioner {
         if let Some(existing) = self.existing(&plan).await? {
             // A progressive volume exists before its model: until the seal,
             // a repeat (a restart resuming wanted pulls) sees its pull run.
-            if existing.0.progressive && !self.jobs.is_running(&req.name) {
+            if existing.0.progressive && !self.is_pulling(&req.name) {
                 let (root, sid) = (plan.root.clone(), existing.0.source.clone());
                 if blocking(move || cache::read_seal(&root, &sid))
                     .await?

@@ -327,6 +327,16 @@ impl Jobs {
             .contains_key(key)
     }
 
+    /// Whether the job for `key` has ended with nobody told yet: its
+    /// outcome waits for the next call, which collects it.
+    pub fn has_ended(&self, key: &str) -> bool {
+        self.running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .is_some_and(|j| j.done.borrow().is_some())
+    }
+
     /// How many pulls run.
     pub fn len(&self) -> usize {
         self.running.lock().unwrap_or_else(|e| e.into_inner()).len()
