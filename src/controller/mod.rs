@@ -406,8 +406,8 @@ impl Controller for ControllerService {
 }
 
 /// How long a resume keeps trying: as long as a read of a volume answered
-/// before its seal waits (`node::progressive::WAIT_BOUND`).
-const RESUME_FOR: std::time::Duration = std::time::Duration::from_secs(600);
+/// before its seal waits.
+const RESUME_FOR: std::time::Duration = crate::node::progressive::WAIT_BOUND;
 const RESUME_FIRST_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Whether a failed resume may succeed later, untouched: a server that did

@@ -80,7 +80,7 @@ impl Provisioner {
     pub fn is_pulling(&self, name: &str) -> bool {
         // A job that ended keeps its place until a create collects its
         // outcome: it is not pulling.
-        self.jobs.is_running(name) && !self.jobs.has_ended(name)
+        self.jobs.is_working(name)
     }
 
     /// The roots this provisioner serves.

@@ -327,14 +327,14 @@ impl Jobs {
             .contains_key(key)
     }
 
-    /// Whether the job for `key` has ended with nobody told yet: its
-    /// outcome waits for the next call, which collects it.
-    pub fn has_ended(&self, key: &str) -> bool {
+    /// Whether the job for `key` is still at work: not ended, nor ended
+    /// with its outcome waiting for the next call to collect it.
+    pub fn is_working(&self, key: &str) -> bool {
         self.running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(key)
-            .is_some_and(|j| j.done.borrow().is_some())
+            .is_some_and(|j| j.done.borrow().is_none())
     }
 
     /// How many pulls run.
