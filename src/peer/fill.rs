@@ -651,24 +651,37 @@ impl Inner {
         let mut round = 0u32;
         loop {
             let mut busy = false;
+            // Why each peer asked last did not serve it: said when the
+            // origin serves the chunk, since those bytes cost the origin.
+            let mut misses = Vec::new();
             for c in self.order(&file.path, idx) {
+                let node = &self.copies[c].peer.node;
                 match self.chunk(c, file, idx, cs, ce).await {
                     Ok((b, buffer)) => return Some((c, b, buffer)),
                     Err(Miss::Wrong(why)) => {
-                        warn!(peer = %self.copies[c].peer.node, model = %self.sid, %why, "peer served a wrong chunk; it is dropped for this model");
+                        warn!(peer = %node, model = %self.sid, %why, "peer served a wrong chunk; it is dropped for this model");
                         self.drop_copy(c);
+                        misses.push(format!("{node}: wrong ({why})"));
                     }
                     Err(Miss::Gone(why)) => {
-                        tracing::debug!(peer = %self.copies[c].peer.node, %why, "peer no longer holds the model");
+                        tracing::debug!(peer = %node, %why, "peer no longer holds the model");
                         self.drop_copy(c);
+                        misses.push(format!("{node}: gone ({why})"));
                     }
-                    Err(Miss::Busy) => busy = true,
+                    Err(Miss::Busy) => {
+                        busy = true;
+                        misses.push(format!("{node}: busy"));
+                    }
                     Err(Miss::Unavailable(why)) => {
-                        tracing::debug!(peer = %self.copies[c].peer.node, %why, "peer could not serve a chunk");
+                        tracing::debug!(peer = %node, %why, "peer could not serve a chunk");
+                        misses.push(format!("{node}: {why}"));
                     }
                 }
             }
             if !busy || tokio::time::Instant::now() >= patience {
+                if !misses.is_empty() {
+                    info!(model = %self.sid, file = %file.path, chunk = idx, rounds = round + 1, ?misses, "no peer served this chunk; the origin serves it");
+                }
                 return None;
             }
             round += 1;

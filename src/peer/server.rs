@@ -293,7 +293,11 @@ impl PeerServer {
     /// An upload slot, waiting a moment for one: an asker turned away
     /// tries other peers, then comes back.
     async fn slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        tokio::time::timeout(SLOT_WAIT, self.uploads.clone().acquire_owned())
+        self.slot_within(SLOT_WAIT).await
+    }
+
+    async fn slot_within(&self, wait: Duration) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        tokio::time::timeout(wait, self.uploads.clone().acquire_owned())
             .await
             .ok()?
             .ok()
@@ -308,6 +312,7 @@ impl PeerServer {
         req: &Request<Incoming>,
     ) -> Result<Response<Body>, (&'static str, StatusCode, String)> {
         let bad = |m: &str| ("bad_request", StatusCode::BAD_REQUEST, m.to_string());
+        let until = tokio::time::Instant::now() + WAIT_FOR_CHUNK;
         let mut path = None;
         let mut wait = false;
         for (k, v) in url::form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
@@ -339,7 +344,7 @@ impl PeerServer {
                     ready,
                     1 << 20,
                     Duration::from_secs(5),
-                    WAIT_FOR_CHUNK,
+                    until.saturating_duration_since(tokio::time::Instant::now()),
                 )
                 .await
                 .ok_or((
@@ -354,7 +359,17 @@ impl PeerServer {
         if (start, end) != f.chunk_range(idx) {
             return Err(bad("the range must be one whole chunk"));
         }
-        let slot = self.slot().await.ok_or((
+        // An asker that waits (this is the pull it follows) queues for a
+        // slot within the same bound as for the chunk, first come first
+        // served: turned away after a second, it would join the back of
+        // the queue again and again while later askers got through, and
+        // under load some chunk would end up costing the origin.
+        let wait_slot = if wait {
+            until.saturating_duration_since(tokio::time::Instant::now())
+        } else {
+            Duration::ZERO
+        };
+        let slot = self.slot_within(wait_slot.max(SLOT_WAIT)).await.ok_or((
             "busy",
             StatusCode::SERVICE_UNAVAILABLE,
             "every upload slot is taken".to_string(),

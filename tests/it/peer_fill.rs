@@ -441,9 +441,23 @@ async fn eight_nodes_filling_at_once_cost_the_origin_one_copy() {
             .collect::<Vec<_>>(),
         from_origin as f64 / total as f64,
     );
+    // Each chunk the origin served instead of a peer is logged with why.
+    let instead: Vec<String> = nodes
+        .iter()
+        .flat_map(|(d, _)| {
+            let node = d.dir.display().to_string();
+            fs::read_to_string(d.dir.join("driver.log"))
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("the origin serves it"))
+                .map(|l| format!("{node}: {l}"))
+                .collect::<Vec<_>>()
+        })
+        .collect();
     assert!(
         from_origin * 10 <= total * 11,
-        "the origin sent {from_origin} bytes for a {total}-byte model to 8 nodes"
+        "the origin sent {from_origin} bytes for a {total}-byte model to 8 nodes; chunks it served instead of a peer:\n{}",
+        instead.join("\n")
     );
     assert!(
         last.as_secs_f64() <= alone.as_secs_f64() * 1.5,
