@@ -20,6 +20,19 @@ use serde::de::DeserializeOwned;
 
 /// Writes `bytes` to `path` atomically and durably.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_atomic_as(path, bytes, true)
+}
+
+/// As [`write_atomic`], without waiting for the disk: after a crash of
+/// the process the file is whole or absent, but after a crash of the
+/// machine it may be absent or empty. Only for a record that something
+/// durable rebuilds; [`sync_file`] makes it durable later. (An fsync on a
+/// disk busy writing back a model waits seconds behind it.)
+pub fn write_atomic_unsynced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_atomic_as(path, bytes, false)
+}
+
+fn write_atomic_as(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no parent"))?;
@@ -31,9 +44,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let result = (|| {
         let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         f.write_all(bytes)?;
-        f.sync_all()?;
+        if durable {
+            f.sync_all()?;
+        }
         fs::rename(&tmp, path)?;
-        sync_dir(dir)
+        if durable { sync_dir(dir) } else { Ok(()) }
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
@@ -42,9 +57,30 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 }
 
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> io::Result<()> {
+    write_atomic(path, &json_bytes(value)?)
+}
+
+/// As [`write_json`], not durable until [`sync_file`]: see
+/// [`write_atomic_unsynced`].
+pub fn write_json_unsynced<T: Serialize>(path: &Path, value: &T) -> io::Result<()> {
+    write_atomic_unsynced(path, &json_bytes(value)?)
+}
+
+fn json_bytes<T: Serialize>(value: &T) -> io::Result<Vec<u8>> {
     let mut bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
     bytes.push(b'\n');
-    write_atomic(path, &bytes)
+    Ok(bytes)
+}
+
+/// Makes a file written unsynced durable, with its name; a missing file
+/// is fine (removed since, durably).
+pub fn sync_file(path: &Path) -> io::Result<()> {
+    match File::open(path) {
+        Ok(f) => f.sync_all()?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    path.parent().map_or(Ok(()), sync_dir)
 }
 
 /// The largest record `read_json` reads. A seal lists every file of a
@@ -209,14 +245,26 @@ pub fn create_marker(path: &Path, content: &[u8]) -> io::Result<bool> {
 /// As [`create_marker`], in a directory that must exist already: NotFound
 /// if it does not (it is never made).
 pub fn create_marker_in(path: &Path, content: &[u8]) -> io::Result<bool> {
+    create_marker_as(path, content, true)
+}
+
+/// As [`create_marker_in`], not durable until [`sync_file`]: see
+/// [`write_atomic_unsynced`].
+pub fn create_marker_unsynced(path: &Path, content: &[u8]) -> io::Result<bool> {
+    create_marker_as(path, content, false)
+}
+
+fn create_marker_as(path: &Path, content: &[u8], durable: bool) -> io::Result<bool> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no parent"))?;
     match OpenOptions::new().write(true).create_new(true).open(path) {
         Ok(mut f) => {
             f.write_all(content)?;
-            f.sync_all()?;
-            sync_dir(dir)?;
+            if durable {
+                f.sync_all()?;
+                sync_dir(dir)?;
+            }
             Ok(true)
         }
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),

@@ -107,6 +107,30 @@ pub fn write_volume(root: &Root, rec: &VolumeRecord) -> Result<()> {
     state::write_json(&path, rec).ctx("write volume record", &path)
 }
 
+/// As [`write_volume`], not durable until [`sync_volume`]: for a volume
+/// answered before its seal whose pull a durable record resumes after a
+/// crash (`provision::wanted`), which writes this record again.
+pub fn write_volume_unsynced(root: &Root, rec: &VolumeRecord) -> Result<()> {
+    let uuid = VolumeId::parse(&rec.id)
+        .map(|v| v.uuid)
+        .ok_or_else(|| Error::Internal(format!("malformed volume id {}", rec.id)))?;
+    let path = root.volume_record(&uuid);
+    state::write_json_unsynced(&path, rec).ctx("write volume record", &path)
+}
+
+/// Makes a volume's record and its reference in the sealed model `sid`
+/// durable: what [`write_volume_unsynced`] and an unsynced
+/// [`add_pull_ref`] left to the disk's own time.
+pub fn sync_volume(root: &Root, uuid: &str, sid: &str) -> Result<()> {
+    let rec = root.volume_record(uuid);
+    state::sync_file(&rec).ctx("sync volume record", &rec)?;
+    let source = root.source(sid);
+    let r = source.refs().join(uuid);
+    state::sync_file(&r).ctx("sync reference", &r)?;
+    // The refs directory itself may have been made unsynced.
+    state::sync_dir(&source.dir).ctx("sync source", &source.dir)
+}
+
 pub fn remove_volume(root: &Root, uuid: &str) -> Result<()> {
     let path = root.volume_record(uuid);
     state::remove_file(&path).ctx("remove volume record", &path)
@@ -226,17 +250,24 @@ pub fn add_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
 /// the seal renames the area into place with the reference in it, so it
 /// is never missing for eviction to misread. False: the area is gone (the
 /// model sealed or the pull ended), and nothing was made.
-pub fn add_pull_ref(root: &Root, sid: &SourceId, uuid: &str) -> Result<bool> {
+/// `durable: false` when a record of the pull that survives a crash
+/// brings the reference back (`provision::wanted`); [`sync_volume`] then
+/// makes it durable once the model is sealed.
+pub fn add_pull_ref(root: &Root, sid: &SourceId, uuid: &str, durable: bool) -> Result<bool> {
     let area = root.pull_area(sid);
     let refs = area.refs();
     let path = refs.join(uuid);
     let made = (|| -> io::Result<()> {
         match fs::create_dir(&refs) {
-            Ok(()) => state::sync_dir(&area.dir)?,
+            Ok(()) if durable => state::sync_dir(&area.dir)?,
+            Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e),
         }
-        state::create_marker_in(&path, b"").map(drop)
+        match durable {
+            true => state::create_marker_in(&path, b"").map(drop),
+            false => state::create_marker_unsynced(&path, b"").map(drop),
+        }
     })();
     match made {
         Ok(()) => Ok(true),

@@ -27,13 +27,23 @@ impl Provisioner {
         plan: &Plan,
     ) -> Result<Option<(VolumeRecord, Vec<Topology>)>> {
         let (roots, want) = (self.roots.clone(), plan.record.clone());
+        let wanted = self.wanted_dir();
         let found = blocking(move || -> Result<Option<(Root, VolumeRecord)>> {
             let uuid = VolumeId::parse(&want.id)
                 .map(|i| i.uuid)
                 .unwrap_or_default();
             for r in &roots.roots {
-                if let Some(existing) = cache::read_volume(r, &uuid)? {
-                    return Ok(Some((r.clone(), existing)));
+                match cache::read_volume(r, &uuid) {
+                    Ok(Some(existing)) => return Ok(Some((r.clone(), existing))),
+                    Ok(None) => {}
+                    // Written unsynced (answered before its seal) and cut
+                    // short by a crash of the machine: its pull's durable
+                    // record says so, and this create writes it again.
+                    Err(Error::Precondition(why)) if wanted::exists(&wanted, &want.name) => {
+                        tracing::warn!(%why, "a volume record written before its seal did not survive a crash whole; writing it again");
+                        cache::remove_volume(r, &uuid)?;
+                    }
+                    Err(e) => return Err(e),
                 }
             }
             Ok(None)
@@ -149,7 +159,9 @@ impl Provisioner {
                 };
                 let mut attempt = 1;
                 loop {
-                    let sid = match self.pull(req, &uri, &root, &pull, deadline, until).await? {
+                    let (early, backed) =
+                        self.pull(req, &uri, &root, &pull, deadline, until).await?;
+                    let sid = match early {
                         jobs::Early::Sealed(pulled) => {
                             rec.model = pulled.seal.origin.clone().into();
                             rec.revision = pulled.seal.revision.clone();
@@ -163,7 +175,12 @@ impl Provisioner {
                             rec.revision = Some(model.revision);
                             match self
                                 .reference_arriving(
-                                    &root, &model.sid, &partial, &rec, required, limit,
+                                    &root,
+                                    &model.sid,
+                                    &partial,
+                                    &rec,
+                                    (required, limit),
+                                    !backed,
                                 )
                                 .await?
                             {
@@ -262,14 +279,17 @@ impl Provisioner {
     /// its reference goes into the pull's area (see `cache::add_pull_ref`)
     /// and its record says so. None: the area is gone (the model sealed or
     /// the pull ended), and the caller references it the ordinary way.
+    /// Not `durable` when the pull's wanted record brings both back after
+    /// a crash: the answer then waits for no fsync on a disk busy with the
+    /// model's writeback, and `see_through` syncs them at the seal.
     async fn reference_arriving(
         &self,
         root: &Root,
         sid: &str,
         partial: &Arc<crate::cache::partial::Partial>,
         rec: &VolumeRecord,
-        required: i64,
-        limit: i64,
+        (required, limit): (i64, i64),
+        durable: bool,
     ) -> Result<Option<VolumeRecord>> {
         let sid = cache::SourceId::parse(sid)
             .ok_or_else(|| Error::Internal(format!("malformed model id {sid}")))?;
@@ -295,10 +315,13 @@ impl Provisioner {
             let uuid = std::mem::replace(&mut rec.source, sid.clone());
             rec.capacity_bytes = required.max(total);
             rec.progressive = true;
-            if !cache::add_pull_ref(&root, &sid, &uuid)? {
+            if !cache::add_pull_ref(&root, &sid, &uuid, durable)? {
                 return Ok(None);
             }
-            cache::write_volume(&root, &rec)?;
+            match durable {
+                true => cache::write_volume(&root, &rec)?,
+                false => cache::write_volume_unsynced(&root, &rec)?,
+            }
             Ok(Some(rec))
         })
         .await
@@ -316,7 +339,7 @@ impl Provisioner {
         pull: &PullInputs,
         deadline: Option<std::time::Instant>,
         until: Until,
-    ) -> Result<jobs::Early> {
+    ) -> Result<(jobs::Early, bool)> {
         let shown = crate::trust::allowed::shown(uri).to_string();
         let tenant = pull.options.tenant.is_some();
         let source = match puller::open(uri, &pull.options).await {
@@ -396,7 +419,17 @@ impl Provisioner {
             let (d, n) = (self.wanted_dir(), req.name.clone());
             blocking(move || wanted::remove(&d, &n)).await?;
         }
-        pulled
+        // Whether a durable record of this pull stands behind the answer
+        // (a job started by an earlier call that was not resumable made
+        // none). An inline volume's is not enough: a resume drops it when
+        // the volume's record is unreadable, as a crash may leave one
+        // written unsynced, and kubelet's next NodePublish would then
+        // find that record with nothing to say it may be written again.
+        let backed = resumable && req.inline.is_none() && {
+            let (d, n) = (self.wanted_dir(), req.name.clone());
+            blocking(move || Ok(wanted::exists(&d, &n))).await?
+        };
+        Ok((pulled?, backed))
     }
 }
 
@@ -423,17 +456,27 @@ impl Provisioner {
                         // The reference made in the first pull's area is
                         // gone if that area was discarded (its origin
                         // served garbage); this pull sealed without it.
+                        // The record and the reference may have been
+                        // written unsynced (`reference_arriving`): durable
+                        // now, before the wanted record that stood behind
+                        // them goes.
                         let (r, u, sid) = (root.clone(), uuid.clone(), pulled.sid.clone());
                         let referenced = blocking(move || match cache::read_volume(&r, &u)? {
-                            Some(_) => cache::add_ref(&r, &sid, &u),
+                            Some(_) => {
+                                cache::add_ref(&r, &sid, &u)?;
+                                cache::sync_volume(&r, &u, sid.as_str())
+                            }
                             None => Ok(()),
                         })
                         .await;
-                        if let Err(e) = referenced {
-                            tracing::warn!(volume.name = %name, error = %e, "could not reference the sealed model");
-                        }
-                        if let Some(d) = wanted {
-                            let _ = blocking(move || wanted::remove(&d, &name)).await;
+                        match (referenced, wanted) {
+                            (Err(e), _) => {
+                                tracing::warn!(volume.name = %name, error = %e, "could not reference the sealed model; a restart references it again");
+                            }
+                            (Ok(()), Some(d)) => {
+                                let _ = blocking(move || wanted::remove(&d, &name)).await;
+                            }
+                            (Ok(()), None) => {}
                         }
                         return;
                     }

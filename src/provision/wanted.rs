@@ -92,6 +92,11 @@ pub fn save(dir: &Path, req: &CreateRequest, class_secret: bool) -> Result<()> {
     state::write_json(&p, &rec).ctx("record a wanted pull", &p)
 }
 
+/// Whether a pull for `name` is recorded.
+pub fn exists(dir: &Path, name: &str) -> bool {
+    path(dir, name).is_file()
+}
+
 /// The pull for `name` ended (or nothing wants it any more).
 pub fn remove(dir: &Path, name: &str) -> Result<()> {
     let p = path(dir, name);

@@ -570,3 +570,68 @@ async fn a_kill_9_of_the_driver_mid_fill_or_after_the_seal_never_breaks_a_pods_r
     drop(d);
     drop(keeper);
 }
+
+/// A volume answered before its seal has its record written unsynced (an
+/// fsync then waits seconds behind the model's writeback); the pull's
+/// durable wanted record stands behind it. A crash of the machine may
+/// leave that record empty: the restarted driver writes it again as it
+/// resumes the pull, and the volume is served whole. Once the model is
+/// sealed the wanted record is gone, and an unreadable volume record is
+/// refused again, as any record the driver cannot read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_written_before_the_seal_and_cut_short_by_a_crash_is_written_again() {
+    // About 8 s for the 32 MiB: the kill comes well before the seal.
+    let o = origin(512 << 10, 150).await;
+    let mut d = driver().await;
+    let req = || progressive_req("pvc-torn", &o.uri);
+    let v = d
+        .create(req())
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
+    let sid = v.volume_context["source"].clone();
+    let record = d.record_path("local", &v.volume_id);
+    assert!(record.is_file(), "no record at {}", record.display());
+    assert!(!seal_of(&d, &sid).exists(), "sealed before the kill");
+    d.kill_9();
+    // What a power loss may leave of a file renamed into place unsynced.
+    fs::write(&record, b"").unwrap();
+    d.restart().await;
+    assert!(
+        eventually(Duration::from_secs(60), || seal_of(&d, &sid).exists()),
+        "the resumed pull never sealed"
+    );
+    assert!(
+        d.log_text().contains("did not survive a crash whole"),
+        "the restarted driver did not say it wrote the record again"
+    );
+    let again: serde_json::Value = serde_json::from_slice(&fs::read(&record).unwrap())
+        .unwrap_or_else(|e| panic!("the record is still unreadable: {e}"));
+    assert_eq!(again["id"], v.volume_id.as_str(), "{again}");
+    let same = d.create(req()).await.expect("the create's retry");
+    assert_eq!(same.volume_id, v.volume_id);
+    let (staging, target) = (d.staging("torn"), d.target("torn"));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    for (i, s) in o.shards.iter().enumerate() {
+        let got = fs::read(target.join(shard_name(i))).unwrap();
+        assert!(got == *s, "{}: wrong bytes after the crash", shard_name(i));
+    }
+    d.unpublish(&v.volume_id, &target).await.unwrap();
+    d.unstage(&v.volume_id, &staging).await.unwrap();
+    assert_not_mounted(&staging);
+
+    // Sealed, its wanted record gone: nothing says this record may be
+    // written again, and it is refused.
+    d.kill_9();
+    fs::write(&record, b"").unwrap();
+    d.restart().await;
+    let e = d
+        .create(req())
+        .await
+        .expect_err("an unreadable record with no pull behind it");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+    assert!(e.message().contains("not valid"), "{}", e.message());
+    fs::remove_file(&record).unwrap();
+}
