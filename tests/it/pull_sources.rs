@@ -862,3 +862,139 @@ async fn a_restart_resumes_a_wanted_pull_without_a_new_call() {
         "a wanted record outlived its pull"
     );
 }
+
+/// A pull with its class's provisioner secret writes no secret: it is
+/// recorded for a restart to resume only when the driver, reading the
+/// secret again the way external-provisioner did (the PVC's class, its
+/// `provisioner-secret-name`/`-namespace`), gets exactly what CreateVolume
+/// carried. Against a real kube-apiserver: with the class's secret as
+/// passed, a kill -9 mid-pull is resumed with no new call; with the
+/// Secret changed since, nothing is recorded, and the restarted driver
+/// leaves the pull to the provisioner's next call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_secret_pull_is_resumed_only_when_the_secret_read_again_is_the_one_passed() {
+    use crate::support::apiserver::ApiServer;
+    let api = ApiServer::start().expect("start apiserver");
+    let apply = |yaml: &str| {
+        let out = api.kubectl_stdin(&["apply", "-f", "-"], yaml);
+        assert!(
+            out.status.success(),
+            "kubectl apply: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let secret = |token: &str| {
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata: {{name: origin-token, namespace: creds}}\nstringData: {{httpBearerToken: {token}}}\n"
+        )
+    };
+    apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: creds}}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {{name: team}}\n---\n{}---\napiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata: {{name: tokened}}\nprovisioner: modelcache.csi.io\nparameters:\n  csi.storage.k8s.io/provisioner-secret-name: origin-token\n  csi.storage.k8s.io/provisioner-secret-namespace: creds\n",
+        secret("GOODTOKEN")
+    ));
+    for pvc in ["same", "changed"] {
+        apply(&format!(
+            "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: {pvc}, namespace: team}}\nspec:\n  storageClassName: tokened\n  accessModes: [ReadOnlyMany]\n  resources: {{requests: {{storage: 1Gi}}}}\n"
+        ));
+    }
+    let kubeconfig = api.kubeconfig_path();
+    let mut d = Driver::start_with(&[
+        "--kube-api",
+        "on",
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+    ])
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let size: usize = 16 << 20;
+    for (i, name) in ["same.bin", "changed.bin"].iter().enumerate() {
+        let bytes: Vec<u8> = (0..size).map(|j| (j * (7 + i) % 251) as u8).collect();
+        fs::write(dir.path().join(name), &bytes).unwrap();
+    }
+    let files = FileServer::start(dir.path()).await;
+    // About 4 s a file: a 1 s call ends long before its pull.
+    files.throttle(2 << 20);
+    let wanted = |d: &Driver| {
+        fs::read_dir(d.state_dir.join("wanted"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .count()
+    };
+    let sealed = |d: &Driver| {
+        fs::read_dir(d.state_dir.join("local/sources"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().join("seal.json").exists())
+            .count()
+    };
+    let call = |pvc: &str| {
+        let uri = files.url(&format!("{pvc}.bin"));
+        let mut r = create_req(
+            &format!("pvc-{pvc}"),
+            &[
+                ("csi.storage.k8s.io/pvc/name", pvc),
+                ("csi.storage.k8s.io/pvc/namespace", "team"),
+                ("csi.storage.k8s.io/pv/name", &format!("pvc-{pvc}")),
+                ("backend", "local"),
+                ("source", &uri),
+            ],
+            READER,
+        );
+        r.secrets = [("httpBearerToken".to_string(), "GOODTOKEN".to_string())].into();
+        let mut req = tonic::Request::new(r);
+        req.set_timeout(Duration::from_secs(1));
+        req
+    };
+
+    // The secret read again is the one passed: recorded, and resumed.
+    let e = d
+        .client
+        .clone()
+        .controller
+        .create_volume(call("same"))
+        .await
+        .expect_err("4 s of transfer cannot fit a 1 s call");
+    assert!(e.message().contains("still pulling"), "{}", e.message());
+    assert_eq!(wanted(&d), 1, "the pull was not recorded for a restart");
+    d.kill_9();
+    d.restart().await;
+    assert!(
+        eventually(Duration::from_secs(30), || sealed(&d) == 1),
+        "the pull was not resumed after the restart"
+    );
+    let sent: Vec<String> = files
+        .requests()
+        .iter()
+        .filter_map(|r| r.header("authorization").map(str::to_string))
+        .collect();
+    assert!(
+        !sent.is_empty() && sent.iter().all(|a| a == "Bearer GOODTOKEN"),
+        "the origin saw {sent:?}"
+    );
+
+    // Changed since the create: nothing recorded, nothing resumed.
+    apply(&secret("NEWTOKEN"));
+    let e = d
+        .client
+        .clone()
+        .controller
+        .create_volume(call("changed"))
+        .await
+        .expect_err("4 s of transfer cannot fit a 1 s call");
+    assert!(e.message().contains("still pulling"), "{}", e.message());
+    assert!(
+        d.log_text().contains("secret read now differs"),
+        "the driver did not say why the pull is not recorded"
+    );
+    assert_eq!(wanted(&d), 0, "a pull whose secret changed was recorded");
+    d.kill_9();
+    d.restart().await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(
+        sealed(&d),
+        1,
+        "a pull nobody may resume was resumed without a call"
+    );
+}
