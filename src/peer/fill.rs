@@ -27,7 +27,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{info, warn};
 
 use super::directory::{Claim, Directory, Peer};
-use super::{CHUNK_DIGEST, Tokens, WAIT_FOR_CHUNK};
+use super::{CHUNK_DIGEST, SLOT_WAIT, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::{CHUNK_BYTES, Seal, chunk_digest};
 use crate::cache::{Root, SourceId};
 use crate::error::Result;
@@ -467,69 +467,71 @@ impl Inner {
         };
         let url = format!("http://{}/v1/models/{}/file", copy.peer.addr, self.sid);
         let len = end - start;
-        let mut within =
-            CONNECT_TIMEOUT + Duration::from_secs_f64(len as f64 / MIN_PEER_BYTES_PER_SEC as f64);
+        // The answer's head may be held while the peer waits for the
+        // chunk (the leader) and for an upload slot; the body must then
+        // come at the least rate, or the next peer is asked. Waiting for
+        // this node's own chunk memory counts against neither.
+        let mut head_within = CONNECT_TIMEOUT + SLOT_WAIT;
         if wait == Some(true) {
-            within += WAIT_FOR_CHUNK;
+            head_within += WAIT_FOR_CHUNK;
         }
-        let fetch = async {
-            let mut req = self
-                .http
-                .get(&url)
-                .query(&[("path", file.path.as_str())])
-                .bearer_auth(self.tokens.presented())
-                .header(reqwest::header::RANGE, format!("bytes={start}-{}", end - 1));
-            if let Some(w) = wait {
-                req = req.query(&[("wait", if w { "1" } else { "0" })]);
-            }
-            let resp = req
-                .send()
-                .await
-                .map_err(|e| Miss::Unavailable(e.to_string()))?;
-            match resp.status() {
-                reqwest::StatusCode::PARTIAL_CONTENT => {}
-                // A sealed copy that lost the model is gone; a pull may just
-                // be between states (its area not open yet, or sealing).
-                reqwest::StatusCode::NOT_FOUND if wait.is_none() => {
-                    return Err(Miss::Gone(format!("answered {}", resp.status())));
-                }
-                s => {
-                    let reason = resp
-                        .headers()
-                        .get(super::REFUSED)
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or("");
-                    if reason == "busy" {
-                        return Err(Miss::Busy);
-                    }
-                    return Err(Miss::Unavailable(format!("answered {s} {reason}")));
-                }
-            }
-            let sent = resp
-                .headers()
-                .get(CHUNK_DIGEST)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string);
-            // The body's memory is bounded, not the wait before it (a pull
-            // still running holds the request until it has the chunk).
-            let buffer = self
-                .buffers
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| Miss::Unavailable("shutting down".into()))?;
-            let body = resp
-                .bytes()
-                .await
-                .map_err(|e| Miss::Unavailable(e.to_string()))?;
-            Ok((body, sent, buffer))
-        };
-        let (body, sent, buffer) = tokio::time::timeout(within, fetch).await.map_err(|_| {
+        let body_within =
+            CONNECT_TIMEOUT + Duration::from_secs_f64(len as f64 / MIN_PEER_BYTES_PER_SEC as f64);
+        let slow = || {
             Miss::Unavailable(format!(
                 "slower than {} MiB/s",
                 MIN_PEER_BYTES_PER_SEC >> 20
             ))
-        })??;
+        };
+        let mut req = self
+            .http
+            .get(&url)
+            .query(&[("path", file.path.as_str())])
+            .bearer_auth(self.tokens.presented())
+            .header(reqwest::header::RANGE, format!("bytes={start}-{}", end - 1));
+        if let Some(w) = wait {
+            req = req.query(&[("wait", if w { "1" } else { "0" })]);
+        }
+        let resp = tokio::time::timeout(head_within, req.send())
+            .await
+            .map_err(|_| slow())?
+            .map_err(|e| Miss::Unavailable(e.to_string()))?;
+        match resp.status() {
+            reqwest::StatusCode::PARTIAL_CONTENT => {}
+            // A sealed copy that lost the model is gone; a pull may just
+            // be between states (its area not open yet, or sealing).
+            reqwest::StatusCode::NOT_FOUND if wait.is_none() => {
+                return Err(Miss::Gone(format!("answered {}", resp.status())));
+            }
+            s => {
+                let reason = resp
+                    .headers()
+                    .get(super::REFUSED)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
+                if reason == "busy" {
+                    return Err(Miss::Busy);
+                }
+                return Err(Miss::Unavailable(format!("answered {s} {reason}")));
+            }
+        }
+        let sent = resp
+            .headers()
+            .get(CHUNK_DIGEST)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        // The body's memory is bounded, not the wait before it (a pull
+        // still running holds the request until it has the chunk).
+        let buffer = self
+            .buffers
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Miss::Unavailable("shutting down".into()))?;
+        let body = tokio::time::timeout(body_within, resp.bytes())
+            .await
+            .map_err(|_| slow())?
+            .map_err(|e| Miss::Unavailable(e.to_string()))?;
         let want = table
             .or(sent)
             .ok_or_else(|| Miss::Wrong("it sent a chunk without its digest".into()))?;

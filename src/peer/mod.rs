@@ -28,6 +28,9 @@ use k8s_openapi::api::core::v1::Secret;
 /// got yet, while its pull moves; under the engine's stall window, so a
 /// stream waiting on it is never taken for a stalled one.
 pub const WAIT_FOR_CHUNK: Duration = Duration::from_secs(15);
+/// How long a request waits for an upload slot before it is turned away
+/// (one that waits for the chunk queues within that wait's bound).
+pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// The header naming why a request was refused (`busy`, `not_yet`, ...).
 pub const REFUSED: &str = "x-modelcache-refused";
 /// The header a peer sends its chunk's digest in.

@@ -25,15 +25,13 @@ use hyper_util::rt::TokioIo;
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
-use super::{CHUNK_DIGEST, REFUSED, Tokens, WAIT_FOR_CHUNK};
+use super::{CHUNK_DIGEST, REFUSED, SLOT_WAIT, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::CHUNK_BYTES;
 use crate::cache::store::SealedView;
 use crate::cache::{self, Root, Seal};
 
 type Body = BoxBody<Bytes, Infallible>;
 
-/// How long a request waits for an upload slot before it is turned away.
-const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// Bytes read and sent at a time.
 const PIECE: usize = 1 << 20;
 
