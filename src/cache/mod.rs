@@ -100,10 +100,7 @@ fn invalid(path: &Path, e: io::Error) -> Error {
 }
 
 pub fn write_volume(root: &Root, rec: &VolumeRecord) -> Result<()> {
-    let uuid = VolumeId::parse(&rec.id)
-        .map(|v| v.uuid)
-        .ok_or_else(|| Error::Internal(format!("malformed volume id {}", rec.id)))?;
-    let path = root.volume_record(&uuid);
+    let path = record_path(root, rec)?;
     state::write_json(&path, rec).ctx("write volume record", &path)
 }
 
@@ -111,11 +108,15 @@ pub fn write_volume(root: &Root, rec: &VolumeRecord) -> Result<()> {
 /// answered before its seal whose pull a durable record resumes after a
 /// crash (`provision::wanted`), which writes this record again.
 pub fn write_volume_unsynced(root: &Root, rec: &VolumeRecord) -> Result<()> {
+    let path = record_path(root, rec)?;
+    state::write_json_unsynced(&path, rec).ctx("write volume record", &path)
+}
+
+fn record_path(root: &Root, rec: &VolumeRecord) -> Result<std::path::PathBuf> {
     let uuid = VolumeId::parse(&rec.id)
         .map(|v| v.uuid)
         .ok_or_else(|| Error::Internal(format!("malformed volume id {}", rec.id)))?;
-    let path = root.volume_record(&uuid);
-    state::write_json_unsynced(&path, rec).ctx("write volume record", &path)
+    Ok(root.volume_record(&uuid))
 }
 
 /// Makes a volume's record and its reference in the sealed model `sid`
