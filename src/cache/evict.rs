@@ -380,6 +380,38 @@ mod tests {
         assert!(set_volume_pin(&root, &sid, "../x", true).is_err());
     }
 
+    /// A reference removed while eviction has the model renamed away (to
+    /// look for references, before putting it back) is removed from the
+    /// model that comes back, not reported gone and then restored with it.
+    #[test]
+    fn a_reference_removed_while_eviction_looks_is_gone_when_the_model_is_back() {
+        let d = tempfile::tempdir().unwrap();
+        let root = crate::config::Config::for_node("n", d.path())
+            .roots()
+            .roots
+            .remove(0);
+        let sid = format!("m{}", "e".repeat(31));
+        let dir = root.source(&sid).dir;
+        fs::create_dir_all(dir.join("data")).unwrap();
+        let uuid = "f".repeat(32);
+        crate::cache::add_ref(&root, &sid, &uuid).unwrap();
+        let trash = root.sources_dir().join(format!(".trash-{sid}-look"));
+        fs::rename(&dir, &trash).unwrap();
+        let back = std::thread::spawn({
+            let (trash, dir) = (trash.clone(), dir.clone());
+            move || {
+                std::thread::sleep(Duration::from_millis(100));
+                fs::rename(&trash, &dir).unwrap();
+            }
+        });
+        remove_ref(&root, &sid, &uuid).unwrap();
+        back.join().unwrap();
+        assert!(
+            !refs(&root, &sid).unwrap().contains(&uuid),
+            "the reference came back with the model"
+        );
+    }
+
     /// A burst of uses writes `last-used` once; a stale one is renewed.
     #[test]
     fn touch_writes_at_most_once_a_minute() {

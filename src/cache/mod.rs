@@ -284,8 +284,33 @@ pub fn add_pull_ref(root: &Root, sid: &SourceId, uuid: &str, durable: bool) -> R
 /// Removes a volume's reference, wherever it is: in the sealed model, or
 /// in the area of a pull still running (a progressive volume's).
 pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
-    let path = root.source(sid).refs().join(uuid);
-    state::remove_file(&path).ctx("remove reference", &path)?;
+    let source = root.source(sid);
+    let path = source.refs().join(uuid);
+    // Eviction renames a model away for a moment to look for references,
+    // and puts it back when it finds one: a reference looked for then is
+    // missing, not gone (it would come back with the model), and the
+    // directory synced after the unlink may be missing too. Asked again
+    // until the model is back in place or gone for good.
+    let trash = format!(".trash-{sid}-");
+    let evicting = || {
+        !source.dir.exists()
+            && fs::read_dir(root.sources_dir()).is_ok_and(|mut d| {
+                d.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with(&trash)))
+            })
+    };
+    let mut tries = 0;
+    loop {
+        match state::remove_file(&path) {
+            Ok(()) if !evicting() => break,
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !evicting() => break,
+            Ok(()) | Err(_) if tries < 400 && evicting() => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Ok(()) => break,
+            Err(e) => return Err(Error::io("remove reference", &path, e)),
+        }
+    }
     if let Some(sid) = SourceId::parse(sid).filter(|s| s.is_model()) {
         let path = root.pull_area(&sid).refs().join(uuid);
         state::remove_file(&path).ctx("remove reference", &path)?;
