@@ -146,16 +146,28 @@ pub struct KeyedGuard {
 }
 
 impl KeyedMutex {
-    pub async fn lock(&self, key: &str) -> KeyedGuard {
-        let m = {
-            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
-            locks.entry(key.to_string()).or_default().clone()
-        };
+    fn mutex(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        locks.entry(key.to_string()).or_default().clone()
+    }
+
+    fn guard(&self, key: &str, g: tokio::sync::OwnedMutexGuard<()>) -> KeyedGuard {
         KeyedGuard {
-            _guard: m.lock_owned().await,
+            _guard: g,
             locks: self.locks.clone(),
             key: key.to_string(),
         }
+    }
+
+    pub async fn lock(&self, key: &str) -> KeyedGuard {
+        let g = self.mutex(key).lock_owned().await;
+        self.guard(key, g)
+    }
+
+    /// The key at once, or None while someone else holds it.
+    pub fn try_lock(&self, key: &str) -> Option<KeyedGuard> {
+        let g = self.mutex(key).try_lock_owned().ok()?;
+        Some(self.guard(key, g))
     }
 }
 

@@ -46,6 +46,12 @@ pub struct PullArea {
     view: Arc<Partial>,
 }
 
+/// Whether a pull of `sid` left work in `root` (or one runs there now,
+/// in another process): an area that a new pull would resume.
+pub fn left_over(root: &Root, sid: &SourceId) -> bool {
+    root.pull_area(sid).dir.exists()
+}
+
 impl PullArea {
     /// Opens (or resumes) the area of `sid` in `root`, sized for about
     /// `need` bytes where the store needs a size, and locks it.

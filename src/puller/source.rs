@@ -225,22 +225,41 @@ pub trait Source: Send + Sync {
     /// Proves that this requester may read the model's content, before a
     /// cache hit hands it the sealed copy. A listing proves nothing: a
     /// gated Hub repo lists publicly and gates only `/resolve/`, and an
-    /// S3 prefix may allow List but not Get. So one byte of one file is
-    /// read with the requester's own credentials (for OCI, a blob, after
-    /// the manifest `resolve` fetched with them).
+    /// S3 prefix may allow List but not Get. So one byte is read with the
+    /// requester's own credentials from the largest file (the weights,
+    /// what is worth gating) and from the first one listed: an origin
+    /// that serves one small file ungated (`.gitattributes`) does not
+    /// open the rest. For OCI, a blob, after the manifest `resolve`
+    /// fetched with them.
     async fn authorize(&self, resolved: &Resolved) -> Result<()> {
         use futures::StreamExt;
-        let Some(f) = resolved.files.iter().find(|f| f.size.is_none_or(|s| s > 0)) else {
-            return Ok(());
+        let non_empty = || {
+            resolved
+                .files
+                .iter()
+                .filter(|f| f.size.is_none_or(|s| s > 0))
         };
+        let first = non_empty().next();
+        let largest = non_empty().max_by_key(|f| f.size.unwrap_or(u64::MAX));
+        let mut probes: Vec<&RemoteFile> = first.into_iter().chain(largest).collect();
+        probes.dedup_by(|a, b| a.path == b.path);
         let len = self.ranges().then_some(1);
-        let mut stream = self.read(f, 0, len).await?;
-        // A source without ranges streams the whole file: the first chunk
-        // answers the question, and dropping the stream ends the request.
-        match stream.next().await {
-            Some(Err(e)) => Err(e),
-            _ => Ok(()),
-        }
+        let probe = |f: &RemoteFile| {
+            let f = f.clone();
+            async move {
+                let mut stream = self.read(&f, 0, len).await?;
+                // A source without ranges streams the whole file: the first
+                // chunk answers the question, and dropping the stream ends
+                // the request.
+                match stream.next().await {
+                    Some(Err(e)) => Err(e),
+                    _ => Ok(()),
+                }
+            }
+        };
+        futures::future::try_join_all(probes.into_iter().map(probe))
+            .await
+            .map(drop)
     }
 }
 

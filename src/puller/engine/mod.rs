@@ -63,12 +63,14 @@ pub use crate::progress::{NoProgress, Progress, ProgressSink};
 use crate::signing::Policy;
 use crate::state;
 
+mod access;
 mod fetch;
 mod frontier;
 mod layers;
 mod listing;
 mod resume;
 
+use access::Access;
 use fetch::*;
 use frontier::*;
 use layers::*;
@@ -94,9 +96,8 @@ pub struct Engine {
     extract: Extract,
     inflight: KeyedMutex,
     slots: Slots,
-    /// (model, requester) pairs whose access was proven lately: by their
-    /// own pull, or an authorised hit.
-    authorized: Mutex<HashMap<(String, String), Instant>>,
+    /// Which requesters proved their access to which models lately.
+    access: Access,
     /// The revision the origin gave each asker (a volume's CreateVolume,
     /// with the requester) the last time it resolved: a retry of that
     /// request while the origin is down is pinned to it.
@@ -109,10 +110,6 @@ pub struct Engine {
 
 /// How long a revision resolved for an asker pins its retries.
 const RESOLVED_PINS_FOR: Duration = Duration::from_secs(24 * 3600);
-
-/// How long a requester's proven access to a model is trusted for cache
-/// hits: a revoked token keeps at most this long.
-const AUTHORIZED_FOR: Duration = Duration::from_secs(600);
 
 /// The source id of a model revision.
 pub fn model_id(uri: &str, revision: &str) -> SourceId {
@@ -251,7 +248,7 @@ impl Engine {
             extract,
             inflight: KeyedMutex::default(),
             slots,
-            authorized: Mutex::new(HashMap::new()),
+            access: Access::default(),
             resolved_for: Mutex::new(HashMap::new()),
             fill: None,
             metrics: Arc::new(crate::metrics::Metrics::new()),
@@ -290,22 +287,12 @@ impl Engine {
             return Ok(origin);
         };
         match fill.around(root, sid, resolved, origin.clone()).await {
-            Some(filled) if outage => {
-                self.authorized_while_down(sid, origin.as_ref())?;
+            Some(filled) => {
+                self.access
+                    .admit(sid.as_str(), origin.as_ref(), resolved, outage)
+                    .await?;
                 Ok(filled)
             }
-            Some(filled) => match self.authorize_hit(sid, origin.as_ref(), resolved).await {
-                Ok(()) => Ok(filled),
-                // The origin listed the model but the host of its files
-                // does not answer (a manifest's blob host down): access
-                // cannot be proven there now, as in an outage.
-                Err(e) if is_retryable(&e) => {
-                    warn!(error = %e, "the origin did not answer the access check; peers serve only as while it is down");
-                    self.authorized_while_down(sid, origin.as_ref())?;
-                    Ok(filled)
-                }
-                Err(e) => Err(e),
-            },
             None if outage => Err(Error::Transient(format!(
                 "the origin of {} is unreachable and no peer can serve the model now; a retry tries again",
                 resolved.uri
@@ -373,28 +360,6 @@ impl Engine {
             .map(|(pin, _)| pin.clone())
     }
 
-    /// While the origin is down nobody can prove access at it: a model an
-    /// admin's class names is served from peers, a tenant's only to a
-    /// requester that proved its access lately.
-    fn authorized_while_down(&self, sid: &SourceId, source: &dyn Source) -> Result<()> {
-        if !source.tenant_named() {
-            return Ok(());
-        }
-        let proven = source.requester().is_some_and(|r| {
-            self.authorized
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&(sid.to_string(), r))
-                .is_some_and(|at| at.elapsed() < AUTHORIZED_FOR)
-        });
-        if proven {
-            return Ok(());
-        }
-        Err(Error::Transient(format!(
-            "the origin is unreachable, so access to model {sid} cannot be proven for this requester; peers serve a tenant's model only after the origin confirmed access; a retry tries again"
-        )))
-    }
-
     /// Resolves, then returns the sealed model, pulling it if needed.
     /// Concurrent calls for one model join the same pull.
     pub async fn pull(
@@ -445,34 +410,41 @@ impl Engine {
             unsigned_listing(policy, &resolved)?;
         }
         let sid = source_id(source.as_ref(), &resolved.uri, &resolved.revision);
-        sink.resolved(sid.as_str(), &resolved.uri, &resolved.revision);
         let span =
             info_span!("pull", model = %resolved.uri, revision = %resolved.revision, source = %sid);
         let scheme = crate::metrics::scheme_of(&resolved.uri);
         let m = &self.metrics;
         let started = Instant::now();
         let result = async {
-            // A hit is served only to a requester the origin would serve.
-            if let Some(seal) = sealed(root, &sid).await? {
-                self.authorize_hit(&sid, source.as_ref(), &resolved).await?;
-                let signed = vouch_sealed(root, &sid, &seal, signature).await?;
-                return Ok(Pulled {
-                    sid,
-                    seal,
-                    hit: true,
-                    signed,
-                });
+            if let Some(hit) = self.hit(root, &sid, source.as_ref(), &resolved, signature).await? {
+                sink.resolved(sid.as_str(), &resolved.uri, &resolved.revision);
+                return Ok(hit);
             }
-            let _joined = self.inflight.lock(&sid).await;
-            if let Some(seal) = sealed(root, &sid).await? {
-                self.authorize_hit(&sid, source.as_ref(), &resolved).await?;
-                let signed = vouch_sealed(root, &sid, &seal, signature).await?;
-                return Ok(Pulled {
-                    sid,
-                    seal,
-                    hit: true,
-                    signed,
-                });
+            // Whoever learns the model's id may be answered from the pull
+            // that holds it (`jobs::Early`): a requester that will not
+            // fetch every byte itself (another pull runs, or work an
+            // earlier one left is resumed) proves its access first, and so
+            // does every tenant, so that a refusal looks the same whether
+            // the model is sealed, arriving or neither. Joining a pull that
+            // presents the same credentials is pulling.
+            let lead = self.inflight.try_lock(&sid);
+            let own = lead.is_some() && !source.tenant_named() && {
+                let (r, s) = (root.clone(), sid.clone());
+                !blocking(move || Ok(cache::pull::left_over(&r, &s))).await?
+            };
+            if !own && !self.access.led_by(sid.as_str(), source.as_ref()) {
+                self.access
+                    .admit(sid.as_str(), source.as_ref(), &resolved, outage)
+                    .await?;
+            }
+            sink.resolved(sid.as_str(), &resolved.uri, &resolved.revision);
+            let _joined = match lead {
+                Some(g) => g,
+                None => self.inflight.lock(&sid).await,
+            };
+            let _lead = self.access.lead(sid.as_str(), source.as_ref());
+            if let Some(hit) = self.hit(root, &sid, source.as_ref(), &resolved, signature).await? {
+                return Ok(hit);
             }
             let slot = self.slots.acquire(who).await;
             sink.started(&resolved.uri, total);
@@ -509,7 +481,7 @@ impl Engine {
                     // It read every byte with its own credentials, or proved
                     // its access before peers served them.
                     if let Some(r) = requester {
-                        self.remember_access(&sid, r);
+                        self.access.remember(sid.as_str(), r);
                     }
 
                     m.pull_bytes
@@ -578,37 +550,27 @@ impl Engine {
         result
     }
 
-    /// Proves the requester's access before a hit (`Source::authorize`),
-    /// unless it proved it for this model lately.
-    async fn authorize_hit(
+    /// The sealed model, if it is, for a requester the origin would serve
+    /// (`Access::prove`) and the class's policy admits.
+    async fn hit(
         &self,
-        sid: &str,
+        root: &Root,
+        sid: &SourceId,
         source: &dyn Source,
         resolved: &Resolved,
-    ) -> Result<()> {
-        let Some(requester) = source.requester() else {
-            return Ok(());
+        signature: Option<&Arc<Policy>>,
+    ) -> Result<Option<Pulled>> {
+        let Some(seal) = sealed(root, sid).await? else {
+            return Ok(None);
         };
-        let key = (sid.to_string(), requester);
-        let fresh = self
-            .authorized
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            .is_some_and(|at| at.elapsed() < AUTHORIZED_FOR);
-        if !fresh {
-            source.authorize(resolved).await?;
-            self.remember_access(&key.0, key.1);
-        }
-        Ok(())
-    }
-
-    fn remember_access(&self, sid: &str, requester: String) {
-        let mut seen = self.authorized.lock().unwrap_or_else(|p| p.into_inner());
-        if seen.len() > 10_000 {
-            seen.retain(|_, at| at.elapsed() < AUTHORIZED_FOR);
-        }
-        seen.insert((sid.to_string(), requester), Instant::now());
+        self.access.prove(sid.as_str(), source, resolved).await?;
+        let signed = vouch_sealed(root, sid, &seal, signature).await?;
+        Ok(Some(Pulled {
+            sid: sid.clone(),
+            seal,
+            hit: true,
+            signed,
+        }))
     }
 
     /// Runs a pull's transfer holding `slot` while it moves at least
