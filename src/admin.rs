@@ -95,6 +95,10 @@ pub struct Entry {
     /// sealed, and when volumes of other classes were made over it.
     pub signed_by: Vec<String>,
     pub path: PathBuf,
+    /// Why its seal cannot be read (torn, over its bound, forged): it
+    /// serves no volume, counts as nothing, and is evicted when unused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unreadable: Option<String>,
 }
 
 /// The node whose driver wrote the node-local volume records under
@@ -159,7 +163,11 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
             let root = find(&roots, &id)?;
             let (e, seal) = blocking(move || {
                 let e = entry(&root, &id)?;
-                Ok((e, cache::read_seal(&root, &id)?))
+                let seal = match e.unreadable {
+                    Some(_) => None,
+                    None => cache::read_seal(&root, &id)?,
+                };
+                Ok((e, seal))
             })
             .await?;
             #[derive(Serialize)]
@@ -303,7 +311,11 @@ fn list(roots: &Roots) -> Result<Vec<Entry>> {
 }
 
 fn entry(root: &Root, sid: &str) -> Result<Entry> {
-    let seal = cache::read_seal(root, sid)?;
+    let (seal, unreadable) = match cache::read_seal(root, sid) {
+        Ok(seal) => (seal, None),
+        Err(Error::Precondition(why)) => (None, Some(why)),
+        Err(e) => return Err(e),
+    };
     let model = cache::SourceId::parse(sid).is_some_and(|s| s.is_model());
     let uuids = evict::live_refs(root, sid)?;
     let volumes = uuids.iter().map(|uuid| root.volume_id(uuid)).collect();
@@ -335,6 +347,7 @@ fn entry(root: &Root, sid: &str) -> Result<Entry> {
         writers: cache::writers(root, sid)?,
         signed_by,
         path: root.source(sid).dir,
+        unreadable,
     })
 }
 
@@ -401,6 +414,7 @@ fn table(entries: &[Entry]) -> String {
     ]);
     for e in entries {
         let origin = match (&e.origin, e.sealed) {
+            _ if e.unreadable.is_some() => "(seal unreadable: see `cache show`)".into(),
             (Some(o), _) => o.clone(),
             (None, false) if !e.writers.is_empty() => {
                 format!("(unsealed, written on {})", e.writers.join(", "))
@@ -448,6 +462,11 @@ fn show(e: &Entry, seal: Option<&Seal>) -> String {
     );
     if !e.writers.is_empty() {
         s.push_str(&format!("Writers:   {}\n", e.writers.join(", ")));
+    }
+    if let Some(why) = &e.unreadable {
+        s.push_str(&format!(
+            "Unreadable: {why}; it serves no volume, counts as nothing and is evicted when unused (or `cache evict`)\n"
+        ));
     }
     if e.sealed {
         s.push_str(&format!(

@@ -66,7 +66,9 @@ pub fn write_json_unsynced<T: Serialize>(path: &Path, value: &T) -> io::Result<(
     write_atomic_unsynced(path, &json_bytes(value)?)
 }
 
-fn json_bytes<T: Serialize>(value: &T) -> io::Result<Vec<u8>> {
+/// A record as `write_json` writes it, for a caller that must know its
+/// size before it is written.
+pub fn json_bytes<T: Serialize>(value: &T) -> io::Result<Vec<u8>> {
     let mut bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
     bytes.push(b'\n');
     Ok(bytes)

@@ -14,7 +14,7 @@
 use std::fs;
 use std::time::Duration;
 
-use super::{Root, SourceId, now_unix, read_seal, read_volume, refs, remove_ref};
+use super::{Root, Seal, SourceId, now_unix, read_seal, read_volume, refs, remove_ref};
 use crate::error::{Error, IoContext, Result};
 use crate::state;
 
@@ -141,23 +141,55 @@ pub struct Need {
     pub inodes: u64,
 }
 
-/// Sealed, unreferenced, unpinned models, least recently used first.
+/// A model's seal as accounting reads it: one that cannot be read as a
+/// seal (torn, over its bound, forged on a shared root) costs only its own
+/// model. It is reported, counted as nothing, and evicted as any unused
+/// model is; an I/O error still fails the whole count.
+enum Accounted {
+    Sealed(Box<Seal>),
+    Unreadable,
+    Unsealed,
+}
+
+fn accounted(root: &Root, sid: &str) -> Result<Accounted> {
+    match read_seal(root, sid) {
+        Ok(Some(seal)) => Ok(Accounted::Sealed(Box::new(seal))),
+        Ok(None) => Ok(Accounted::Unsealed),
+        Err(Error::Precondition(why)) => {
+            tracing::warn!(source = sid, %why, "a model's seal cannot be read: it is counted as nothing and evicted when unused (`modelcache-csi cache ls` shows it)");
+            Ok(Accounted::Unreadable)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The models of a root, by id.
+fn models(root: &Root) -> Result<Vec<String>> {
+    let mut ids = state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())?;
+    ids.retain(|sid| SourceId::parse(sid).is_some_and(|s| s.is_model()));
+    Ok(ids)
+}
+
+/// Sealed, unreferenced, unpinned models, least recently used first; a
+/// model whose seal cannot be read is one, of unknown size.
 pub fn candidates(root: &Root) -> Result<Vec<Candidate>> {
     let mut out = Vec::new();
-    for sid in state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())? {
-        if !SourceId::parse(&sid).is_some_and(|s| s.is_model()) || is_pinned(root, &sid) {
+    for sid in models(root)? {
+        if is_pinned(root, &sid) {
             continue;
         }
-        let Some(seal) = read_seal(root, &sid)? else {
-            continue;
+        let (bytes, inodes) = match accounted(root, &sid)? {
+            Accounted::Sealed(seal) => (seal.charged_bytes(), seal.inodes()),
+            Accounted::Unreadable => (0, 0),
+            Accounted::Unsealed => continue,
         };
         if !live_refs(root, &sid)?.is_empty() {
             continue;
         }
         out.push(Candidate {
             last_used: last_used(root, &sid),
-            bytes: seal.charged_bytes(),
-            inodes: seal.inodes(),
+            bytes,
+            inodes,
             sid,
         });
     }
@@ -169,10 +201,8 @@ pub fn candidates(root: &Root) -> Result<Vec<Candidate>> {
 /// for every file, directory and link).
 pub fn usage(root: &Root) -> Result<u64> {
     let mut total = 0u64;
-    for sid in state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())? {
-        if SourceId::parse(&sid).is_some_and(|s| s.is_model())
-            && let Some(seal) = read_seal(root, &sid)?
-        {
+    for sid in models(root)? {
+        if let Accounted::Sealed(seal) = accounted(root, &sid)? {
             total = total.saturating_add(seal.charged_bytes());
         }
     }
@@ -410,6 +440,64 @@ mod tests {
             !refs(&root, &sid).unwrap().contains(&uuid),
             "the reference came back with the model"
         );
+    }
+
+    /// A model whose seal cannot be read (here: over the reader's bound, as
+    /// a model of very many long names once made it) costs only itself:
+    /// usage, candidates and `make_room` go on around it, and, unused, it
+    /// is evicted to make room. Before, each of them failed for the whole
+    /// root.
+    #[test]
+    fn an_unreadable_seal_costs_only_its_own_model() {
+        let d = tempfile::tempdir().unwrap();
+        let root = crate::config::Config::for_node("n", d.path())
+            .roots()
+            .roots
+            .remove(0);
+        let good = format!("m{}", "1".repeat(31));
+        let bad = format!("m{}", "2".repeat(31));
+        let tree = crate::cache::manifest::Tree {
+            files: vec![crate::cache::manifest::FileEntry {
+                path: "w.bin".into(),
+                size: 10_000,
+                sha256: "0".repeat(64),
+                chunks: Vec::new(),
+            }],
+            ..Default::default()
+        };
+        let seal = Seal::new(&good, "s3://m/good", None, tree);
+        fs::create_dir_all(root.source(&good).data()).unwrap();
+        state::write_json(&root.source(&good).seal(), &seal).unwrap();
+        fs::create_dir_all(root.source(&bad).data()).unwrap();
+        let huge = fs::File::create(root.source(&bad).seal()).unwrap();
+        huge.set_len(state::MAX_RECORD_BYTES + 1).unwrap();
+        let garbage = format!("m{}", "3".repeat(31));
+        fs::create_dir_all(root.source(&garbage).data()).unwrap();
+        fs::write(root.source(&garbage).seal(), b"{ torn").unwrap();
+
+        assert_eq!(usage(&root).unwrap(), seal.charged_bytes());
+        let c: Vec<String> = candidates(&root)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.sid)
+            .collect();
+        assert_eq!(c.len(), 3, "{c:?}");
+        // Room is made, the unreadable ones (never used, of unknown size)
+        // evicted first.
+        let other = SourceId::parse(&format!("m{}", "4".repeat(31))).unwrap();
+        let need = Need {
+            bytes: 2,
+            inodes: 1,
+        };
+        let evicted = std::sync::Mutex::new(Vec::new());
+        make_room(&root, need, Some(seal.charged_bytes() + 1), &other, &|s| {
+            evicted.lock().unwrap().push(s.to_string())
+        })
+        .unwrap();
+        let mut first: Vec<String> = evicted.into_inner().unwrap()[..2].to_vec();
+        first.sort();
+        assert_eq!(first, [bad.clone(), garbage.clone()]);
+        assert!(!root.source(&bad).dir.exists() && !root.source(&garbage).dir.exists());
     }
 
     /// A burst of uses writes `last-used` once; a stale one is renewed.

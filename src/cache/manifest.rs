@@ -49,6 +49,109 @@ pub struct Seal {
     pub signed_by: Option<String>,
 }
 
+/// The most a seal may take. Every pull, eviction and capacity report of a
+/// root reads the seals in it (whole, up to `state::MAX_RECORD_BYTES`), and
+/// peers hold them in memory, so a model whose names alone would outgrow
+/// this is refused before its bytes are fetched ([`SealMeter`]), and no
+/// seal over it is ever written.
+pub const MAX_SEAL_BYTES: u64 = 32 << 20;
+
+/// Bytes a file's entry takes in a seal beside its path: its fields, a
+/// sha256, and the pretty printer's indentation.
+const FILE_ENTRY_BYTES: u64 = 192;
+/// Bytes one chunk digest takes in a file's chunk table.
+const CHUNK_ENTRY_BYTES: u64 = 80;
+/// Bytes a directory's or a link's entry takes beside its names.
+const NAME_ENTRY_BYTES: u64 = 64;
+
+/// An upper bound of what a tree's seal takes, counted entry by entry as
+/// the tree becomes known (a listing, or a layer as it unpacks): every
+/// path as JSON escapes it, each directory once (those a path implies
+/// too), each file's chunk table. Stop adding once [`SealMeter::over`]:
+/// what it remembers grows with what it counts.
+#[derive(Debug, Default)]
+pub struct SealMeter {
+    bytes: u64,
+    entries: u64,
+    dirs: std::collections::HashSet<String>,
+}
+
+/// Bytes `s` takes as a JSON string, quotes included.
+fn json_len(s: &str) -> u64 {
+    let escaped = s
+        .chars()
+        .map(|c| match c {
+            '"' | '\\' => 1,
+            c if c.is_control() => 5,
+            _ => 0,
+        })
+        .sum::<u64>();
+    s.len() as u64 + escaped + 2
+}
+
+impl SealMeter {
+    fn add(&mut self, bytes: u64) {
+        self.bytes = self.bytes.saturating_add(bytes);
+        self.entries += 1;
+    }
+
+    /// Every directory above `path`, each once.
+    fn parents(&mut self, path: &str) {
+        for (i, _) in path.match_indices('/') {
+            self.dir(&path[..i]);
+        }
+    }
+
+    /// A file of `size` bytes at `path`.
+    pub fn file(&mut self, path: &str, size: u64) {
+        self.parents(path);
+        let chunks = size.div_ceil(CHUNK_BYTES);
+        self.add(
+            json_len(path)
+                .saturating_add(FILE_ENTRY_BYTES)
+                .saturating_add(chunks.saturating_mul(CHUNK_ENTRY_BYTES)),
+        );
+    }
+
+    /// A directory at `path` (and those above it).
+    pub fn dir(&mut self, path: &str) {
+        if path.is_empty() || self.dirs.contains(path) {
+            return;
+        }
+        self.parents(path);
+        self.dirs.insert(path.to_string());
+        self.add(json_len(path) + NAME_ENTRY_BYTES);
+    }
+
+    /// A symlink at `path` to `target`.
+    pub fn link(&mut self, path: &str, target: &str) {
+        self.parents(path);
+        self.add(json_len(path) + json_len(target) + NAME_ENTRY_BYTES);
+    }
+
+    /// The bound so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Whether the seal would outgrow [`MAX_SEAL_BYTES`].
+    pub fn over(&self) -> bool {
+        self.bytes > MAX_SEAL_BYTES
+    }
+
+    /// Why a tree this meter outgrew is refused, for `what` (a listing,
+    /// a layer).
+    pub fn refusal(&self, what: &str) -> String {
+        format!(
+            "{what} holds more than a seal can record: its first {} entries already take {} bytes \
+             of paths and digests, over the {MAX_SEAL_BYTES} bytes a seal may take (every pull, \
+             eviction and capacity report on the node reads it whole); a model needs fewer or \
+             shorter file names",
+            self.entries, self.bytes
+        )
+    }
+}
+
 /// The filesystem block every file, directory and link is charged at
 /// least: an empty file costs an inode and, on most filesystems, a block,
 /// so a model of 100,000 empty files is not free.
@@ -218,6 +321,26 @@ impl Tree {
 }
 
 impl Seal {
+    /// The seal as written, refused (before anything is made immutable or
+    /// written) when it would outgrow [`MAX_SEAL_BYTES`].
+    pub fn encoded(&self) -> Result<Vec<u8>> {
+        let bytes = crate::state::json_bytes(self)
+            .map_err(|e| Error::Internal(format!("encode the seal of {}: {e}", self.source)))?;
+        if bytes.len() as u64 > MAX_SEAL_BYTES {
+            return Err(Error::OverLimit(format!(
+                "the seal of {} would take {} bytes for its {} files, {} directories and {} links, \
+                 over the {MAX_SEAL_BYTES} bytes a seal may take (every pull, eviction and capacity \
+                 report on the node reads it whole); a model needs fewer or shorter file names",
+                self.origin,
+                bytes.len(),
+                self.files.len(),
+                self.dirs.len(),
+                self.symlinks.len()
+            )));
+        }
+        Ok(bytes)
+    }
+
     pub fn has_dir(&self, rel: &str) -> bool {
         self.dirs.iter().any(|d| d == rel)
     }
@@ -409,6 +532,75 @@ pub fn verify(root: &Path, seal: &Seal, full: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The meter's bound holds for what a seal really takes: names JSON
+    /// escapes, deep directories, chunk tables, links; and a seal over the
+    /// bound is refused before it is written.
+    #[test]
+    fn the_seal_meter_bounds_the_written_seal() {
+        let mut tree = Tree::default();
+        let mut meter = SealMeter::default();
+        for i in 0..500u64 {
+            let path = format!(
+                "d\\{}/q\"{i}/\u{e9}t\u{e9}/{}.bin",
+                i % 7,
+                "w".repeat((i % 200) as usize)
+            );
+            let size = i * 3_000_000;
+            meter.file(&path, size);
+            tree.files.push(FileEntry {
+                chunks: vec!["0".repeat(64); size.div_ceil(CHUNK_BYTES) as usize],
+                path,
+                // As many digits as a size may have, chunks as above.
+                size: 10_000_000_000_000_000 + i,
+                sha256: "f".repeat(64),
+            });
+        }
+        let mut dirs = std::collections::BTreeSet::new();
+        for f in &tree.files {
+            for (i, _) in f.path.match_indices('/') {
+                dirs.insert(f.path[..i].to_string());
+            }
+        }
+        tree.dirs = dirs.into_iter().collect();
+        for i in 0..50 {
+            let (path, target) = (format!("l{i}"), format!("d\\{}/x", i % 7));
+            meter.link(&path, &target);
+            tree.symlinks.push(LinkEntry { path, target });
+        }
+        let seal = Seal::new(
+            &format!("m{}", "a".repeat(31)),
+            "hf://o/m",
+            Some("r".repeat(40)),
+            tree,
+        );
+        let written = seal.encoded().unwrap().len() as u64;
+        assert!(
+            meter.bytes() >= written,
+            "meter {} < written {written}",
+            meter.bytes()
+        );
+        assert!(
+            meter.bytes() < written * 2,
+            "meter {} far above written {written}",
+            meter.bytes()
+        );
+
+        let mut big = seal.clone();
+        big.files = (0..200_000)
+            .map(|i| FileEntry {
+                path: format!("{i:0>200}"),
+                size: 1,
+                sha256: "f".repeat(64),
+                chunks: Vec::new(),
+            })
+            .collect();
+        let e = big.encoded().unwrap_err();
+        assert!(
+            matches!(&e, Error::OverLimit(m) if m.contains("200000 files")),
+            "{e}"
+        );
+    }
 
     fn seal_of(tree: Tree) -> Seal {
         Seal {

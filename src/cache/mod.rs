@@ -431,8 +431,9 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
         let store = root.backend.store();
         let tree = store.scan(root, &src, &sp)?;
         let seal = Seal::new(sid, origin, None, tree);
+        let bytes = seal.encoded()?;
         store.make_immutable(&src, &sp)?;
-        state::write_json(&sp.seal(), &seal).ctx("write seal", &sp.seal())?;
+        state::write_atomic(&sp.seal(), &bytes).ctx("write seal", &sp.seal())?;
         Ok(seal)
     })();
     state::remove_file(&sp.sealing()).ctx("remove sealing marker", &sp.sealing())?;

@@ -163,15 +163,16 @@ impl PullArea {
     ) -> Result<Seal> {
         let tree = self.tree(files)?;
         let signed_by = vouch(&tree, &self.data)?;
+        let mut seal = Seal::new(&self.sid, origin, Some(revision.to_string()), tree);
+        seal.filled_from = filled_from;
+        seal.signed_by = signed_by;
+        let bytes = seal.encoded()?;
         self.store.release_pull(&self.paths)?;
         let confined = self.root.open_pull_area(&self.sid)?;
         self.store.make_immutable(&confined, &self.paths)?;
         drop(confined);
-        let mut seal = Seal::new(&self.sid, origin, Some(revision.to_string()), tree);
-        seal.filled_from = filled_from;
-        seal.signed_by = signed_by;
         let at = self.paths.seal();
-        state::write_json(&at, &seal).ctx("write seal", &at)?;
+        state::write_atomic(&at, &bytes).ctx("write seal", &at)?;
         let place = self.root.source(&self.sid).dir;
         if let Err(e) = fs::rename(&self.paths.dir, &place) {
             if let Some(theirs) = super::read_seal(&self.root, &self.sid)? {

@@ -39,7 +39,7 @@ use crate::puller::source::Compression;
 /// What one layer may still write: what is left of the model's byte and
 /// file limits (and of the cache's room) after the files and layers
 /// before it.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Budget {
     /// Bytes of regular files the layer may write.
     pub bytes: u64,
@@ -49,6 +49,9 @@ pub struct Budget {
     /// Tar entries the layer may hold (files, directories, links, whiteouts).
     pub entries: u64,
     pub entries_limit: String,
+    /// What the model's seal would take, across every layer unpacked with
+    /// this budget: a layer is refused once it outgrows the bound.
+    pub seal: std::sync::Mutex<crate::cache::manifest::SealMeter>,
 }
 
 impl Budget {
@@ -59,6 +62,7 @@ impl Budget {
             bytes_limit: "no limit".into(),
             entries: u64::MAX,
             entries_limit: "no limit".into(),
+            seal: Default::default(),
         }
     }
 }
@@ -328,18 +332,26 @@ impl Layer<'_> {
         {
             return self.whiteout(&name, &comps);
         }
+        let path = comps.join("/");
         match kind {
             EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
+                let size = entry.header().size().unwrap_or(0);
+                self.meter(|m| m.file(&path, size))?;
                 let mode = entry.header().mode().unwrap_or(0o644);
                 self.write_file(&name, &comps, &mut entry, file_mode(mode))
             }
-            EntryType::Directory => self.make_dir(&name, &comps),
+            EntryType::Directory => {
+                self.meter(|m| m.dir(&path))?;
+                self.make_dir(&name, &comps)
+            }
             EntryType::Symlink => {
                 let target = self.link_name(&name, &entry)?;
+                self.meter(|m| m.link(&path, &target))?;
                 self.make_symlink(&name, &comps, &target)
             }
             EntryType::Link => {
                 let target = self.link_name(&name, &entry)?;
+                self.meter(|m| m.file(&path, 0))?;
                 self.make_hardlink(&name, &comps, &target)
             }
             EntryType::Char | EntryType::Block => Err(refuse(&name, "is a device file")),
@@ -349,6 +361,19 @@ impl Layer<'_> {
                 format_args!("has unsupported type {other:?}"),
             )),
         }
+    }
+
+    /// Counts an entry toward the model's seal; refused once the seal
+    /// would outgrow its bound, before the entry is written.
+    fn meter(&self, count: impl FnOnce(&mut crate::cache::manifest::SealMeter)) -> Result<()> {
+        let mut seal = self.budget.seal.lock().unwrap_or_else(|p| p.into_inner());
+        count(&mut seal);
+        if seal.over() {
+            return Err(Error::OverLimit(
+                seal.refusal(&format!("layer {}", self.blob.display())),
+            ));
+        }
+        Ok(())
     }
 
     fn link_name<R: Read>(&self, name: &str, entry: &tar::Entry<'_, R>) -> Result<String> {
@@ -860,6 +885,7 @@ mod tests {
             bytes_limit: "the test's limit".into(),
             entries,
             entries_limit: "the test's entry limit".into(),
+            seal: Default::default(),
         }
     }
 
@@ -944,6 +970,39 @@ mod tests {
             "{err:?}"
         );
         assert!(fs::read_dir(f.dest().join("d")).unwrap().count() <= 100);
+    }
+
+    /// A layer of many files whose names are long (each within NAME_MAX
+    /// and PATH_MAX) stops once its seal would outgrow the bound, saying
+    /// so, long before all of them are written.
+    #[test]
+    fn a_layer_whose_seal_would_outgrow_its_bound_stops() {
+        let f = Fixture::new();
+        let deep: Vec<String> = (b'a'..=b'o')
+            .map(|c| (c as char).to_string().repeat(250))
+            .collect();
+        let deep = deep.join("/");
+        let mut t = Tar::new();
+        for i in 0..12_000 {
+            t = t.file(&format!("{deep}/f-{i:05}-{}", "x".repeat(200)), b"");
+        }
+        let blob = t.write(f.tmp.path(), "bloat.tar");
+        let err = extract(
+            &blob,
+            Compression::None,
+            &f.dest(),
+            &budget(u64::MAX, u64::MAX),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&err, Error::OverLimit(m) if m.contains("a seal may take at most") || m.contains("33554432")),
+            "{err:?}"
+        );
+        let written = fs::read_dir(f.dest().join(&deep)).unwrap().count();
+        assert!(
+            written < 9_000,
+            "{written} files were written before the refusal"
+        );
     }
 
     #[test]

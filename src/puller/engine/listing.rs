@@ -84,6 +84,17 @@ pub(super) fn check_listing(r: &Resolved, limits: &PullLimits) -> Result<Option<
             r.uri, limits.max_bytes
         )));
     }
+    // Layers are metered as they unpack; their blobs are not model files.
+    let mut seal = crate::cache::manifest::SealMeter::default();
+    for f in r.files.iter().filter(|f| f.unpack == Unpack::None) {
+        seal.file(&f.path, f.size.unwrap_or(0));
+        if seal.over() {
+            return Err(Error::OverLimit(format!(
+                "{}; nothing was fetched",
+                seal.refusal(&format!("the listing of {}", r.uri))
+            )));
+        }
+    }
     Ok(total)
 }
 
@@ -109,6 +120,46 @@ pub(super) fn need_of(r: &Resolved, total: Option<u64>) -> (Option<u64>, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The review's model: 100,000 empty files whose paths are about 650
+    /// bytes each (components of at most 255), a seal of some 80 MB, is
+    /// refused before anything is fetched, naming the bound; the same
+    /// count with short names passes.
+    #[test]
+    fn a_listing_whose_seal_would_outgrow_its_bound_is_refused() {
+        let listing = |name: &dyn Fn(usize) -> String| Resolved {
+            uri: "oci://r/bloat:1".into(),
+            revision: "r".into(),
+            files: (0..100_000)
+                .map(|i| RemoteFile {
+                    path: name(i),
+                    size: Some(0),
+                    sha256: None,
+                    locator: String::new(),
+                    unpack: Unpack::None,
+                })
+                .collect(),
+        };
+        let limits = PullLimits {
+            max_bytes: 1 << 40,
+            max_files: 100_000,
+        };
+        let long = |i: usize| {
+            format!(
+                "{}/{}/c-{i:06}-{}",
+                "a".repeat(255),
+                "b".repeat(255),
+                "x".repeat(120)
+            )
+        };
+        let e = check_listing(&listing(&long), &limits).unwrap_err();
+        assert!(
+            matches!(&e, Error::OverLimit(m) if m.contains("33554432") && m.contains("nothing was fetched")),
+            "{e}"
+        );
+        let short = |i: usize| format!("shards/part-{i:06}.bin");
+        check_listing(&listing(&short), &limits).unwrap();
+    }
     /// 20,000 empty files cost 20,000 blocks and as many inodes, not 0.
     #[test]
     fn empty_files_are_charged_a_block_and_an_inode() {

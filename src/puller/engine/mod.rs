@@ -862,6 +862,10 @@ impl Engine {
                 .fold(0, u64::saturating_add);
             let (w, x, r, limits) = (work.clone(), self.extract, root.clone(), pull.limits);
             let plain_files = entries.len() as u64;
+            let mut seal = cache::manifest::SealMeter::default();
+            for e in &entries {
+                seal.file(&e.path, e.size);
+            }
             entries.extend(
                 blocking(move || {
                     let room = cache::evict::available(&r, capacity)?;
@@ -881,6 +885,7 @@ impl Engine {
                             "the model's limit of {} files, --max-model-files or the class's maxModelFiles",
                             limits.max_files
                         ),
+                        seal: std::sync::Mutex::new(seal),
                     };
                     unpack_layers(&w, x, layers, budget)
                 })
