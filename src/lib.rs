@@ -28,6 +28,7 @@ pub mod progressive; // progressive volumes: a FUSE view of a model still arrivi
 pub mod provision; // requests turned into volumes: resolve, plan, execute, seal, delete
 pub mod puller; // model URIs fetched and sealed by the driver
 pub mod requests; // CSI requests as a CO sends them, for the demo, benchmarks and tests
+pub mod retry; // work that may pass later, tried again with the crate's one backoff
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
 #[cfg(test)]
 mod rootless; // the rootless tier: both services in process over the fake mounter

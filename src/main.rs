@@ -319,6 +319,11 @@ struct ServeArgs {
     /// every 15 s, so editing it rotates the token.
     #[arg(long)]
     peer_token_secret: Option<String>,
+    /// Create this Secret (key `token`) with a random peer token in the
+    /// driver's namespace unless it exists: the controller does it once at
+    /// install, so that node plugins only read it (--peer-token-secret).
+    #[arg(long)]
+    create_peer_token_secret: Option<String>,
     /// Uploads to peers served at once; more are told to go elsewhere.
     #[arg(long, default_value_t = 16)]
     peer_max_uploads: usize,
@@ -642,6 +647,28 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     for p in modelcache_csi::identity::problems(&cfg) {
         tracing::warn!(problem = %p, "a backend is not usable; Probe will report not ready");
     }
+    if let Some(name) = a.create_peer_token_secret.clone().filter(|n| !n.is_empty()) {
+        let client = kube::Client::try_default().await.map_err(|e| {
+            anyhow::anyhow!("--create-peer-token-secret needs Kubernetes API access: {e}")
+        })?;
+        let namespace = a
+            .peer_namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| client.default_namespace().to_string());
+        tokio::spawn(async move {
+            let made = modelcache_csi::retry::retry(
+                "create the peer token",
+                PEER_TOKEN_CREATE,
+                modelcache_csi::retry::transient,
+                || modelcache_csi::peer::ensure_token_secret(client.clone(), &namespace, &name),
+            )
+            .await;
+            if let Err(e) = made {
+                tracing::error!(error = %e, "could not create the peer token; node plugins wait for it");
+            }
+        });
+    }
     // The CSI socket is bound before kubelet can hear of it: kubelet calls
     // NodeGetInfo on it as soon as it sees the registration socket.
     let listener = modelcache_csi::uds::bind(&server::socket_path(&a.endpoint)?)?;
@@ -683,6 +710,14 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long the controller keeps trying to create the peer token while
+/// the API does not answer.
+const PEER_TOKEN_CREATE: modelcache_csi::retry::Backoff = modelcache_csi::retry::Backoff {
+    first: std::time::Duration::from_secs(1),
+    max: std::time::Duration::from_secs(30),
+    total: std::time::Duration::from_secs(3600),
+};
 
 fn registrar(a: &ServeArgs, cfg: &Config) -> anyhow::Result<Option<registration::Registrar>> {
     let Some(dir) = &a.registration_dir else {

@@ -72,10 +72,18 @@ pub const SECRET_KEY: &str = "token";
 
 const REFRESH_EVERY: Duration = Duration::from_secs(15);
 
+/// How long a node plugin waits at start for the peer token's Secret,
+/// which the controller creates at install.
+const SECRET_WAIT: crate::retry::Backoff = crate::retry::Backoff {
+    first: Duration::from_secs(1),
+    max: Duration::from_secs(15),
+    total: Duration::from_secs(300),
+};
+
 impl Tokens {
-    /// Reads the tokens once; a missing Secret is created with a random
-    /// token (every node races to create it, and all read the winner's).
-    /// An unreadable file or an empty or short token is an error at start.
+    /// Reads the tokens once, waiting (up to `SECRET_WAIT`) for a Secret
+    /// the controller has not created yet. An unreadable file or an empty
+    /// or short token is an error at start.
     pub async fn open(source: PeerToken, client: kube::Client, namespace: &str) -> Result<Tokens> {
         let secrets = matches!(source, PeerToken::Secret(_))
             .then(|| kube::Api::<Secret>::namespaced(client, namespace));
@@ -84,7 +92,13 @@ impl Tokens {
             secrets,
             cached: Mutex::new(Vec::new()),
         };
-        t.refresh().await?;
+        crate::retry::retry(
+            "read the peer token",
+            SECRET_WAIT,
+            crate::retry::transient,
+            || t.refresh(),
+        )
+        .await?;
         Ok(t)
     }
 
@@ -155,30 +169,48 @@ impl Tokens {
     }
 }
 
-/// The tokens in Secret `name`, creating it with a random token if absent.
+/// The tokens in Secret `name`. Node plugins never create it (their
+/// account may not create Secrets): the controller does, once
+/// ([`ensure_token_secret`]).
 async fn secret_tokens(api: &kube::Api<Secret>, name: &str) -> Result<String> {
     let api_error = |e: kube::Error| {
         Error::Precondition(format!(
-            "--peer-token-secret {name}: {e}; the node plugin's service account needs get and create on secrets in its namespace"
+            "--peer-token-secret {name}: {e}; the node plugin's service account needs get on that Secret (resourceNames) in its namespace"
         ))
     };
-    let read = |s: Secret| -> Result<String> {
-        let data = s.data.unwrap_or_default();
-        let v = data.get(SECRET_KEY).ok_or_else(|| {
-            Error::invalid(
-                "--peer-token-secret",
-                format!("Secret {name} has no key {SECRET_KEY:?}"),
-            )
-        })?;
-        String::from_utf8(v.0.clone()).map_err(|_| {
-            Error::invalid(
-                "--peer-token-secret",
-                format!("Secret {name}'s {SECRET_KEY} is not text"),
-            )
-        })
+    let s = api.get_opt(name).await.map_err(api_error)?.ok_or_else(|| {
+        Error::Transient(format!(
+            "--peer-token-secret {name} does not exist yet: the controller creates it at install (--create-peer-token-secret), or create it yourself with a key {SECRET_KEY:?}"
+        ))
+    })?;
+    let data = s.data.unwrap_or_default();
+    let v = data.get(SECRET_KEY).ok_or_else(|| {
+        Error::invalid(
+            "--peer-token-secret",
+            format!("Secret {name} has no key {SECRET_KEY:?}"),
+        )
+    })?;
+    String::from_utf8(v.0.clone()).map_err(|_| {
+        Error::invalid(
+            "--peer-token-secret",
+            format!("Secret {name}'s {SECRET_KEY} is not text"),
+        )
+    })
+}
+
+/// Creates Secret `name` in `namespace` with a random peer token unless it
+/// exists: the controller's job at install, so that no node's account may
+/// create Secrets. An existing one (made by an admin, or rotated) is left
+/// alone.
+pub async fn ensure_token_secret(client: kube::Client, namespace: &str, name: &str) -> Result<()> {
+    let api = kube::Api::<Secret>::namespaced(client, namespace);
+    let api_error = |e: kube::Error| {
+        Error::Transient(format!(
+            "--create-peer-token-secret {name}: {e}; the controller's service account needs get and create on Secrets in {namespace}"
+        ))
     };
-    if let Some(s) = api.get_opt(name).await.map_err(api_error)? {
-        return read(s);
+    if api.get_opt(name).await.map_err(api_error)?.is_some() {
+        return Ok(());
     }
     let mut raw = [0u8; 32];
     getrandom(&mut raw)?;
@@ -189,9 +221,11 @@ async fn secret_tokens(api: &kube::Api<Secret>, name: &str) -> Result<String> {
     }))
     .expect("a valid Secret");
     match api.create(&Default::default(), &secret).await {
-        Ok(s) => read(s).or_else(|_| Ok(hex::encode(raw))),
-        // Another node created it first: use that one.
-        Err(kube::Error::Api(e)) if e.code == 409 => read(api.get(name).await.map_err(api_error)?),
+        Ok(_) => {
+            tracing::info!(secret = name, "created the cluster's peer token");
+            Ok(())
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
         Err(e) => Err(api_error(e)),
     }
 }

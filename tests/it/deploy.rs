@@ -217,10 +217,29 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
     (CONTROLLER, "get", "secrets", ALL, false),
     (RESCHEDULER, "get", "secrets", "team-a", false),
     (RESCHEDULER, "get", "secrets", NS, false),
-    // The provisioner secrets, by name, in the driver's own namespace only.
-    (NODE, "get", "secrets", NS, true),
+    // The provisioner secrets and the peer token, by name, in the
+    // driver's own namespace only; no other Secret there.
+    (NODE, "get", "secrets", NS, false),
+    (NODE, "get", "secrets=modelcache-credentials", NS, true),
+    (NODE, "get", "secrets=modelcache-csi-peer-token", NS, true),
+    (NODE, "get", "secrets=admin-token", NS, false),
     (NODE, "list", "secrets", NS, false),
-    (CONTROLLER, "get", "secrets", NS, true),
+    (CONTROLLER, "get", "secrets", NS, false),
+    (
+        CONTROLLER,
+        "get",
+        "secrets=modelcache-credentials",
+        NS,
+        true,
+    ),
+    (
+        CONTROLLER,
+        "get",
+        "secrets=modelcache-csi-peer-token",
+        NS,
+        true,
+    ),
+    (CONTROLLER, "get", "secrets=admin-token", NS, false),
     (CONTROLLER, "watch", "secrets", NS, false),
     // Events: the sidecars write core events, the driver and rescheduler
     // events.k8s.io; nobody reads them.
@@ -268,9 +287,14 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
         "team-a",
         false,
     ),
-    (NODE, "create", "secrets", NS, true),
+    // The peer token is the controller's to create, once; no node may
+    // create a Secret (a service-account token among them).
+    (NODE, "create", "secrets", NS, false),
     (NODE, "create", "secrets", "team-a", false),
     (NODE, "update", "secrets", NS, false),
+    (CONTROLLER, "create", "secrets", NS, true),
+    (CONTROLLER, "create", "secrets", "team-a", false),
+    (CONTROLLER, "update", "secrets", NS, false),
     (RESCHEDULER, "update", "nodes", ALL, false),
     // A tenant with `edit` in team-a reads its own Secrets and claims,
     // nothing of the driver's and nothing of the cluster's.
@@ -533,19 +557,16 @@ fn the_node_plugin_touches_only_its_drivers_pvs_on_its_own_node() {
             false,
             "of driver modelcache.csi.io",
         ),
-        (pv("a2", ours, "node-b"), None, true, ""),
-        (
-            pv("h2", host, "node-a"),
-            None,
-            false,
-            "of driver modelcache.csi.io",
-        ),
+        // A token that names no node (not a pod's bound token) writes
+        // nothing.
+        (pv("a2", ours, "node-b"), None, false, "bound token"),
+        (pv("h2", host, "node-a"), None, false, "bound token"),
     ] {
         let (done, err) = create(&yaml, node);
         assert_eq!(done, ok, "{node:?}: {err}\n{yaml}");
         assert!(err.contains(why), "{err}");
     }
-    // The admin and the central controller are not narrowed by it.
+    // The admin is not narrowed by it.
     let out = api.kubectl_stdin(
         &["create", "--dry-run=server", "-f", "-"],
         &pv("h3", host, "x"),
@@ -555,6 +576,334 @@ fn the_node_plugin_touches_only_its_drivers_pvs_on_its_own_node() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The steps of the security review's H-3, M-3 and M-4, run against the
+/// real apiserver with the base applied, each as the account that would
+/// take it: a node plugin (its bound token naming node-a) or the central
+/// controller. Each is refused, by RBAC or by an admission policy, while
+/// what each account must do still goes through.
+#[test]
+fn a_driver_account_reaches_nothing_beyond_its_own() {
+    let api = apiserver::ApiServer::start().expect("start apiserver");
+    let base = format!("{}/deploy/csi-driver/base", env!("CARGO_MANIFEST_DIR"));
+    kubectl_ok(&api, &["apply", "-f", &format!("{base}/namespace.yaml")]);
+    kubectl_ok(&api, &["apply", "-k", &base]);
+    tenants(&api);
+    // As `sa` (with `node` as its bound token's node name): apply, create
+    // or replace `yaml`, or run `args`, server-side.
+    let run = |sa: &str, node: Option<&str>, args: &[&str], yaml: Option<&str>| {
+        let who = format!("--as=system:serviceaccount:{NS}:{sa}");
+        let extra =
+            node.map(|n| format!("--as-user-extra=authentication.kubernetes.io/node-name={n}"));
+        let mut all: Vec<&str> = args.to_vec();
+        all.push(&who);
+        all.extend(extra.as_deref());
+        let out = match yaml {
+            Some(y) => api.kubectl_stdin(&all, y),
+            None => api.kubectl(&all),
+        };
+        (
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let node = |args: &[&str], yaml: Option<&str>| run(NODE, Some("node-a"), args, yaml);
+    let controller = |args: &[&str], yaml: Option<&str>| run(CONTROLLER, None, args, yaml);
+    let create = ["create", "--dry-run=server", "-f", "-"];
+    let replace = ["replace", "--dry-run=server", "-f", "-"];
+    // The node patches PVs and Leases (RBAC grants it no update there).
+    let patch = |kind: &str, name: &str, p: &str| {
+        node(
+            &[
+                "-n",
+                NS,
+                "patch",
+                kind,
+                name,
+                "--dry-run=server",
+                "--type=merge",
+                "-p",
+                p,
+            ],
+            None,
+        )
+    };
+
+    // What the admin made: a Secret that is not the peer token, a pending
+    // claim of team-b, another node's PV, the resizer's leader Lease.
+    // Created, not applied: `kubectl replace` below would rewrite an
+    // applied object's last-applied annotation, which no provisioner does.
+    let made = api.kubectl_stdin(
+        &["create", "-f", "-"],
+        &format!(
+            "apiVersion: v1\nkind: Secret\nmetadata: {{name: admin-token, namespace: {NS}}}\nstringData: {{token: admin}}\n---\n\
+             apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: pending\n  namespace: team-b\n  annotations: {{modelcache.csi.io/source: 'hf://org/m', volume.kubernetes.io/selected-node: node-b}}\n  finalizers: [kubernetes.io/pvc-protection]\nspec: {{accessModes: [ReadOnlyMany], resources: {{requests: {{storage: 1Gi}}}}, storageClassName: modelcache-cache-local}}\n---\n\
+             apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: pv-node-b}}\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadOnlyMany]\n  csi: {{driver: modelcache.csi.io, volumeHandle: local-b}}\n  nodeAffinity: {{required: {{nodeSelectorTerms: [{{matchExpressions: [{{key: topology.modelcache.csi.io/node, operator: In, values: [node-b]}}]}}]}}}}\n---\n\
+             apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: pv-node-a}}\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadOnlyMany]\n  csi: {{driver: modelcache.csi.io, volumeHandle: local-a}}\n  nodeAffinity: {{required: {{nodeSelectorTerms: [{{matchExpressions: [{{key: topology.modelcache.csi.io/node, operator: In, values: [node-a]}}]}}]}}}}\n---\n\
+             apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: external-resizer-modelcache-csi-io, namespace: {NS}}}\nspec: {{holderIdentity: controller-0, leaseDurationSeconds: 15}}\n---\n\
+             apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: modelcache-peer-node-b, namespace: {NS}}}\nspec: {{holderIdentity: node-b, leaseDurationSeconds: 45}}\n---\n\
+             apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: modelcache-pull-mb, namespace: {NS}}}\nspec: {{holderIdentity: node-b, leaseDurationSeconds: 45}}\n"
+        ),
+    );
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    // An object as the API holds it now, with `edit` applied to its JSON.
+    let edited =
+        |kind: &str, ns: Option<&str>, name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+            let mut args = vec!["get", kind, name, "-o", "json"];
+            if let Some(ns) = ns {
+                args.extend(["-n", ns]);
+            }
+            let mut v: serde_json::Value = serde_json::from_str(&kubectl_ok(&api, &args)).unwrap();
+            edit(&mut v);
+            v.to_string()
+        };
+    let sa_token_secret = |sa: &str| {
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: mint\n  namespace: {NS}\n  annotations: {{kubernetes.io/service-account.name: {sa}}}\ntype: kubernetes.io/service-account-token\n"
+        )
+    };
+    // A policy takes a moment to be enforced after it is created.
+    let start = std::time::Instant::now();
+    while patch(
+        "pv",
+        "pv-node-b",
+        r#"{"metadata":{"annotations":{"probe":"x"}}}"#,
+    )
+    .0
+    {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the admission policies never took effect"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+
+    type Step<'a> = (&'a str, (bool, String), bool, &'a str);
+    let steps: Vec<Step> = vec![
+        // H-3: a token for another account, another Secret read.
+        (
+            "node mints a token for the controller's account",
+            node(&create, Some(&sa_token_secret(CONTROLLER))),
+            false,
+            "forbidden",
+        ),
+        (
+            "controller mints a token for itself",
+            controller(&create, Some(&sa_token_secret(CONTROLLER))),
+            false,
+            "only create the peer token",
+        ),
+        (
+            "controller creates another Secret",
+            controller(
+                &create,
+                Some(&format!(
+                    "apiVersion: v1\nkind: Secret\nmetadata: {{name: other, namespace: {NS}}}\nstringData: {{a: b}}\n"
+                )),
+            ),
+            false,
+            "only create the peer token",
+        ),
+        (
+            "controller creates the peer token",
+            controller(
+                &create,
+                Some(&format!(
+                    "apiVersion: v1\nkind: Secret\nmetadata: {{name: modelcache-csi-peer-token, namespace: {NS}}}\ntype: Opaque\nstringData: {{token: 0123456789abcdef0123}}\n"
+                )),
+            ),
+            true,
+            "",
+        ),
+        (
+            "node reads a Secret that is not the peer token",
+            node(&["-n", NS, "get", "secret", "admin-token"], None),
+            false,
+            "forbidden",
+        ),
+        (
+            "controller creates a hostPath PV",
+            controller(
+                &create,
+                Some(
+                    "apiVersion: v1\nkind: PersistentVolume\nmetadata: {name: h}\nspec:\n  capacity: {storage: 1Gi}\n  accessModes: [ReadWriteOnce]\n  hostPath: {path: /}\n",
+                ),
+            ),
+            false,
+            "of driver modelcache.csi.io",
+        ),
+        // M-3: another node's PV, a tenant's pending claim.
+        (
+            "node rebinds another node's PV",
+            patch(
+                "pv",
+                "pv-node-b",
+                r#"{"spec":{"claimRef":{"namespace":"team-a","name":"mine"}}}"#,
+            ),
+            false,
+            "bound to its own node",
+        ),
+        (
+            "node rebinds its own PV",
+            patch(
+                "pv",
+                "pv-node-a",
+                r#"{"spec":{"claimRef":{"namespace":"team-a","name":"mine"}}}"#,
+            ),
+            false,
+            "never its spec",
+        ),
+        (
+            "node annotates its own PV",
+            patch(
+                "pv",
+                "pv-node-a",
+                r#"{"metadata":{"annotations":{"modelcache.csi.io/applied":"x"}}}"#,
+            ),
+            true,
+            "",
+        ),
+        (
+            "node rewrites a pending claim's source",
+            node(
+                &replace,
+                Some(&edited("pvc", Some("team-b"), "pending", &|v| {
+                    v["metadata"]["annotations"]["modelcache.csi.io/source"] = "hf://evil/m".into()
+                })),
+            ),
+            false,
+            "never add or change",
+        ),
+        (
+            "node forges shared-with consent",
+            node(
+                &replace,
+                Some(&edited("pvc", Some("team-b"), "pending", &|v| {
+                    v["metadata"]["annotations"]["modelcache.csi.io/shared-with"] = "*".into()
+                })),
+            ),
+            false,
+            "never add or change",
+        ),
+        (
+            "node selects itself for a claim",
+            node(
+                &replace,
+                Some(&edited("pvc", Some("team-b"), "pending", &|v| {
+                    v["metadata"]["annotations"]["volume.kubernetes.io/selected-node"] =
+                        "node-a".into()
+                })),
+            ),
+            false,
+            "never add or change",
+        ),
+        (
+            "node clears a claim's selected node",
+            node(
+                &replace,
+                Some(&edited("pvc", Some("team-b"), "pending", &|v| {
+                    v["metadata"]["annotations"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("volume.kubernetes.io/selected-node");
+                })),
+            ),
+            true,
+            "",
+        ),
+        (
+            "node adds the clone-source finalizer",
+            node(
+                &replace,
+                Some(&edited("pvc", Some("team-b"), "pending", &|v| {
+                    v["metadata"]["finalizers"]
+                        .as_array_mut()
+                        .unwrap()
+                        .push("provisioner.storage.kubernetes.io/cloning-protection".into())
+                })),
+            ),
+            true,
+            "",
+        ),
+        // M-4: Leases that are not this node's.
+        (
+            "node takes the resizer's leader Lease",
+            patch(
+                "lease",
+                "external-resizer-modelcache-csi-io",
+                r#"{"spec":{"holderIdentity":"node-a"}}"#,
+            ),
+            false,
+            "only its own node's peer Lease",
+        ),
+        (
+            "node rewrites another node's peer Lease",
+            patch(
+                "lease",
+                "modelcache-peer-node-b",
+                r#"{"metadata":{"annotations":{"modelcache.csi.io/models":""}}}"#,
+            ),
+            false,
+            "Leases its own node holds",
+        ),
+        (
+            "node deletes another node's claim",
+            node(
+                &[
+                    "-n",
+                    NS,
+                    "delete",
+                    "--dry-run=server",
+                    "lease",
+                    "modelcache-pull-mb",
+                ],
+                None,
+            ),
+            false,
+            "Leases its own node holds",
+        ),
+        (
+            "node publishes its own peer Lease",
+            node(
+                &create,
+                Some(&format!(
+                    "apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: modelcache-peer-node-a, namespace: {NS}}}\nspec: {{holderIdentity: node-a, leaseDurationSeconds: 45}}\n"
+                )),
+            ),
+            true,
+            "",
+        ),
+        (
+            "node takes over a claim for itself",
+            patch(
+                "lease",
+                "modelcache-pull-mb",
+                r#"{"spec":{"holderIdentity":"node-a"}}"#,
+            ),
+            true,
+            "",
+        ),
+    ];
+    let wrong: Vec<String> = steps
+        .iter()
+        .filter(|(_, (ok, out), want, why)| ok != want || (!want && !out.contains(why)))
+        .map(|(what, (ok, out), want, why)| {
+            format!(
+                "{what}: allowed {ok}, wanted {want} ({why}): {}",
+                out.trim()
+            )
+        })
+        .collect();
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 #[test]
