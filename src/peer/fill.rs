@@ -224,15 +224,21 @@ impl Fill for PeerFill {
         }))
     }
 
-    /// The listing a sealed peer's seal gives, when it seals exactly the
-    /// pinned model (same id, URI and revision) and holds only files (no
-    /// links to recreate). Its sha256s are that peer's word, unless the
-    /// URI pins them itself (`#sha256=`): then the pin's are used.
+    /// The listing sealed peers' seals give while the origin is down, when
+    /// they seal exactly the pinned model (same id, URI and revision) and
+    /// hold only files (no links to recreate). Their sha256s are peers'
+    /// word, so one peer's is not enough: unless the URI pins every file's
+    /// sha256 itself (`#sha256=`, then the pin's are used), at least
+    /// `CONFIRMED_BY` peers' seals must agree on every file's path, size
+    /// and sha256, so that no single node (its driver compromised, its
+    /// Lease forged) gets its bytes sealed here.
     async fn listing(&self, root: &Root, sid: &SourceId, pin: &Pinned) -> Option<Resolved> {
         if !super::fillable(root) {
             return None;
         }
         let holders = self.dir.holders(sid.as_str(), true).await;
+        let pinned = !pin.files.is_empty();
+        let mut agreeing: Vec<(String, Vec<(String, u64, String)>)> = Vec::new();
         for peer in holders.iter().filter(|p| p.models.contains(sid.as_str())) {
             let Some(seal) = self.seal_of(peer, sid.as_str()).await else {
                 continue;
@@ -240,36 +246,60 @@ impl Fill for PeerFill {
             let same = seal.origin == pin.uri
                 && seal.revision.as_deref() == Some(pin.revision.as_str())
                 && seal.symlinks.is_empty()
-                && (pin.files.is_empty()
-                    || pin.files.keys().eq(seal.files.iter().map(|f| &f.path)));
+                && (!pinned || pin.files.keys().eq(seal.files.iter().map(|f| &f.path)));
             if !same {
                 warn!(peer = %peer.node, "its seal does not match the pinned model; not used while the origin is down");
                 continue;
             }
-            let files = seal
+            let files: Vec<(String, u64, String)> = seal
                 .files
                 .iter()
-                .map(|f| RemoteFile {
-                    path: f.path.clone(),
-                    size: Some(f.size),
-                    sha256: Some(
-                        pin.files
-                            .get(&f.path)
-                            .cloned()
-                            .unwrap_or_else(|| f.sha256.clone()),
-                    ),
-                    locator: String::new(),
-                    unpack: Unpack::None,
+                .map(|f| {
+                    let sha = pin
+                        .files
+                        .get(&f.path)
+                        .cloned()
+                        .unwrap_or_else(|| f.sha256.to_ascii_lowercase());
+                    (f.path.clone(), f.size, sha)
                 })
                 .collect();
-            info!(peer = %peer.node, "the origin is down: the pinned model's listing comes from a peer's seal");
-            return Some(Resolved {
-                uri: pin.uri.clone(),
-                revision: pin.revision.clone(),
-                files,
-            });
+            if let Some((first, theirs)) = agreeing.first()
+                && *theirs != files
+            {
+                warn!(peer = %peer.node, other = %first, "two peers' seals of the pinned model disagree; no listing is taken from peers while the origin is down");
+                return None;
+            }
+            agreeing.push((peer.node.clone(), files));
+            if pinned || agreeing.len() >= CONFIRMED_BY {
+                break;
+            }
         }
-        None
+        if !pinned && agreeing.len() < CONFIRMED_BY {
+            if !agreeing.is_empty() {
+                warn!(
+                    peers = agreeing.len(),
+                    "the origin is down and fewer peers than a listing needs hold the pinned model sealed ({CONFIRMED_BY} that agree, or a URI that pins every file's sha256)"
+                );
+            }
+            return None;
+        }
+        let (_, files) = agreeing.into_iter().next()?;
+        let files = files
+            .into_iter()
+            .map(|(path, size, sha256)| RemoteFile {
+                path,
+                size: Some(size),
+                sha256: Some(sha256),
+                locator: String::new(),
+                unpack: Unpack::None,
+            })
+            .collect();
+        info!("the origin is down: the pinned model's listing comes from peers' seals that agree");
+        Some(Resolved {
+            uri: pin.uri.clone(),
+            revision: pin.revision.clone(),
+            files,
+        })
     }
 
     fn ended(&self, _root: &Root, sid: &SourceId, _sealed: bool) {
@@ -308,13 +338,26 @@ async fn hand_on(tx: &tokio::sync::mpsc::Sender<Result<Bytes>>, bytes: Bytes) ->
     true
 }
 
-/// The chunk table every sealed copy of a file records, or none. Sealed
-/// copies of one file hold one table; copies that disagree mean one of
-/// them lies, and none is taken at its word (the file is then gated by
-/// the origin's sha256 alone).
+/// How many peers must state the same thing before it is taken without
+/// the origin's word: a listing while the origin is down, a chunk table
+/// that lets a progressive volume read a file before its verdict.
+const CONFIRMED_BY: usize = 2;
+
+/// The chunk table every sealed copy of a file records, when at least
+/// `CONFIRMED_BY` copies record it, or none. Sealed copies of one file
+/// hold one table; copies that disagree mean one of them lies, and none
+/// is taken at its word; nor is one copy's alone (the file is then gated
+/// by the origin's sha256 alone).
 fn agreed_table<'a>(mut tables: impl Iterator<Item = &'a Vec<String>>) -> Option<Vec<String>> {
     let first = tables.next()?;
-    tables.all(|t| t == first).then(|| first.clone())
+    let mut seen = 1;
+    for t in tables {
+        if t != first {
+            return None;
+        }
+        seen += 1;
+    }
+    (seen >= CONFIRMED_BY).then(|| first.clone())
 }
 
 /// A peer and what it holds.
@@ -861,7 +904,8 @@ mod tests {
         let honest = table(&["aa", "bb", "cc"]);
         let liar = table(&["aa", "bb", "dd"]);
         let short = table(&["aa", "bb"]);
-        assert_eq!(agreed_table([&honest].into_iter()), Some(honest.clone()));
+        // One copy alone is not confirmed: a liar's table would pass.
+        assert_eq!(agreed_table([&honest].into_iter()), None);
         assert_eq!(
             agreed_table([&honest, &honest.clone()].into_iter()),
             Some(honest.clone())
