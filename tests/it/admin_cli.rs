@@ -8,61 +8,6 @@ use std::fs;
 use std::process::Command;
 
 use crate::support::harness::*;
-use serde_json::Value;
-
-struct Run {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
-fn cli(d: &Driver, args: &[&str]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
-        .arg("cache")
-        .arg("--state-dir")
-        .arg(&d.state_dir)
-        .arg("--shared-path")
-        .arg(&d.shared_dir)
-        .arg("--node-id")
-        .arg(NODE)
-        .args(args)
-        .output()
-        .expect("run modelcache-csi cache");
-    ran(out)
-}
-
-fn ran(out: std::process::Output) -> Run {
-    Run {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-#[track_caller]
-fn json(r: &Run) -> Value {
-    assert!(r.ok, "failed: {}{}", r.stdout, r.stderr);
-    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout))
-}
-
-fn models(d: &Driver) -> Vec<Value> {
-    json(&cli(d, &["ls", "--output", "json"]))
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["kind"] == "model")
-        .cloned()
-        .collect()
-}
-
-/// Waits until `cache ls` lists a sealed model: a class without
-/// `progressive` answers once every file is verified, and the seal follows.
-fn sealed_soon(d: &Driver) {
-    assert!(
-        eventually(std::time::Duration::from_secs(30), || !models(d).is_empty()),
-        "no model sealed"
-    );
-}
 
 #[tokio::test]
 async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
@@ -81,8 +26,9 @@ async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
 
     // ls: the pulled model, its origin, size, files and the volume using it
     // (once sealed: the create answered once every file was verified).
-    sealed_soon(&d);
-    let m = models(&d);
+    let m = d
+        .wait_sealed(&[&v.volume_context["source"]], SEAL_BOUND)
+        .await;
     assert_eq!(m.len(), 1, "{m:?}");
     let id = m[0]["id"].as_str().unwrap().to_string();
     assert_eq!(m[0]["origin"], uri.as_str());
@@ -91,9 +37,9 @@ async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
     assert_eq!(m[0]["bytes"], bytes);
     assert_eq!(m[0]["volumes"], serde_json::json!([v.volume_id]));
     assert_eq!(m[0]["pinned"], false);
-    let table = cli(&d, &["ls"]);
+    let table = d.cli(&["ls"]);
     assert!(table.ok && table.stdout.contains(&id) && table.stdout.contains("LAST USED"));
-    let shown = cli(&d, &["show", &id]);
+    let shown = d.cli(&["show", &id]);
     assert!(
         shown.ok
             && shown.stdout.contains("model.safetensors")
@@ -103,7 +49,7 @@ async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
     );
 
     // evict refuses a model in use, and names who uses it.
-    let r = cli(&d, &["evict", &id]);
+    let r = d.cli(&["evict", &id]);
     assert!(!r.ok, "evicted a model in use: {}", r.stdout);
     assert!(
         r.stderr.contains(&v.volume_id) && r.stderr.contains("in use"),
@@ -112,7 +58,7 @@ async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
     );
 
     // verify: clean, then a flipped byte is reported with the file's name.
-    let report = json(&cli(&d, &["verify", &id, "--output", "json"]));
+    let report = d.cli(&["verify", &id, "--output", "json"]).json();
     assert_eq!(report["mismatches"], serde_json::json!([]));
     let weights = d
         .source_dir("local", &id)
@@ -121,7 +67,7 @@ async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
     let mut b = fs::read(&weights).unwrap();
     b[4096] ^= 1;
     fs::write(&weights, &b).unwrap();
-    let r = cli(&d, &["verify", &id]);
+    let r = d.cli(&["verify", &id]);
     assert!(!r.ok, "a flipped byte went unnoticed");
     assert!(
         r.stdout.contains("model.safetensors: sha256") && r.stderr.contains("does not match"),
@@ -132,20 +78,20 @@ async fn an_operator_sees_verifies_pins_and_evicts_what_the_node_caches() {
 
     // pin and unpin; a pinned model is not evicted even when unused.
     d.delete(&v.volume_id).await.unwrap();
-    assert!(cli(&d, &["pin", &id]).ok);
-    assert_eq!(models(&d)[0]["pinned"], true);
-    let r = cli(&d, &["evict", &id]);
+    assert!(d.cli(&["pin", &id]).ok);
+    assert_eq!(d.models()[0]["pinned"], true);
+    let r = d.cli(&["evict", &id]);
     assert!(!r.ok && r.stderr.contains("pinned"), "{}", r.stderr);
-    assert!(cli(&d, &["unpin", &id]).ok);
-    let gone = json(&cli(&d, &["evict", &id, "--output", "json"]));
+    assert!(d.cli(&["unpin", &id]).ok);
+    let gone = d.cli(&["evict", &id, "--output", "json"]).json();
     assert_eq!(gone["id"], id.as_str());
-    assert!(models(&d).is_empty());
+    assert!(d.models().is_empty());
     assert!(!d.source_dir("local", &id).exists());
 
     // Nonsense is refused with the field named.
-    let r = cli(&d, &["show", "../etc"]);
+    let r = d.cli(&["show", "../etc"]);
     assert!(!r.ok && r.stderr.contains("ID"), "{}", r.stderr);
-    let r = cli(&d, &["evict", &format!("m{}", "f".repeat(31))]);
+    let r = d.cli(&["evict", &format!("m{}", "f".repeat(31))]);
     assert!(
         !r.ok && r.stderr.contains("none of this node's roots"),
         "{}",
@@ -160,7 +106,7 @@ async fn a_prefetched_model_is_ready_for_the_next_volume_at_no_cost() {
     write_model(&dir, 8);
     let uri = format!("file://{}", dir.display());
     // Not a terminal: plain progress lines on stderr, the outcome on stdout.
-    let r = cli(&d, &["prefetch", &uri, "--pin"]);
+    let r = d.cli(&["prefetch", &uri, "--pin"]);
     assert!(r.ok, "{}{}", r.stdout, r.stderr);
     assert!(r.stderr.contains("pulling file://"), "{}", r.stderr);
     assert!(
@@ -168,10 +114,10 @@ async fn a_prefetched_model_is_ready_for_the_next_volume_at_no_cost() {
         "{}",
         r.stdout
     );
-    let m = models(&d);
+    let m = d.models();
     assert_eq!(m.len(), 1);
     assert_eq!(m[0]["pinned"], true);
-    let again = json(&cli(&d, &["prefetch", &uri, "--output", "json"]));
+    let again = d.cli(&["prefetch", &uri, "--output", "json"]).json();
     assert_eq!(again["already_cached"], true);
 
     let v = d
@@ -186,7 +132,7 @@ async fn a_prefetched_model_is_ready_for_the_next_volume_at_no_cost() {
         v.volume_context.get("model").map(String::as_str),
         Some(uri.as_str())
     );
-    let m = models(&d);
+    let m = d.models();
     assert_eq!(m.len(), 1, "the volume pulled a model of its own: {m:?}");
     let prefetched = m.iter().find(|e| e["id"] == again["id"]).unwrap();
     assert!(
@@ -213,10 +159,11 @@ async fn verify_reads_an_xfs_image_through_a_read_only_mount() {
         ))
         .await
         .expect("create an xfs volume from the model URI");
-    let m = models(&d);
+    // Listed at once: an xfs volume answers only once its model is sealed.
+    let m = d.models();
     let id = m[0]["id"].as_str().unwrap().to_string();
     assert_eq!(m[0]["backend"], "xfs");
-    let report = json(&cli(&d, &["verify", &id, "--output", "json"]));
+    let report = d.cli(&["verify", &id, "--output", "json"]).json();
     assert_eq!(report["mismatches"], serde_json::json!([]));
     assert_eq!(report["files"], 4);
     // Nothing of the check stays mounted or attached.
@@ -237,10 +184,13 @@ async fn cache_flags_are_its_own_and_follow_the_verb() {
     let dir = d.dir.join("model");
     write_model(&dir, 7);
     let uri = format!("file://{}", dir.display());
-    d.create(create_req("m1", &[("source", &uri)], READER))
+    let v = d
+        .create(create_req("m1", &[("source", &uri)], READER))
         .await
         .expect("pull");
-    sealed_soon(&d);
+    // Answered once every file was verified: ls shows it once sealed.
+    d.wait_sealed(&[&v.volume_context["source"]], SEAL_BOUND)
+        .await;
     let bin = env!("CARGO_BIN_EXE_modelcache-csi");
     let help = Command::new(bin)
         .args(["cache", "--help"])
@@ -262,8 +212,8 @@ async fn cache_flags_are_its_own_and_follow_the_verb() {
         .env_remove("NODE_NAME")
         .output()
         .unwrap();
-    let r = ran(out);
-    let listed = json(&r);
+    let r = CliRun::from(out);
+    let listed = r.json();
     assert!(
         listed
             .as_array()
@@ -275,7 +225,7 @@ async fn cache_flags_are_its_own_and_follow_the_verb() {
     );
     assert_eq!(
         listed,
-        json(&cli(&d, &["ls", "--output", "json"])),
+        d.cli(&["ls", "--output", "json"]).json(),
         "flags before and after the verb differ"
     );
 }

@@ -12,22 +12,25 @@ fn value(text: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// A scrape once the volume gauges show `staged` and `published`: they
-/// follow the mount table in the background, a moment after a change.
-async fn scrape_when(port: u16, staged: f64, published: f64) -> String {
+/// A scrape once the volume gauges show `staged` and `published` (they
+/// follow the mount table in the background, a moment after a change),
+/// and each of `also` shows its value.
+async fn scrape_when(port: u16, staged: f64, published: f64, also: &[(&str, f64)]) -> String {
     let t0 = std::time::Instant::now();
+    let mut want = vec![
+        ("modelcache_volumes{state=\"staged\"}", staged),
+        ("modelcache_volumes{state=\"published\"}", published),
+    ];
+    want.extend_from_slice(also);
     loop {
         let text = http_get(port, "/metrics");
-        let now = (
-            value(&text, "modelcache_volumes{state=\"staged\"}"),
-            value(&text, "modelcache_volumes{state=\"published\"}"),
-        );
-        if now == (Some(staged), Some(published)) {
+        let now: Vec<Option<f64>> = want.iter().map(|(s, _)| value(&text, s)).collect();
+        if want.iter().zip(&now).all(|((_, v), got)| *got == Some(*v)) {
             return text;
         }
         assert!(
             t0.elapsed() < std::time::Duration::from_secs(5),
-            "after 5 s the gauges show (staged, published) = {now:?}, not ({staged}, {published}):\n{text}"
+            "after 5 s the series {want:?} show {now:?}:\n{text}"
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
@@ -45,6 +48,10 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
         .create(create_req("m1", &[("source", &uri)], READER))
         .await
         .expect("pull");
+    // Answered once every file was verified; a cache hit is of the sealed
+    // model, and the pull counts once it is sealed.
+    d.wait_sealed(&[&v1.volume_context["source"]], SEAL_BOUND)
+        .await;
     d.create(create_req("m2", &[("source", &uri)], READER))
         .await
         .expect("hit");
@@ -64,18 +71,22 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
         health.starts_with("HTTP/1.1 200") && health.ends_with("ok\n"),
         "{health}"
     );
-    let text = scrape_when(port, 1.0, 1.0).await;
+    // The counters are the job's, which may end a moment after its
+    // volume was answered: the scrape waits for them too (5 s at most).
+    let text = scrape_when(
+        port,
+        1.0,
+        1.0,
+        &[
+            (
+                "modelcache_pulls_total{scheme=\"file\",outcome=\"sealed\"}",
+                1.0,
+            ),
+            ("modelcache_cache_hits_total{scheme=\"file\"}", 1.0),
+        ],
+    )
+    .await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    let pulled = value(
-        &text,
-        "modelcache_pulls_total{scheme=\"file\",outcome=\"sealed\"}",
-    );
-    assert_eq!(pulled, Some(1.0), "{text}");
-    assert_eq!(
-        value(&text, "modelcache_cache_hits_total{scheme=\"file\"}"),
-        Some(1.0),
-        "{text}"
-    );
     assert!(
         value(&text, "modelcache_pull_bytes_total{scheme=\"file\"}").unwrap() >= (1 << 20) as f64
     );
@@ -104,7 +115,7 @@ async fn metrics_follow_pulls_rpcs_and_mounts() {
 
     d.unpublish(&v1.volume_id, &target).await.unwrap();
     d.unstage(&v1.volume_id, &staging).await.unwrap();
-    scrape_when(port, 0.0, 0.0).await;
+    scrape_when(port, 0.0, 0.0, &[]).await;
 }
 
 /// A burst at both paths of the real driver: every answer right, and the

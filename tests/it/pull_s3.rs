@@ -147,10 +147,10 @@ async fn the_real_model_is_pulled_once_and_served_read_only_byte_for_byte() {
     );
     assert_erofs(&target.join("config.json"));
 
-    // The seal matches the original files. (A create answers once every
-    // file is verified; the seal follows.)
-    let seal_at = d.source_dir("local", source).join("seal.json");
-    assert!(eventually(Duration::from_secs(30), || seal_at.exists()));
+    // The seal matches the original files. (The operator sees it sealed
+    // first: a create may answer once every file is verified, before the
+    // seal.)
+    d.wait_sealed(&[source], SEAL_BOUND).await;
     let seal: serde_json::Value = serde_json::from_slice(
         &std::fs::read(d.source_dir("local", source).join("seal.json")).unwrap(),
     )

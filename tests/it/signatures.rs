@@ -11,7 +11,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
-use std::time::Duration;
 
 use crate::support::fixtures::{HUB_REPO, HUB_SHA, HubServer};
 use crate::support::harness::*;
@@ -292,30 +291,6 @@ fn signed_by(v: &Volume) -> Option<&str> {
     v.volume_context.get("signedBy").map(String::as_str)
 }
 
-/// `modelcache-csi cache ARGS` on the driver's state, as an operator runs it.
-fn cache_cli(d: &Driver, args: &[&str]) -> String {
-    run(Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
-        .arg("cache")
-        .arg("--state-dir")
-        .arg(&d.state_dir)
-        .arg("--shared-path")
-        .arg(&d.shared_dir)
-        .arg("--node-id")
-        .arg(NODE)
-        .args(args))
-}
-
-/// The sealed models `cache ls --output json` lists.
-fn sealed_models(d: &Driver) -> Vec<Value> {
-    let all: Value = serde_json::from_str(&cache_cli(d, &["ls", "--output", "json"])).unwrap();
-    all.as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["kind"] == "model" && e["sealed"] == true)
-        .cloned()
-        .collect()
-}
-
 #[tokio::test]
 async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_signed() {
     let d = Driver::start().await;
@@ -396,15 +371,11 @@ async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_
     assert_eq!(signed_by(&v), None);
 
     // The operator sees who signed each sealed model. The plain class
-    // answered once its model was verified; its seal follows.
-    let seal = d
-        .source_dir("local", &v.volume_context["source"])
-        .join("seal.json");
-    assert!(
-        eventually(Duration::from_secs(30), || seal.exists()),
-        "the plain model never sealed"
-    );
-    let models = sealed_models(&d);
+    // answered once its model was verified; its seal follows (the signed
+    // ones answered sealed).
+    let models = d
+        .wait_sealed(&[&v.volume_context["source"]], SEAL_BOUND)
+        .await;
     assert_eq!(models.len(), 4, "{models:#?}");
     let signers = |origin: &Path| -> Value {
         models
@@ -423,7 +394,9 @@ async fn models_signed_by_the_cli_seal_under_a_key_or_a_certificate_and_say_who_
         .as_str()
         .unwrap()
         .to_string();
-    let shown = cache_cli(&d, &["show", &id]);
+    let shown = d.cli(&["show", &id]);
+    assert!(shown.ok, "{}{}", shown.stdout, shown.stderr);
+    let shown = shown.stdout;
     assert!(shown.contains(&format!("Signed by: {signer}")), "{shown}");
 }
 
@@ -519,7 +492,7 @@ async fn changed_added_removed_files_and_foreign_signatures_are_refused_and_noth
         assert_code(r, Code::FailedPrecondition, why);
     }
     assert_eq!(
-        sealed_models(&d),
+        d.models(),
         Vec::<Value>::new(),
         "a refused model was sealed"
     );
@@ -624,7 +597,7 @@ async fn a_cache_hit_is_judged_by_the_asking_class_from_its_seal_without_fetchin
     );
 
     // Both signers show where the operator looks.
-    let models = sealed_models(&d);
+    let models = d.models();
     assert_eq!(models.len(), 1, "{models:#?}");
     assert_eq!(
         models[0]["signed_by"],
@@ -663,7 +636,7 @@ async fn a_listing_without_the_signature_is_refused_before_anything_is_fetched()
         s.message()
     );
     assert_eq!(weight_gets(&hub), 0, "{:?}", hub.requests());
-    assert_eq!(sealed_models(&d), Vec::<Value>::new());
+    assert_eq!(d.models(), Vec::<Value>::new());
 }
 
 #[tokio::test]
@@ -943,7 +916,7 @@ async fn keyless_signatures_verify_offline_against_the_trusted_root_for_the_clas
         Code::FailedPrecondition,
         "signs \"config.json\" with sha256",
     );
-    assert_eq!(sealed_models(&d).len(), 1);
+    assert_eq!(d.models().len(), 1);
     drop(d);
 
     // The same signature, checked against sigstore's public-good root (the
@@ -1004,5 +977,5 @@ async fn an_oci_artifact_carries_its_signature_as_a_layer() {
         Code::FailedPrecondition,
         "signs \"model.safetensors\" with sha256",
     );
-    assert_eq!(sealed_models(&d).len(), 1);
+    assert_eq!(d.models().len(), 1);
 }

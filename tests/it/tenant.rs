@@ -485,6 +485,10 @@ async fn tenants_reach_only_what_the_class_allows() {
         ))
         .await
         .expect("the token holder pulls the gated model");
+    // The tries below are hits of the sealed copy (the create may answer
+    // before the seal).
+    d.wait_sealed(&[&first.volume_context["source"]], SEAL_BOUND)
+        .await;
     c.admin(&format!(
         "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: gated-b\n  namespace: team-b\n  annotations: {{{ANNOTATION}: \"{hub_uri}\", modelcache.csi.io/source-secret: hf}}\nspec:\n  accessModes: [ReadOnlyMany]\n  resources: {{requests: {{storage: 1Gi}}}}\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: gated-none\n  namespace: team-b\n  annotations: {{{ANNOTATION}: \"{hub_uri}\"}}\nspec:\n  accessModes: [ReadOnlyMany]\n  resources: {{requests: {{storage: 1Gi}}}}\n"
     ));

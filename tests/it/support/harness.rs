@@ -27,6 +27,8 @@ pub const XFS_BYTES: i64 = 300 * MIB;
 pub struct Driver {
     /// Canonical temp dir holding everything below.
     pub dir: PathBuf,
+    /// The node this driver serves (`--node-id`).
+    pub node_id: String,
     pub state_dir: PathBuf,
     pub shared_dir: PathBuf,
     pub socket: PathBuf,
@@ -96,6 +98,7 @@ impl Driver {
         };
         Driver {
             dir,
+            node_id: node_id.to_string(),
             state_dir,
             shared_dir,
             socket,
@@ -313,6 +316,134 @@ impl Driver {
             }
             token = page.next_token;
         }
+    }
+}
+
+// ---- the operator's CLI: what a user watches on a node ----
+
+/// How long a model may take to seal after a create answered before its
+/// seal (a class without `progressive` answers once every file is
+/// verified; the seal follows): far more than the moment it takes, so
+/// that only a seal that never comes fails.
+pub const SEAL_BOUND: Duration = Duration::from_secs(60);
+
+/// What one run of `modelcache-csi cache ...` said.
+pub struct CliRun {
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl From<std::process::Output> for CliRun {
+    fn from(out: std::process::Output) -> CliRun {
+        CliRun {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+impl CliRun {
+    /// Its stdout as JSON; fails the test if the run failed.
+    #[track_caller]
+    pub fn json(&self) -> serde_json::Value {
+        assert!(self.ok, "failed: {}{}", self.stdout, self.stderr);
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("{e}: {}", self.stdout))
+    }
+}
+
+/// `modelcache-csi cache ARGS` on a node's roots, as a separate process.
+fn run_cli(state_dir: &Path, shared_dir: &Path, node_id: &str, args: &[String]) -> CliRun {
+    Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
+        .arg("cache")
+        .arg("--state-dir")
+        .arg(state_dir)
+        .arg("--shared-path")
+        .arg(shared_dir)
+        .arg("--node-id")
+        .arg(node_id)
+        .args(args)
+        .output()
+        .expect("run modelcache-csi cache")
+        .into()
+}
+
+/// The sealed models in a `cache ls --output json` listing.
+fn sealed_in(listing: &serde_json::Value) -> Vec<serde_json::Value> {
+    listing
+        .as_array()
+        .expect("cache ls --output json lists an array")
+        .iter()
+        .filter(|e| e["kind"] == "model" && e["sealed"] == true)
+        .cloned()
+        .collect()
+}
+
+impl Driver {
+    /// `modelcache-csi cache ARGS` on this driver's roots, run as its own
+    /// process, as an operator runs it in the node plugin's container.
+    pub fn cli(&self, args: &[&str]) -> CliRun {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        run_cli(&self.state_dir, &self.shared_dir, &self.node_id, &args)
+    }
+
+    /// The sealed models `cache ls --output json` lists now.
+    #[track_caller]
+    pub fn models(&self) -> Vec<serde_json::Value> {
+        sealed_in(&self.cli(&["ls", "--output", "json"]).json())
+    }
+
+    /// Polls `cache ls` (off the runtime, every 100 ms) until `done` holds
+    /// of the sealed models it lists, or `bound` passes: Ok with that
+    /// listing, or Err saying what it listed last (or how it failed).
+    pub async fn sealed_within(
+        &self,
+        bound: Duration,
+        done: impl Fn(&[serde_json::Value]) -> bool,
+    ) -> Result<Vec<serde_json::Value>, String> {
+        let deadline = Instant::now() + bound;
+        let last = loop {
+            let (state, shared, node) = (
+                self.state_dir.clone(),
+                self.shared_dir.clone(),
+                self.node_id.clone(),
+            );
+            let run = tokio::task::spawn_blocking(move || {
+                let ls = ["ls", "--output", "json"].map(String::from);
+                run_cli(&state, &shared, &node, &ls)
+            })
+            .await
+            .expect("run cache ls");
+            // A failed listing is not an answer: the next poll asks again.
+            let last = match run.ok {
+                true => {
+                    let models = sealed_in(&run.json());
+                    if done(&models) {
+                        return Ok(models);
+                    }
+                    format!("{models:#?}")
+                }
+                false => format!("cache ls failed: {}{}", run.stdout, run.stderr),
+            };
+            if Instant::now() > deadline {
+                break last;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        Err(last)
+    }
+
+    /// Waits, at most `bound`, until `cache ls` lists every one of `sids`
+    /// as a sealed model (a create may answer before its model's seal);
+    /// then every sealed model it lists.
+    pub async fn wait_sealed(&self, sids: &[&str], bound: Duration) -> Vec<serde_json::Value> {
+        let all_in = |m: &[serde_json::Value]| sids.iter().all(|s| m.iter().any(|e| e["id"] == *s));
+        self.sealed_within(bound, all_in)
+            .await
+            .unwrap_or_else(|last| {
+                panic!("{sids:?} not all sealed after {bound:?}; cache ls lists: {last}")
+            })
     }
 }
 
