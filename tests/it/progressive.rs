@@ -492,22 +492,23 @@ async fn paced_pull_with(faults: impl FnOnce(&crate::support::fixtures::FileServ
 
 /// The serving half on a real pull: the engine fetches a model over HTTP
 /// (paced) in listing order, each file's gate opens as the engine verifies
-/// it, and a reader of the shards in order reads the first one long before
-/// the pull ends, every byte exact, the last ones after the seal moved the
-/// area into place.
+/// it, and a reader of the shards in order reads the first one while the
+/// pull still fetches the rest (how long before its end is printed), every
+/// byte exact, the last ones after the seal moved the area into place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
     let p = paced_pull().await;
     let (mnt, started) = (p.m.mnt(), p.started);
-    // The "inference server": reads every shard in order, timing each.
+    // The "inference server": reads every shard in order, timing each and
+    // noting whether every file was verified when the read returned.
     let reader = {
-        let (mnt, listing) = (mnt.clone(), p.listing.clone());
+        let (mnt, listing, partial) = (mnt.clone(), p.listing.clone(), p.partial.clone());
         std::thread::spawn(move || {
             listing
                 .iter()
                 .map(|(p, _)| {
                     let bytes = fs::read(mnt.join(p));
-                    (p.clone(), bytes, started.elapsed())
+                    (p.clone(), bytes, started.elapsed(), partial.all_verified())
                 })
                 .collect::<Vec<_>>()
         })
@@ -518,18 +519,18 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
     let read = tokio::task::spawn_blocking(move || reader.join().unwrap())
         .await
         .unwrap();
-    for (i, (path, bytes, _)) in read.iter().enumerate() {
+    for (i, (path, bytes, _, _)) in read.iter().enumerate() {
         let bytes = bytes.as_ref().unwrap_or_else(|e| panic!("{path}: {e}"));
         if i > 0 {
             assert!(*bytes == p.shards[i - 1], "{path}: wrong bytes");
         }
     }
-    let first_shard = read[1].2;
-    assert!(
-        first_shard * 2 < pull_took,
-        "the first shard was read at {first_shard:?}, the pull took {pull_took:?}"
-    );
+    let (first_shard, all_verified_then) = (read[1].2, read[1].3);
     eprintln!("first shard read at {first_shard:?} of a {pull_took:?} pull");
+    assert!(
+        !all_verified_then,
+        "the first shard was read only once every file was verified (at {first_shard:?} of a {pull_took:?} pull)"
+    );
 }
 
 /// A reader that wants the last shard first (a loader that opens the
@@ -547,15 +548,19 @@ async fn a_read_of_a_file_far_down_the_listing_jumps_the_fill_queue() {
     }
     let last = p.listing.last().unwrap().0.clone();
     let reader = {
-        let (path, started) = (p.m.mnt().join(&last), p.started);
-        std::thread::spawn(move || (fs::read(path), started.elapsed()))
+        let (path, started, partial) = (p.m.mnt().join(&last), p.started, p.partial.clone());
+        std::thread::spawn(move || {
+            let bytes = fs::read(path);
+            (bytes, started.elapsed(), partial.all_verified())
+        })
     };
     let pulled = p.pull.await.unwrap().expect("the pull seals");
     let pull_took = p.started.elapsed();
     assert_eq!(pulled.sid.as_str(), p.sid);
-    let (bytes, at) = tokio::task::spawn_blocking(move || reader.join().unwrap())
-        .await
-        .unwrap();
+    let (bytes, at, all_verified_then) =
+        tokio::task::spawn_blocking(move || reader.join().unwrap())
+            .await
+            .unwrap();
     assert!(bytes.unwrap() == p.shards[3], "{last}: wrong bytes");
     let order = order.lock().unwrap().clone();
     let pos = |name: &str| order.iter().position(|p| p == name).unwrap();
@@ -564,9 +569,11 @@ async fn a_read_of_a_file_far_down_the_listing_jumps_the_fill_queue() {
         pos(&last) < pos(&p.listing[2].0),
         "the wanted shard did not jump the queue: {order:?}"
     );
+    // And it was read while the pull still fetched the shards it jumped
+    // (how long before the pull's end is the machine's figure, printed).
     assert!(
-        at * 10 < pull_took * 7,
-        "{last} read at {at:?}, the pull took {pull_took:?}"
+        !all_verified_then,
+        "{last} was read only once every file was verified (at {at:?} of a {pull_took:?} pull)"
     );
 }
 
@@ -598,8 +605,10 @@ fn timed_read(path: &Path) -> Duration {
 }
 
 /// Once verified, a file is read by the kernel itself (FUSE passthrough):
-/// no READ reaches the daemon, and a cold sequential read runs at the
-/// speed of reading the backing file directly. A file opened through the
+/// no READ reaches the daemon, so a cold sequential read runs at the speed
+/// of reading the backing file directly (both timed and printed; the disk
+/// is shared with whatever else runs, so the ratio is not asserted: the
+/// daemon's READ count is the claim). A file opened through the
 /// daemon while it was pending keeps that mode, and a later open of it
 /// still reads right.
 #[test]
@@ -643,10 +652,6 @@ fn a_verified_file_is_read_by_passthrough_at_the_speed_of_its_backing_file() {
     direct.sort();
     let ratio = through_view[1].as_secs_f64() / direct[1].as_secs_f64();
     eprintln!("passthrough {through_view:?} direct {direct:?} ratio {ratio:.2}");
-    assert!(
-        ratio < 1.5,
-        "passthrough read took {ratio:.2}x the direct read"
-    );
 
     // Opened while pending: the open waits for the verdict, and the file
     // is then read by passthrough like any verified one (a handle opened

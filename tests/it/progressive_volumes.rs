@@ -95,8 +95,9 @@ fn listed(dir: &Path) -> Vec<(String, u64)> {
     files
 }
 
-/// Published within a quarter of the transfer; the whole tree shown at
-/// once with final sizes; the first shard read before half the transfer;
+/// Published before the model is sealed; the whole tree shown at once
+/// with final sizes; the first shard read before the seal (how soon, in
+/// each case, is printed: the machine's figure as much as the driver's);
 /// every byte exact; an mmap reader of the last shard gets it whole;
 /// writes fail with EROFS; after the seal a new stage is the ordinary
 /// read-only bind, and the view staged before it keeps serving.
@@ -141,13 +142,17 @@ async fn a_progressive_volume_is_published_before_its_model_arrives_and_reads_on
     );
     assert_erofs(&target.join("new-file"));
 
-    // The "inference server": every shard in order, timed; and an mmap
+    // The "inference server": every shard in order, timed, each read
+    // noting whether the model was sealed when it returned; and an mmap
     // reader of the last shard beside it.
     let reader = {
-        let t = target.clone();
+        let (t, seal) = (target.clone(), seal_of(&d, &sid));
         std::thread::spawn(move || {
             (0..SHARDS)
-                .map(|i| (fs::read(t.join(shard_name(i))), started.elapsed()))
+                .map(|i| {
+                    let bytes = fs::read(t.join(shard_name(i)));
+                    (bytes, started.elapsed(), seal.exists())
+                })
                 .collect::<Vec<_>>()
         })
     };
@@ -163,7 +168,7 @@ async fn a_progressive_volume_is_published_before_its_model_arrives_and_reads_on
     let read = tokio::task::spawn_blocking(move || reader.join().unwrap())
         .await
         .unwrap();
-    for (i, (bytes, _)) in read.iter().enumerate() {
+    for (i, (bytes, _, _)) in read.iter().enumerate() {
         let bytes = bytes
             .as_ref()
             .unwrap_or_else(|e| panic!("{}: {e}", shard_name(i)));
@@ -173,17 +178,13 @@ async fn a_progressive_volume_is_published_before_its_model_arrives_and_reads_on
         .await
         .unwrap();
     assert!(mapped == o.shards[SHARDS - 1], "mmap: wrong bytes");
-    let first_shard = read[0].1;
+    let (first_shard, sealed_then) = (read[0].1, read[0].2);
     eprintln!(
         "published at {published:?}, first shard read at {first_shard:?}, model sealed at {pull_took:?}"
     );
     assert!(
-        published * 4 < pull_took,
-        "published at {published:?}, the transfer took {pull_took:?}"
-    );
-    assert!(
-        first_shard * 2 < pull_took,
-        "the first shard was read at {first_shard:?}, the transfer took {pull_took:?}"
+        !sealed_then,
+        "the first shard was read only once the model was sealed ({first_shard:?}; sealed at {pull_took:?})"
     );
 
     // A pod starting after the seal gets the ordinary read-only bind; the
