@@ -134,6 +134,12 @@ pvc_events() {
 }
 
 has_event() { pvc_events "$1" "$2" | cut -f1 | matches -x "$3"; }
+pod_has_event() { pod_events "$1" "$2" | cut -f1 | matches -x "$3"; }
+
+# model_sealed NS PVC [SECONDS]: waits (60 s unless told) for the PVC's
+# ModelSealed event. A pulled model's PVC binds, and its pods run, once
+# every file is verified: the seal, and its event, may come a moment later.
+model_sealed() { wait_until "${3:-60}" "ModelSealed on PVC $1/$2" has_event "$1" "$2" ModelSealed; }
 
 # What a reader pod prints: the model's checksums (paths relative to /model),
 # then the outcome of a write.
