@@ -70,10 +70,13 @@ fi
 # A private mount namespace: whatever a failing test leaves mounted dies with it.
 log "cargo test"
 set +e
-# Tests whose claim is a ratio of times run alone after the rest, so the
-# figure is the driver's and not its neighbours': peer fill's fan-out (with
-# its 1 GiB model then) measured 1.58x beside the rest of the suite on 2
-# cores, its bound being 1.5x; alone, with 512 MiB, 1.26x. The rootless tier runs below, as nobody, to prove it needs no root.
+# Tests that need quiet cores run alone after the rest. Peer fill's
+# fan-out no longer asserts a ratio of times (it prints it, shown below;
+# docs/benchmarks.md keeps the claim), but its bound on the origin's bytes
+# holds only while eight node processes serve each other's chunks within
+# the protocol's waits: a starved peer's chunk comes from the origin
+# instead (CI saw 1.17x once, alone). The rootless tier runs below, as
+# nobody, to prove it needs no root.
 ALONE=(peer_fill::eight_nodes_filling_at_once_cost_the_origin_one_copy)
 skips=(--skip rootless::)
 for t in "${ALONE[@]}"; do skips+=(--skip "$t"); done
@@ -81,7 +84,7 @@ unshare -m --propagation private cargo test --locked --no-fail-fast -- "${skips[
 cargo_rc=${PIPESTATUS[0]}
 log "timing tests, one at a time: ${ALONE[*]}"
 for t in "${ALONE[@]}"; do
-  unshare -m --propagation private cargo test --locked --test it -- --exact "$t" 2>&1 | tee -a "$TARGET/cargo-test.log"
+  unshare -m --propagation private cargo test --locked --test it -- --exact "$t" --show-output 2>&1 | tee -a "$TARGET/cargo-test.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || cargo_rc=1
 done
 log "rootless tier (src/rootless.rs), as uid 65534"
@@ -152,5 +155,7 @@ if [ "$leaks" -gt 0 ]; then
 fi
 echo
 grep -h '^e2e-storage:' "$TARGET/e2e-deployed.log" || true
+# Each failed check, its first error line and its log (nothing when none).
+timeout 60 python3 "$ROOT/tests/scripts/failures.py" "$TARGET" || true
 echo "summary: $passed passed, $failed failed"
 [ "$cargo_rc" -eq 0 ] && [ "$sanity_rc" -eq 0 ] && [ "$fuzz_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$leaks" -eq 0 ]
