@@ -718,11 +718,12 @@ async fn bench() {
     }
 }
 
-/// The Hub goes down after node A pulled a model. A pull of the model
-/// pinned to its commit is built from A alone (the listing from A's seal,
-/// every byte checked against it); the same model at `main` cannot be
-/// resolved and waits for the Hub (Unavailable). Likewise an OCI artifact
-/// pinned by digest while its registry is down.
+/// The Hub goes down after nodes A and C pulled a model. A pull of the
+/// model pinned to its commit is built from peers alone (the listing from
+/// their seals, which agree, every byte checked against it), but not from
+/// one peer's word: with C away it waits for the Hub. The same model at
+/// `main` cannot be resolved and waits for the Hub (Unavailable). Likewise
+/// an OCI artifact pinned by digest while its registry is down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
     use crate::support::fixtures::{HUB_SHA, HubServer};
@@ -749,9 +750,23 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
         .expect("A pulls from the Hub");
     let sid = va.volume_context["source"].clone();
     advertised(&api, "node-a", &sid).await;
+    let (mut c, _) = node("node-c", &api, &tokens).await;
+    create_with(&c, "pvc-c", &hf(&pinned))
+        .await
+        .expect("C pulls while the Hub is up");
+    assert_exact(&c, &sid, &model).await;
+    advertised(&api, "node-c", &sid).await;
+    // C goes away: A alone holds the model when the Hub goes down.
+    c.kill_9();
+    let out = api.kubectl(&["delete", "lease", "modelcache-peer-node-c"]);
+    assert!(out.status.success(), "{out:?}");
     drop(hub);
 
     let (b, _) = node("node-b", &api, &tokens).await;
+    let err = create_with(&b, "pvc-b", &hf(&pinned)).await.unwrap_err();
+    assert_waits_for_the_origin(&err);
+    c.restart().await;
+    advertised(&api, "node-c", &sid).await;
     let vb = create_with(&b, "pvc-b", &hf(&pinned))
         .await
         .unwrap_or_else(|s| panic!("B, Hub down: {:?}: {}", s.code(), s.message()));
@@ -791,6 +806,10 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
         .expect("A pulls from the registry");
     let osid = oa.volume_context["source"].clone();
     advertised(&api, "node-a", &osid).await;
+    create_with(&c, "pvc-oci-c", &oci)
+        .await
+        .expect("C pulls from the registry");
+    advertised(&api, "node-c", &osid).await;
     reg.stop();
     let ob = create_with(&b, "pvc-oci-b", &oci)
         .await
@@ -1124,9 +1143,9 @@ async fn sealed_xfs_images_serve_peers_through_a_mount_closed_when_idle() {
 }
 
 /// A request the origin resolved once keeps that revision: its retry
-/// while the origin is down is built from a peer that sealed exactly that
-/// revision, though the URI pins nothing; another request for the same
-/// URI, never resolved, waits for the origin.
+/// while the origin is down is built from peers that sealed exactly that
+/// revision (two, whose seals agree), though the URI pins nothing; another
+/// request for the same URI, never resolved, waits for the origin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_keeps_the_revision_the_origin_gave_it_while_the_origin_is_down() {
     let api = ApiServer::start().expect("start apiserver");
@@ -1138,10 +1157,17 @@ async fn a_retry_keeps_the_revision_the_origin_gave_it_while_the_origin_is_down(
     let va = pull(&a, "pvc-a", &uri).await;
     let sid = va.volume_context["source"].clone();
     advertised(&api, "node-a", &sid).await;
-    // A goes away for a while: nobody can serve B but the origin.
-    a.kill_9();
-    let out = api.kubectl(&["delete", "lease", "modelcache-peer-node-a"]);
-    assert!(out.status.success(), "{out:?}");
+    let (mut c, _) = node("node-c", &api, &tokens).await;
+    pull(&c, "pvc-c", &uri).await;
+    c.wait_sealed(&[&sid], SEAL_BOUND).await;
+    advertised(&api, "node-c", &sid).await;
+    // A and C go away for a while: nobody can serve B but the origin.
+    for (d, n) in [(&mut a, "node-a"), (&mut c, "node-c")] {
+        d.kill_9();
+        let lease = format!("modelcache-peer-{n}");
+        let out = api.kubectl(&["delete", "lease", &lease]);
+        assert!(out.status.success(), "{out:?}");
+    }
 
     // B's first attempt: the origin lists the model, then fails every
     // download, until the pull gives up.
@@ -1176,10 +1202,12 @@ async fn a_retry_keeps_the_revision_the_origin_gave_it_while_the_origin_is_down(
         "B pulled while the origin failed every download"
     );
 
-    // A is back, the origin is gone. B's retry of the same request is
-    // pinned to the revision the origin gave it, and built from A.
+    // A and C are back, the origin is gone. B's retry of the same request
+    // is pinned to the revision the origin gave it, and built from them.
     a.restart().await;
+    c.restart().await;
     advertised(&api, "node-a", &sid).await;
+    advertised(&api, "node-c", &sid).await;
     drop(origin);
     let params = [
         ("backend".to_string(), "local".to_string()),
@@ -1196,13 +1224,14 @@ async fn a_retry_keeps_the_revision_the_origin_gave_it_while_the_origin_is_down(
     assert_waits_for_the_origin(&err);
 }
 
-/// Issue #24, per-chunk gates: a node filling a progressive volume from a
-/// sealed peer serves each 8 MiB chunk of a shard as soon as the pull's
-/// hasher matched it against the peer's chunk table, not once the whole
-/// shard is verified. The peer's uploads are paced (one 64 MiB shard at
-/// 16 MiB/s, about 4 s); the first chunk is read, exact, while the shard
-/// is still arriving (not yet in place, which it is from its verdict on),
-/// and the rest of it reads exact through the same handle.
+/// Issue #24, per-chunk gates: a node filling a progressive volume from
+/// sealed peers serves each 8 MiB chunk of a shard as soon as the pull's
+/// hasher matched it against the chunk table two peers' seals agree on
+/// (one peer's alone is not taken: `fill::agreed_table`), not once the
+/// whole shard is verified. The peers' uploads are paced (one 64 MiB shard
+/// at 16 MiB/s, about 4 s); the first chunk is read, exact, while the
+/// shard is still arriving (not yet in place, which it is from its
+/// verdict on), and the rest of it reads exact through the same handle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_progressive_volume_filled_from_a_sealed_peer_reads_each_chunk_once_it_matches_the_table()
 {
@@ -1224,6 +1253,20 @@ async fn a_progressive_volume_filled_from_a_sealed_peer_reads_each_chunk_once_it
     let sid = pull(&a, "pvc-a", &uri).await.volume_context["source"].clone();
     assert_exact(&a, &sid, &l.model).await;
     advertised(&l.api, "node-a", &sid).await;
+    let (c, _) = node_with(
+        "node-c",
+        &l.api,
+        &[
+            "--peer-token-file",
+            tokens,
+            "--peer-upload-mib-per-second",
+            "16",
+        ],
+    )
+    .await;
+    pull(&c, "pvc-c", &uri).await;
+    assert_exact(&c, &sid, &l.model).await;
+    advertised(&l.api, "node-c", &sid).await;
     let from_origin_a = origin_bytes_under(&l.origin, &l.model);
     // Bytes B took from the origin would come slowly and show here.
     l.origin.throttle(1 << 20);
@@ -1295,5 +1338,5 @@ async fn a_progressive_volume_filled_from_a_sealed_peer_reads_each_chunk_once_it
     );
     b.unpublish(&v.volume_id, &target).await.unwrap();
     b.unstage(&v.volume_id, &staging).await.unwrap();
-    drop((a, b, l.work));
+    drop((a, b, c, l.work));
 }

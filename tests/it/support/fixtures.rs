@@ -202,6 +202,8 @@ enum Fault {
     Throttle(u64),
     /// Send the body one byte at a time, this long apart.
     Trickle(Duration),
+    /// Answer only after this long (an origin far away).
+    Late(Duration),
 }
 
 /// A response to send.
@@ -384,6 +386,9 @@ async fn connection(mut sock: TcpStream, handler: Handler) {
         return;
     };
     let reply = handler(&req);
+    if let Fault::Late(after) = reply.fault {
+        tokio::time::sleep(after).await;
+    }
     let len = reply.len();
     let mut head = format!("HTTP/1.1 {} {}\r\n", reply.status, reason(reply.status));
     for (k, v) in &reply.headers {
@@ -397,7 +402,7 @@ async fn connection(mut sock: TcpStream, handler: Handler) {
         return;
     }
     let send = match reply.fault {
-        Fault::None | Fault::Throttle(_) | Fault::Trickle(_) => len,
+        Fault::None | Fault::Throttle(_) | Fault::Trickle(_) | Fault::Late(_) => len,
         Fault::TruncateAfter(n) | Fault::StallAfter(n) => n.min(len),
     };
     if let Fault::Throttle(rate) = reply.fault {
@@ -869,6 +874,10 @@ struct HubState {
     files: Vec<HubFile>,
     token: Mutex<Option<String>>,
     private: std::sync::atomic::AtomicBool,
+    /// Bytes a second each content answer is sent at, when paced.
+    throttle: Mutex<Option<u64>>,
+    /// How long a gated refusal takes, when not at once.
+    refuse_after: Mutex<Option<Duration>>,
     base: OnceLock<String>,
     hits: Hits,
 }
@@ -911,6 +920,8 @@ impl HubServer {
             files,
             token: Mutex::default(),
             private: Default::default(),
+            throttle: Mutex::default(),
+            refuse_after: Mutex::default(),
             base: OnceLock::new(),
             hits: Hits::default(),
         });
@@ -946,6 +957,17 @@ impl HubServer {
         self.state.hits.get("GET", path)
     }
 
+    /// Sends each file's content at `bytes_per_sec` per connection.
+    pub fn throttle(&self, bytes_per_sec: u64) {
+        *self.state.throttle.lock().unwrap() = Some(bytes_per_sec);
+    }
+
+    /// Answers a gated refusal only `after` this long, as a Hub a round
+    /// trip or two away does.
+    pub fn refuse_after(&self, after: Duration) {
+        *self.state.refuse_after.lock().unwrap() = Some(after);
+    }
+
     /// Every request received so far.
     pub fn requests(&self) -> Vec<Request> {
         self.state.hits.requests()
@@ -968,8 +990,12 @@ fn serve_hub(state: &HubState, req: &Request) -> Reply {
     // A gated repo's listing is public; a private one's is not.
     let listed = || !state.private.load(std::sync::atomic::Ordering::Relaxed) || authorized();
     let gated = || {
-        Reply::json(401, &json!({"error": "Access to this model is restricted"}))
-            .header("X-Error-Code", "GatedRepo")
+        let mut r = Reply::json(401, &json!({"error": "Access to this model is restricted"}))
+            .header("X-Error-Code", "GatedRepo");
+        if let Some(after) = *state.refuse_after.lock().unwrap() {
+            r.fault = Fault::Late(after);
+        }
+        r
     };
     let no_rev = || {
         Reply::json(404, &json!({"error": "Invalid rev id"}))
@@ -1084,7 +1110,12 @@ fn hub_content(state: &HubState, req: &Request, path: &str) -> Reply {
     let full = state.root.join(path);
     match fs::metadata(&full) {
         Ok(m) => {
-            content_reply(req, Content::File(full, m), true, true).header("X-Repo-Commit", HUB_SHA)
+            let mut reply = content_reply(req, Content::File(full, m), true, true)
+                .header("X-Repo-Commit", HUB_SHA);
+            if let Some(rate) = *state.throttle.lock().unwrap() {
+                reply.fault = Fault::Throttle(rate);
+            }
+            reply
         }
         Err(_) => Reply::new(404),
     }
