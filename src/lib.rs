@@ -7,6 +7,7 @@ pub mod cache; // sealed sources, seals and volume records on disk
 pub mod capability; // what a VolumeCapability asks for, and whether we can give it
 pub mod client; // CSI client over a Unix socket
 pub mod config; // process settings from flags
+pub mod conns; // connections an open listener takes: bounded in all and per source, stalls cut off
 pub mod context; // what one process's handlers and reconcilers share
 pub mod controller; // CSI Controller service: validate, lock, call the provisioner
 pub mod csi; // generated CSI v1 types and services
@@ -28,8 +29,8 @@ pub mod progressive; // progressive volumes: a FUSE view of a model still arrivi
 pub mod provision; // requests turned into volumes: resolve, plan, execute, seal, delete
 pub mod puller; // model URIs fetched and sealed by the driver
 pub mod requests; // CSI requests as a CO sends them, for the demo, benchmarks and tests
-pub mod retry; // work that may pass later, tried again with the crate's one backoff
 pub mod rescheduler; // clears selected-node from PVCs stuck on nodes without the driver
+pub mod retry; // work that may pass later, tried again with the crate's one backoff
 #[cfg(test)]
 mod rootless; // the rootless tier: both services in process over the fake mounter
 pub mod rpc; // the edge of every handler: required fields, logging, status

@@ -52,6 +52,20 @@ type Views = HashMap<(usize, String), (Arc<SealedView>, Instant)>;
 /// A view nobody asked for this long is closed (an image unmounted).
 const VIEW_IDLE: Duration = Duration::from_secs(30);
 
+/// Connections the endpoint serves at once, in all and from one address
+/// (a node's driver needs a few per pull); more wait their turn, and
+/// beyond `OPEN` in all are closed at once, so that slow or idle clients
+/// cannot take every slot or the driver's memory.
+const MAX_CONNECTIONS: usize = 512;
+const PER_SOURCE: usize = 64;
+const OPEN: usize = 4096;
+/// A request head arrives within this, whole, at most `MAX_HEAD` bytes.
+const HEAD_WITHIN: Duration = Duration::from_secs(5);
+const MAX_HEAD: usize = 16 << 10;
+/// A connection whose bytes stop moving for this long is closed: a reader
+/// that stopped reading holds no upload slot for ever.
+const STALLED: Duration = Duration::from_secs(30);
+
 impl PeerServer {
     pub fn new(
         roots: Vec<Root>,
@@ -73,24 +87,40 @@ impl PeerServer {
 
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
         tokio::spawn(self.clone().close_idle_views());
+        let admission = Arc::new(crate::conns::Admission::new(
+            MAX_CONNECTIONS,
+            PER_SOURCE,
+            OPEN,
+        ));
         loop {
-            let stream = match listener.accept().await {
-                Ok((s, _)) => s,
+            let (stream, from) = match listener.accept().await {
+                Ok(s) => s,
                 Err(e) => {
                     warn!(error = %e, "peer endpoint: accept failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             };
+            let Some(opened) = admission.open() else {
+                debug!(%from, "peer endpoint: too many connections open; closed");
+                continue;
+            };
             let _ = stream.set_nodelay(true);
-            let me = self.clone();
+            let (me, admission) = (self.clone(), admission.clone());
             tokio::spawn(async move {
+                let Some(_slot) = admission.admit(opened, from.ip()).await else {
+                    return;
+                };
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
                     async move { Ok::<_, Infallible>(me.handle(req).await) }
                 });
+                let io = crate::conns::Stalls::new(stream, STALLED);
                 if let Err(e) = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HEAD_WITHIN)
+                    .max_header_size(MAX_HEAD)
+                    .serve_connection(TokioIo::new(io), service)
                     .await
                 {
                     debug!(error = %e, "peer connection ended");
@@ -649,6 +679,60 @@ impl Pacer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn listening() -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = Arc::new(PeerServer::new(
+            Vec::new(),
+            Arc::new(Tokens::fixed(&["a-peer-token-0123456789"])),
+            4,
+            0,
+            Arc::default(),
+        ));
+        tokio::spawn(server.serve(listener));
+        addr
+    }
+
+    /// What the server says to `sent`, until it closes the connection
+    /// (or 20 s pass: it never did).
+    async fn answer_to(addr: std::net::SocketAddr, sent: &[u8]) -> String {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = c.write_all(sent).await;
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(20), c.read_to_end(&mut got)).await;
+        let head = String::from_utf8_lossy(&sent[..sent.len().min(40)]).into_owned();
+        assert!(read.is_ok(), "the connection was held open after {head:?}");
+        String::from_utf8_lossy(&got).into_owned()
+    }
+
+    /// A head larger than the bound is refused, and one that never ends is
+    /// cut off after `HEAD_WITHIN`: no connection holds memory or a slot
+    /// for ever before the token is even read. Before, hyper buffered
+    /// ~400 KiB per head and waited for it without a bound.
+    #[tokio::test]
+    async fn oversized_and_unfinished_heads_are_cut_off() {
+        let addr = listening().await;
+        let mut big = b"GET /v1/models/x/seal HTTP/1.1\r\nx-pad: ".to_vec();
+        big.extend(std::iter::repeat_n(b'a', 64 << 10));
+        big.extend(b"\r\n\r\n");
+        let answer = answer_to(addr, &big).await;
+        assert!(
+            answer.is_empty() || answer.starts_with("HTTP/1.1 431"),
+            "{answer}"
+        );
+        let started = std::time::Instant::now();
+        answer_to(addr, b"GET /v1/models/x/seal HTTP/1.1\r\nx-slow: ").await;
+        assert!(started.elapsed() >= HEAD_WITHIN, "{:?}", started.elapsed());
+        // A whole head is still answered (no token: 401).
+        let answer = answer_to(
+            addr,
+            b"GET /v1/models/x/seal HTTP/1.1\r\nconnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    }
 
     #[test]
     fn ranges_stay_inside_the_file() {
