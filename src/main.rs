@@ -648,9 +648,11 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
         tracing::warn!(problem = %p, "a backend is not usable; Probe will report not ready");
     }
     if let Some(name) = a.create_peer_token_secret.clone().filter(|n| !n.is_empty()) {
-        let client = kube::Client::try_default().await.map_err(|e| {
-            anyhow::anyhow!("--create-peer-token-secret needs Kubernetes API access: {e}")
-        })?;
+        let client = server::kube_client(a.kubeconfig.as_deref())
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!("--create-peer-token-secret needs Kubernetes API access: {e}")
+            })?;
         let namespace = a
             .peer_namespace
             .clone()

@@ -146,9 +146,20 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
     let (model, total, origin, uri) = manifest_origin(work.path()).await;
 
     // Node A: nobody holds the model, the origin serves it all. A reads
-    // the peer token from a Secret, which it creates with a random token;
-    // the other nodes read the same token from a file.
-    let (a, a_addr) = node_with("node-a", &api, &["--peer-token-secret", "peer-token"]).await;
+    // the peer token from a Secret, which the controller creates once with
+    // a random token (here A's own process does, with the controller's
+    // flag); the other nodes read the same token from a file.
+    let (a, a_addr) = node_with(
+        "node-a",
+        &api,
+        &[
+            "--peer-token-secret",
+            "peer-token",
+            "--create-peer-token-secret",
+            "peer-token",
+        ],
+    )
+    .await;
     // The driver answers its socket's connect before it has finished
     // starting: the Secret appears a moment later.
     let mut token = String::new();
