@@ -85,7 +85,14 @@ impl PeerFill {
             warn!(peer = %peer.node, status = %resp.status(), "peer did not give its seal");
             return None;
         }
-        let seal: Seal = resp.json().await.ok()?;
+        let body = match at_most(resp, crate::cache::manifest::MAX_SEAL_BYTES).await {
+            Ok(b) => b,
+            Err(why) => {
+                warn!(peer = %peer.node, %why, "peer's seal refused");
+                return None;
+            }
+        };
+        let seal: Seal = serde_json::from_slice(&body).ok()?;
         (seal.source == sid).then_some(seal)
     }
 }
@@ -137,8 +144,14 @@ impl Fill for PeerFill {
         if sealed.is_empty() && pulling.is_empty() {
             return None;
         }
-        let seals =
-            futures::future::join_all(sealed.iter().map(|p| self.seal_of(p, sid.as_str()))).await;
+        // The seals of a few sealed peers, two at a time: each may be tens
+        // of MiB, parsed in memory.
+        let sealed: Vec<Peer> = sealed.into_iter().take(SEALS_ASKED).collect();
+        let mut seals: Vec<Option<Seal>> = Vec::with_capacity(sealed.len());
+        for pair in sealed.chunks(2) {
+            let read = pair.iter().map(|p| self.seal_of(p, sid.as_str()));
+            seals.extend(futures::future::join_all(read).await);
+        }
         let mut copies: Vec<Copy> = sealed
             .into_iter()
             .zip(seals)
@@ -336,6 +349,29 @@ async fn hand_on(tx: &tokio::sync::mpsc::Sender<Result<Bytes>>, bytes: Bytes) ->
         }
     }
     true
+}
+
+/// How many sealed peers' seals a fill reads: enough for two that agree,
+/// and a spare.
+const SEALS_ASKED: usize = 4;
+
+/// A response's body, refused once it runs past `max` bytes (a peer that
+/// sends more than it was asked cannot make this node buffer it).
+async fn at_most(mut resp: reqwest::Response, max: u64) -> std::result::Result<Bytes, String> {
+    if resp.content_length().is_some_and(|n| n > max) {
+        return Err(format!(
+            "it announced {} bytes, more than the {max} asked",
+            resp.content_length().unwrap_or(0)
+        ));
+    }
+    let mut body = bytes::BytesMut::new();
+    while let Some(piece) = resp.chunk().await.map_err(|e| e.to_string())? {
+        if body.len() as u64 + piece.len() as u64 > max {
+            return Err(format!("it sent more than the {max} bytes asked"));
+        }
+        body.extend_from_slice(&piece);
+    }
+    Ok(body.freeze())
 }
 
 /// How many peers must state the same thing before it is taken without
@@ -571,10 +607,10 @@ impl Inner {
             .acquire_owned()
             .await
             .map_err(|_| Miss::Unavailable("shutting down".into()))?;
-        let body = tokio::time::timeout(body_within, resp.bytes())
+        let body = tokio::time::timeout(body_within, at_most(resp, len))
             .await
             .map_err(|_| slow())?
-            .map_err(|e| Miss::Unavailable(e.to_string()))?;
+            .map_err(Miss::Wrong)?;
         let want = table
             .or(sent)
             .ok_or_else(|| Miss::Wrong("it sent a chunk without its digest".into()))?;
@@ -893,7 +929,55 @@ impl Source for PeerSource {
 
 #[cfg(test)]
 mod tests {
-    use super::agreed_table;
+    use super::{agreed_table, at_most};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A peer that answers every request with `head` and then `body_len`
+    /// bytes (or until the reader goes).
+    async fn peer(head: &'static str, body_len: usize) -> String {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = l.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = c.read(&mut buf).await;
+                    let _ = c.write_all(head.as_bytes()).await;
+                    let piece = vec![b'x'; 1 << 16];
+                    let mut sent = 0;
+                    while sent < body_len {
+                        if c.write_all(&piece).await.is_err() {
+                            return;
+                        }
+                        sent += piece.len();
+                    }
+                });
+            }
+        });
+        format!("http://{addr}/")
+    }
+
+    /// A peer that sends more than it was asked, or says it will, is cut
+    /// off at the bound; before, a seal or chunk body was read whole.
+    #[tokio::test]
+    async fn a_body_past_its_bound_is_refused_not_buffered() {
+        let http = reqwest::Client::new();
+        let announced = peer(
+            "HTTP/1.1 200 OK\r\ncontent-length: 2000000000\r\n\r\n",
+            1 << 20,
+        )
+        .await;
+        let r = http.get(&announced).send().await.unwrap();
+        let e = at_most(r, 1 << 20).await.unwrap_err();
+        assert!(e.contains("announced"), "{e}");
+        let streamed = peer("HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n", 64 << 20).await;
+        let r = http.get(&streamed).send().await.unwrap();
+        let e = at_most(r, 1 << 20).await.unwrap_err();
+        assert!(e.contains("more than"), "{e}");
+        let fits = peer("HTTP/1.1 200 OK\r\ncontent-length: 65536\r\n\r\n", 1 << 16).await;
+        let r = http.get(&fits).send().await.unwrap();
+        assert_eq!(at_most(r, 1 << 20).await.unwrap().len(), 1 << 16);
+    }
 
     fn table(digests: &[&str]) -> Vec<String> {
         digests.iter().map(|d| d.to_string()).collect()

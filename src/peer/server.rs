@@ -39,6 +39,8 @@ pub struct PeerServer {
     roots: Vec<Root>,
     tokens: Arc<Tokens>,
     uploads: Arc<Semaphore>,
+    /// Requests waiting for a pull announced here to start (`wait=1`).
+    waiters: Arc<Semaphore>,
     pacer: Pacer,
     seals: Arc<Seals>,
     /// Read-only views of sealed models being served (an image's mount).
@@ -65,6 +67,9 @@ const MAX_HEAD: usize = 16 << 10;
 /// A connection whose bytes stop moving for this long is closed: a reader
 /// that stopped reading holds no upload slot for ever.
 const STALLED: Duration = Duration::from_secs(30);
+/// Requests that wait here at once for a pull to start (each looks again
+/// every 100 ms, on the blocking pool).
+const MAX_WAITERS: usize = 32;
 
 impl PeerServer {
     pub fn new(
@@ -78,6 +83,7 @@ impl PeerServer {
             roots,
             tokens,
             uploads: Arc::new(Semaphore::new(max_uploads.max(1))),
+            waiters: Arc::new(Semaphore::new(MAX_WAITERS)),
             pacer: Pacer::new(upload_bytes_per_sec),
             seals: Arc::default(),
             views: Mutex::default(),
@@ -184,7 +190,22 @@ impl PeerServer {
         let (sid, what) = (sid.to_string(), what.to_string());
         // A pull announced here may not have opened its area yet, or may
         // be sealing right now: an asker that waits looks again a moment.
-        let waits = req.uri().query().is_some_and(|q| q.contains("wait=1"));
+        // Askers that wait are bounded in number: past that, one asks
+        // another peer or the origin at once.
+        let waiting = match req.uri().query().is_some_and(|q| q.contains("wait=1")) {
+            true => match self.waiters.clone().try_acquire_owned() {
+                Ok(w) => Some(w),
+                Err(_) => {
+                    return refused(
+                        "busy",
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "too many requests are waiting here".into(),
+                    );
+                }
+            },
+            false => None,
+        };
+        let waits = waiting.is_some();
         let until = tokio::time::Instant::now() + WAIT_FOR_CHUNK;
         let found = loop {
             let (roots, s, seals) = (self.roots.clone(), sid.clone(), self.seals.clone());
@@ -201,9 +222,10 @@ impl PeerServer {
             if !waits || tokio::time::Instant::now() >= until {
                 break found;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         };
-        let Ok(Some((i, root, seal))) = found else {
+        drop(waiting);
+        let Ok(Some((i, root, seal, served))) = found else {
             return refused(
                 "not_held",
                 StatusCode::NOT_FOUND,
@@ -211,13 +233,10 @@ impl PeerServer {
             );
         };
         match what.as_str() {
-            "seal" => match serde_json::to_vec(&*seal) {
-                Ok(b) => Response::builder()
-                    .header(header::CONTENT_TYPE, "application/json")
-                    .body(Full::new(Bytes::from(b)).boxed())
-                    .expect("static response"),
-                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-            },
+            "seal" => Response::builder()
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Full::new(served).boxed())
+                .expect("static response"),
             "file" => {
                 let path = req.uri().query().and_then(|q| {
                     url::form_urlencoded::parse(q.as_bytes())
@@ -578,14 +597,16 @@ async fn close(views: Vec<Arc<SealedView>>) {
 #[derive(Default)]
 struct Seals(Mutex<HashMap<String, Kept>>);
 
-/// A parsed seal: which root (its index) and which `seal.json` it came from.
-type Kept = (usize, Stamp, Arc<Seal>);
+/// A parsed seal: which root (its index) and which `seal.json` it came
+/// from, and its bytes as served.
+type Kept = (usize, Stamp, Arc<Seal>, Bytes);
 
 /// What identifies one `seal.json` file's content without reading it.
 type Stamp = (u64, u64, i64, i64, u64);
 
-/// Seals kept parsed: the models being served at once, with room.
-const SEALS_KEPT: usize = 64;
+/// Seals kept parsed, by their files' bytes in all (each kept twice:
+/// parsed, and as served): the models being served at once, with room.
+const SEALS_KEPT_BYTES: u64 = 128 << 20;
 
 fn stamp(path: &std::path::Path) -> Option<Stamp> {
     use std::os::unix::fs::MetadataExt;
@@ -599,27 +620,41 @@ impl Seals {
         &self,
         roots: &[Root],
         sid: &str,
-    ) -> crate::error::Result<Option<(usize, Root, Arc<Seal>)>> {
+    ) -> crate::error::Result<Option<(usize, Root, Arc<Seal>, Bytes)>> {
         for (i, r) in roots.iter().enumerate() {
             let Some(now) = stamp(&r.source(sid).seal()) else {
                 continue;
             };
             let kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((root, at, seal)) = kept.get(sid)
+            if let Some((root, at, seal, served)) = kept.get(sid)
                 && *root == i
                 && *at == now
             {
-                return Ok(Some((i, r.clone(), seal.clone())));
+                return Ok(Some((i, r.clone(), seal.clone(), served.clone())));
             }
             drop(kept);
+            // A seal no pull of this driver writes (MAX_SEAL_BYTES) is not
+            // served: a peer would refuse it anyway.
+            if now.4 > cache::manifest::MAX_SEAL_BYTES {
+                warn!(
+                    model = sid,
+                    bytes = now.4,
+                    "a seal over the bound is not served to peers"
+                );
+                continue;
+            }
             if let Some(seal) = cache::read_seal(r, sid)? {
+                let served = Bytes::from(serde_json::to_vec(&seal).map_err(|e| {
+                    crate::error::Error::Internal(format!("encode the seal of {sid}: {e}"))
+                })?);
                 let seal = Arc::new(seal);
                 let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-                if kept.len() >= SEALS_KEPT {
+                let held: u64 = kept.values().map(|k| k.1.4).sum();
+                if held.saturating_add(now.4) > SEALS_KEPT_BYTES {
                     kept.clear();
                 }
-                kept.insert(sid.to_string(), (i, now, seal.clone()));
-                return Ok(Some((i, r.clone(), seal)));
+                kept.insert(sid.to_string(), (i, now, seal.clone(), served.clone()));
+                return Ok(Some((i, r.clone(), seal, served)));
             }
         }
         Ok(None)
