@@ -601,6 +601,10 @@ struct Seals(Mutex<HashMap<String, Kept>>);
 /// from, and its bytes as served.
 type Kept = (usize, Stamp, Arc<Seal>, Bytes);
 
+/// A model found sealed: its root (index, and the root), its seal, and the
+/// seal's bytes as served.
+type Found = (usize, Root, Arc<Seal>, Bytes);
+
 /// What identifies one `seal.json` file's content without reading it.
 type Stamp = (u64, u64, i64, i64, u64);
 
@@ -620,7 +624,7 @@ impl Seals {
         &self,
         roots: &[Root],
         sid: &str,
-    ) -> crate::error::Result<Option<(usize, Root, Arc<Seal>, Bytes)>> {
+    ) -> crate::error::Result<Option<Found>> {
         for (i, r) in roots.iter().enumerate() {
             let Some(now) = stamp(&r.source(sid).seal()) else {
                 continue;
