@@ -4,50 +4,32 @@
 //! probe among them), and a socket whose peer stops reading or writing is
 //! closed after a bound instead of held for ever.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::lock::{Share, Shares};
+
 /// How many connections a listener serves at once, in all and per source
 /// address; a connection over its source's share waits for that source's
 /// turn, never for another source's. Connections open at all (served or
 /// waiting) are bounded too: beyond that a new one is closed at once.
 pub struct Admission {
-    all: Arc<Semaphore>,
+    shares: Shares<IpAddr>,
     open: Arc<Semaphore>,
-    per_source: usize,
-    sources: Arc<Mutex<HashMap<IpAddr, Arc<Semaphore>>>>,
 }
 
 /// One admitted connection, released when dropped.
 pub struct Admitted {
-    _slot: OwnedSemaphorePermit,
-    _share: OwnedSemaphorePermit,
+    _share: Share<IpAddr>,
     _open: OwnedSemaphorePermit,
-    sources: Arc<Mutex<HashMap<IpAddr, Arc<Semaphore>>>>,
-    from: IpAddr,
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
-        // Ours, the map's, and the share permit's: nobody else holds or
-        // waits for this source's shares once this one goes.
-        if sources
-            .get(&self.from)
-            .is_some_and(|s| Arc::strong_count(s) <= 2)
-        {
-            sources.remove(&self.from);
-        }
-    }
 }
 
 /// A connection accepted but not yet admitted: it counts against the
@@ -59,10 +41,8 @@ impl Admission {
     /// `open` accepted in all (served or waiting for their turn).
     pub fn new(all: usize, per_source: usize, open: usize) -> Admission {
         Admission {
-            all: Arc::new(Semaphore::new(all.max(1))),
+            shares: Shares::new(all, per_source),
             open: Arc::new(Semaphore::new(open.max(all).max(1))),
-            per_source: per_source.max(1),
-            sources: Arc::default(),
         }
     }
 
@@ -72,23 +52,11 @@ impl Admission {
     }
 
     /// Waits for `from`'s turn (its share of slots), then for a slot.
-    pub async fn admit(&self, opened: Opened, from: IpAddr) -> Option<Admitted> {
-        let share = {
-            let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
-            sources
-                .entry(from)
-                .or_insert_with(|| Arc::new(Semaphore::new(self.per_source)))
-                .clone()
-        };
-        let share = share.acquire_owned().await.ok()?;
-        let slot = self.all.clone().acquire_owned().await.ok()?;
-        Some(Admitted {
-            _slot: slot,
-            _share: share,
+    pub async fn admit(&self, opened: Opened, from: IpAddr) -> Admitted {
+        Admitted {
+            _share: self.shares.acquire(from).await,
             _open: opened.0,
-            sources: self.sources.clone(),
-            from,
-        })
+        }
     }
 }
 
@@ -181,28 +149,25 @@ mod tests {
         let a = Arc::new(Admission::new(4, 2, 6));
         let one: IpAddr = "10.0.0.1".parse().unwrap();
         let two: IpAddr = "10.0.0.2".parse().unwrap();
-        let x = a.admit(a.open().unwrap(), one).await.unwrap();
-        let y = a.admit(a.open().unwrap(), one).await.unwrap();
+        let x = a.admit(a.open().unwrap(), one).await;
+        let y = a.admit(a.open().unwrap(), one).await;
         let third = {
             let (a, opened) = (a.clone(), a.open().unwrap());
-            tokio::spawn(async move { a.admit(opened, one).await.map(drop) })
+            tokio::spawn(async move { drop(a.admit(opened, one).await) })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(
             !third.is_finished(),
             "a third from one source got in beside two"
         );
-        let z = a
-            .admit(a.open().unwrap(), two)
-            .await
-            .expect("another source gets in");
+        let z = a.admit(a.open().unwrap(), two).await;
         drop(x);
-        third.await.unwrap().expect("its turn came");
+        third.await.expect("its turn came");
         // Six open at most: y and z, and four more.
         let more: Vec<Opened> = std::iter::from_fn(|| a.open()).collect();
         assert_eq!(more.len(), 4, "open connections beyond the bound");
         drop((y, z, more));
-        assert!(a.sources.lock().unwrap().is_empty());
+        assert_eq!(a.shares.keys(), 0);
     }
 
     #[tokio::test]

@@ -171,6 +171,78 @@ impl KeyedMutex {
     }
 }
 
+/// Permits shared out per key and in all: one key holds at most
+/// `per_key` at once and all keys together at most `all`; a waiter waits
+/// for its own key's turn first, never behind another key's queue.
+pub struct Shares<K: std::hash::Hash + Eq + Clone> {
+    all: Arc<tokio::sync::Semaphore>,
+    per_key: usize,
+    keys: Arc<Mutex<HashMap<K, Arc<tokio::sync::Semaphore>>>>,
+}
+
+/// One key's permit, given back when dropped.
+pub struct Share<K: std::hash::Hash + Eq + Clone> {
+    _all: tokio::sync::OwnedSemaphorePermit,
+    _own: tokio::sync::OwnedSemaphorePermit,
+    keys: Arc<Mutex<HashMap<K, Arc<tokio::sync::Semaphore>>>>,
+    key: K,
+}
+
+impl<K: std::hash::Hash + Eq + Clone> Drop for Share<K> {
+    fn drop(&mut self) {
+        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        // The map's and our permit's: nobody else holds or waits for this
+        // key's permits once this one goes.
+        if keys
+            .get(&self.key)
+            .is_some_and(|s| Arc::strong_count(s) <= 2)
+        {
+            keys.remove(&self.key);
+        }
+    }
+}
+
+impl<K: std::hash::Hash + Eq + Clone> Shares<K> {
+    pub fn new(all: usize, per_key: usize) -> Shares<K> {
+        Shares {
+            all: Arc::new(tokio::sync::Semaphore::new(all.max(1))),
+            per_key: per_key.max(1),
+            keys: Arc::default(),
+        }
+    }
+
+    /// Waits for `key`'s turn, then for one of all the permits.
+    pub async fn acquire(&self, key: K) -> Share<K> {
+        let own = {
+            let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            keys.entry(key.clone())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.per_key)))
+                .clone()
+        };
+        let own = own
+            .acquire_owned()
+            .await
+            .expect("a share's semaphore is never closed");
+        let all = self
+            .all
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the shares' semaphore is never closed");
+        Share {
+            _all: all,
+            _own: own,
+            keys: self.keys.clone(),
+            key,
+        }
+    }
+
+    /// Keys that hold or wait for permits now.
+    pub fn keys(&self) -> usize {
+        self.keys.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
 impl Drop for KeyedGuard {
     fn drop(&mut self) {
         let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());

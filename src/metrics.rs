@@ -582,9 +582,7 @@ async fn serve_connections<S>(
         };
         let (endpoint, admission) = (endpoint.clone(), admission.clone());
         tokio::spawn(async move {
-            let Some(_slot) = admission.admit(opened, from.ip()).await else {
-                return;
-            };
+            let _slot = admission.admit(opened, from.ip()).await;
             answer(crate::conns::Stalls::new(sock, SLOW_CLIENT), &endpoint).await;
         });
     }

@@ -114,9 +114,7 @@ impl PeerServer {
             let _ = stream.set_nodelay(true);
             let (me, admission) = (self.clone(), admission.clone());
             tokio::spawn(async move {
-                let Some(_slot) = admission.admit(opened, from.ip()).await else {
-                    return;
-                };
+                let _slot = admission.admit(opened, from.ip()).await;
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
                     async move { Ok::<_, Infallible>(me.handle(req).await) }
@@ -620,11 +618,7 @@ fn stamp(path: &std::path::Path) -> Option<Stamp> {
 
 impl Seals {
     /// The root holding `sid` sealed, and its seal.
-    fn find(
-        &self,
-        roots: &[Root],
-        sid: &str,
-    ) -> crate::error::Result<Option<Found>> {
+    fn find(&self, roots: &[Root], sid: &str) -> crate::error::Result<Option<Found>> {
         for (i, r) in roots.iter().enumerate() {
             let Some(now) = stamp(&r.source(sid).seal()) else {
                 continue;

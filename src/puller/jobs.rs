@@ -613,6 +613,144 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     }
 
+    /// One file of unlisted size, sent 4 KiB every `delay`, counting the
+    /// reads that started.
+    struct Unlisted {
+        uri: String,
+        delay: Duration,
+        reads: Arc<AtomicUsize>,
+    }
+
+    #[async_trait::async_trait]
+    impl Source for Unlisted {
+        async fn resolve(&self) -> Result<Resolved> {
+            Ok(Resolved {
+                uri: self.uri.clone(),
+                revision: "r1".into(),
+                files: vec![RemoteFile {
+                    path: "w.bin".into(),
+                    size: None,
+                    sha256: None,
+                    locator: "w".into(),
+                    unpack: Unpack::None,
+                }],
+            })
+        }
+
+        async fn read(
+            &self,
+            _f: &RemoteFile,
+            _offset: u64,
+            _len: Option<u64>,
+        ) -> Result<BoxStream<'static, Result<Bytes>>> {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            let delay = self.delay;
+            Ok(stream::iter(0..1_000_000u64)
+                .then(move |_| async move {
+                    tokio::time::sleep(delay).await;
+                    Ok(Bytes::from(vec![1u8; 4096]))
+                })
+                .boxed())
+        }
+
+        fn ranges(&self) -> bool {
+            false
+        }
+    }
+
+    /// A body of no stated length that trickles ends once it falls under
+    /// the floor past the grace period, as a listed one does at its
+    /// deadline; before, it held its pull for ever.
+    #[tokio::test]
+    async fn a_trickle_of_unlisted_size_ends_at_the_floor() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = Engine::new(
+            EngineConfig {
+                min_average_bytes_per_sec: 1 << 20,
+                deadline_grace: Duration::from_millis(300),
+                progress_every: Duration::from_millis(50),
+                ..EngineConfig::default()
+            },
+            crate::puller::extract_layer,
+        );
+        let src = Arc::new(Unlisted {
+            uri: "test://trickle-unlisted".into(),
+            delay: Duration::from_millis(50),
+            reads: Arc::default(),
+        });
+        let e = tokio::time::timeout(
+            Duration::from_secs(20),
+            engine.pull(&local_root(dir.path()), src, &NoProgress),
+        )
+        .await
+        .expect("the trickle held the pull")
+        .err()
+        .expect("the floor ends it");
+        assert!(
+            matches!(&e, Error::Transient(m) if m.contains("unlisted size") && m.contains("--pull-min-average-bytes-per-second")),
+            "{e:?}"
+        );
+    }
+
+    /// Slow pulls give their slots back and go on, but no more of them run
+    /// than the bound: a namespace's third transfer waits (here: with one
+    /// slot, two per namespace) and starts once one of its first two ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slow_transfers_that_gave_their_slots_back_are_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = local_root(dir.path());
+        let engine = Arc::new(Engine::new(
+            EngineConfig {
+                models: 1,
+                stall: Duration::from_millis(200),
+                progress_every: Duration::from_millis(50),
+                slow_bytes_per_sec: 1 << 20,
+                ..EngineConfig::default()
+            },
+            crate::puller::extract_layer,
+        ));
+        let jobs = Jobs::default();
+        let reads: Vec<Arc<AtomicUsize>> = (0..3).map(|_| Arc::default()).collect();
+        for (i, r) in reads.iter().enumerate() {
+            let req = Request {
+                key: format!("slow-{i}"),
+                uri: format!("test://slow-{i}"),
+                owner: Some(Owner::Pod {
+                    namespace: "team-a".into(),
+                    name: format!("p{i}"),
+                }),
+                root: root.clone(),
+                source: Arc::new(Unlisted {
+                    uri: format!("test://slow-{i}"),
+                    delay: Duration::from_millis(100),
+                    reads: r.clone(),
+                }),
+                signature: None,
+                sink: Arc::new(NoProgress),
+                until: Until::Sealed,
+            };
+            let _ = jobs
+                .pull(&engine, req, Some(Duration::from_millis(600)))
+                .await;
+        }
+        let started = |r: &Arc<AtomicUsize>| r.load(Ordering::SeqCst) > 0;
+        assert!(
+            started(&reads[0]) && started(&reads[1]),
+            "the first two run"
+        );
+        assert!(
+            !started(&reads[2]),
+            "a third slow transfer of the namespace ran"
+        );
+        assert!(jobs.cancel("slow-0"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !started(&reads[2]) {
+            assert!(Instant::now() < deadline, "the third never started");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(jobs.cancel("slow-1") && jobs.cancel("slow-2"));
+    }
+
     #[tokio::test]
     async fn a_cancelled_job_stops_and_is_forgotten() {
         let dir = tempfile::tempdir().unwrap();

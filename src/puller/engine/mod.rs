@@ -96,6 +96,10 @@ pub struct Engine {
     extract: Extract,
     inflight: KeyedMutex,
     slots: Slots,
+    /// Transfers that run at once, with a slot or without (a slow pull
+    /// gives its slot back and goes on): in all and per namespace, so
+    /// slow origins cannot make a node run transfers without bound.
+    transfers: crate::lock::Shares<String>,
     /// Which requesters proved their access to which models lately.
     access: Access,
     /// The revision the origin gave each asker (a volume's CreateVolume,
@@ -107,6 +111,10 @@ pub struct Engine {
     /// Where its pulls, hits and evictions are counted.
     metrics: Arc<crate::metrics::Metrics>,
 }
+
+/// Transfers a node runs at once per pull slot (`--pull-parallel-models`),
+/// slow ones included; one namespace may run half of them.
+const TRANSFERS_PER_SLOT: usize = 4;
 
 /// How long a revision resolved for an asker pins its retries.
 const RESOLVED_PINS_FOR: Duration = Duration::from_secs(24 * 3600);
@@ -243,11 +251,16 @@ fn is_retryable(e: &Error) -> bool {
 impl Engine {
     pub fn new(cfg: EngineConfig, extract: Extract) -> Engine {
         let slots = Slots::new(cfg.models);
+        let transfers = crate::lock::Shares::new(
+            cfg.models.max(1) * TRANSFERS_PER_SLOT,
+            cfg.models.max(1) * TRANSFERS_PER_SLOT / 2,
+        );
         Engine {
             cfg,
             extract,
             inflight: KeyedMutex::default(),
             slots,
+            transfers,
             access: Access::default(),
             resolved_for: Mutex::new(HashMap::new()),
             fill: None,
@@ -446,6 +459,7 @@ impl Engine {
             if let Some(hit) = self.hit(root, &sid, source.as_ref(), &resolved, signature).await? {
                 return Ok(hit);
             }
+            let _transfer = self.transfers.acquire(who.to_string()).await;
             let slot = self.slots.acquire(who).await;
             sink.started(&resolved.uri, total);
             let (charged, inodes) = need_of(&resolved, total);
@@ -621,11 +635,11 @@ impl Engine {
         source: Arc<dyn Source>,
         sink: &Counted<'_>,
     ) -> Result<(Seal, u64, Option<String>)> {
-        let Some(total) = pull
-            .total
-            .filter(|_| self.cfg.min_average_bytes_per_sec > 0)
-        else {
+        if self.cfg.min_average_bytes_per_sec == 0 {
             return self.fetch(root, pull, source, sink).await;
+        }
+        let Some(total) = pull.total else {
+            return self.fetch_at_floor(root, pull, source, sink).await;
         };
         let at_floor = Duration::from_secs(total / self.cfg.min_average_bytes_per_sec);
         let deadline = self.cfg.deadline_grace.saturating_add(at_floor);
@@ -637,6 +651,43 @@ impl Engine {
                 deadline.as_secs(),
                 self.cfg.min_average_bytes_per_sec,
                 sink.bytes.load(Ordering::Relaxed)
+            ))),
+        }
+    }
+
+    /// A transfer of unlisted size, held to the same floor as a listed one
+    /// as its bytes arrive: past the grace period it must have averaged
+    /// `min_average_bytes_per_sec`, so a server that trickles a body
+    /// without a length cannot hold a pull for ever.
+    async fn fetch_at_floor(
+        &self,
+        root: &Root,
+        pull: &Pull<'_>,
+        source: Arc<dyn Source>,
+        sink: &Counted<'_>,
+    ) -> Result<(Seal, u64, Option<String>)> {
+        let floor = self.cfg.min_average_bytes_per_sec;
+        let started = tokio::time::Instant::now();
+        let behind = async {
+            loop {
+                tokio::time::sleep(self.cfg.progress_every).await;
+                let bytes = sink.bytes.load(Ordering::Relaxed);
+                let allowed = self
+                    .cfg
+                    .deadline_grace
+                    .saturating_add(Duration::from_secs(bytes / floor));
+                if started.elapsed() > allowed {
+                    return bytes;
+                }
+            }
+        };
+        tokio::select! {
+            r = self.fetch(root, pull, source, sink) => r,
+            bytes = behind => Err(Error::Transient(format!(
+                "the pull of unlisted size averaged under --pull-min-average-bytes-per-second {floor} past \
+                 --pull-deadline-grace-seconds {}: {bytes} bytes in {}s; a retry resumes it",
+                self.cfg.deadline_grace.as_secs(),
+                started.elapsed().as_secs()
             ))),
         }
     }
