@@ -593,6 +593,9 @@ pub fn slim_pvc(pvc: &mut PersistentVolumeClaim) {
     }
 }
 
+/// Claims listed per page by `slim_pvcs` (kube's default is 500).
+const PVC_PAGE: u32 = 50;
+
 /// Every PVC of the cluster, slimmed (`slim_pvc`) before it is stored: the
 /// trigger and the store for a `Controller::for_stream`.
 pub fn slim_pvcs(
@@ -608,7 +611,10 @@ pub fn slim_pvcs(
     let (reader, writer) = kube::runtime::reflector::store();
     let stream = kube::runtime::watcher(
         Api::<PersistentVolumeClaim>::all(client),
-        kube::runtime::watcher::Config::default(),
+        // Whole objects arrive, a page at a time, before `slim_pvc` trims
+        // them: a page of 500 claims carrying large annotations (a tenant
+        // writes them) would be hundreds of MiB.
+        kube::runtime::watcher::Config::default().page_size(PVC_PAGE),
     )
     .default_backoff()
     .modify(slim_pvc)

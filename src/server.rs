@@ -70,6 +70,10 @@ pub async fn serve_on(
         !node || cfg.node_id.is_some(),
         "--node-id is required to serve the node service"
     );
+    if cfg.node_id.is_some() {
+        let dir = cfg.state_dir.clone();
+        crate::offload::blocking(move || crate::cache::keep_private(&dir)).await?;
+    }
     let mut ctx = Context::new(cfg.clone(), metrics.clone());
     let client = match controller && cfg.kube_api {
         false => None,

@@ -440,6 +440,17 @@ pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
     result
 }
 
+/// Makes the node's state directory (every node-local root lives under
+/// it) reachable by root alone: models are read through the mounts the
+/// driver makes, whose own modes let pods read them, never by a local
+/// user walking the host path to a tenant's private model or image.
+pub fn keep_private(state_dir: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(state_dir).ctx("create", state_dir)?;
+    std::fs::set_permissions(state_dir, std::fs::Permissions::from_mode(0o700))
+        .ctx("restrict", state_dir)
+}
+
 /// Free bytes for new data in a root's filesystem.
 pub fn free_bytes(dir: &Path) -> io::Result<u64> {
     Ok(space_of(dir)?.0)

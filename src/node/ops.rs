@@ -228,7 +228,13 @@ impl NodeOps {
             false => None,
         };
         let share = store.share(req.mode == Mode::MultiNodeMultiWriter);
-        let full = (rec.verify == Verify::Full).then(|| seal.clone()).flatten();
+        // A signed model on a shared root is only as good as the bytes
+        // every writer of that filesystem leaves it: the signature was
+        // checked against the seal, so the bytes are checked against the
+        // seal at every stage (rehashed once per change of the files).
+        let shared = root.node.is_none();
+        let rehash = rec.verify == Verify::Full || (shared && rec.signed_by.is_some());
+        let full = rehash.then(|| seal.clone()).flatten();
         // One trip off the runtime for the lease, the use and the mount.
         {
             let (r, sid, st, mm) = (root.clone(), rec.source.clone(), staging.clone(), m.clone());
@@ -255,7 +261,7 @@ impl NodeOps {
         };
         match self
             .verifier
-            .verify(&seal, m.view(&staging.join(CONTENT)), budget)
+            .verify(&seal, m.view(&staging.join(CONTENT)), budget, shared)
             .await
         {
             // Still hashing: the mount stays for the retry to join.

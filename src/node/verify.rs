@@ -42,13 +42,22 @@ fn key(seal: &Seal) -> String {
 impl Verifier {
     /// Rehashes every file of `seal` under `staging`, or joins the rehash
     /// that runs, waiting at most `wait`.
+    /// `shared`: the source lives on a filesystem other writers reach
+    /// (a shared root): a verdict holds only while every file is the one
+    /// it was (device, inode, size, ctime, which no writer sets back), so
+    /// a file changed since is rehashed.
     pub async fn verify(
         &self,
         seal: &Seal,
         staging: PathBuf,
         wait: Option<Duration>,
+        shared: bool,
     ) -> Result<()> {
-        let k = key(seal);
+        let mut k = key(seal);
+        if shared {
+            let (s, st) = (seal.clone(), staging.clone());
+            k.push_str(&crate::offload::blocking(move || Ok(stamp(&s, &st))).await?);
+        }
         if self
             .verified
             .lock()
@@ -109,6 +118,28 @@ impl Verifier {
     }
 }
 
+/// What each file of `seal` under `staging` is now, as the filesystem
+/// says without reading it; a missing file stamps as such.
+fn stamp(seal: &Seal, staging: &std::path::Path) -> String {
+    use sha2::Digest;
+    use std::os::unix::fs::MetadataExt;
+    let mut h = sha2::Sha256::new();
+    for f in &seal.files {
+        match std::fs::symlink_metadata(staging.join(&f.path)) {
+            Ok(m) => h.update(format!(
+                "{}:{}:{}:{}.{}\n",
+                m.dev(),
+                m.ino(),
+                m.size(),
+                m.ctime(),
+                m.ctime_nsec()
+            )),
+            Err(_) => h.update(b"missing\n"),
+        }
+    }
+    format!("#{}", hex::encode(h.finalize()))
+}
+
 /// Sizes first (cheap, and a missing file is named at once), then every
 /// file's sha256, counting bytes as it goes.
 fn rehash(seal: &Seal, staging: &std::path::Path, hashed: &AtomicU64) -> Result<()> {
@@ -160,20 +191,63 @@ mod tests {
         let seal = sealed(d.path());
         let v = Verifier::default();
         let e = v
-            .verify(&seal, d.path().into(), Some(Duration::from_millis(1)))
+            .verify(
+                &seal,
+                d.path().into(),
+                Some(Duration::from_millis(1)),
+                false,
+            )
             .await
             .unwrap_err();
         assert!(
             matches!(&e, Error::Transient(m) if m.contains("rehash goes on")),
             "{e:?}"
         );
-        v.verify(&seal, d.path().into(), None).await.unwrap();
-        // Verified once: the next stage does not hash 256 MiB again.
-        let t = Instant::now();
-        v.verify(&seal, d.path().into(), Some(Duration::from_millis(1)))
+        v.verify(&seal, d.path().into(), None, false).await.unwrap();
+        // Verified once: the next stage does not hash 256 MiB again (a
+        // rehash could not end within 1 ms).
+        v.verify(
+            &seal,
+            d.path().into(),
+            Some(Duration::from_millis(1)),
+            false,
+        )
+        .await
+        .unwrap();
+    }
+
+    /// On a shared root a verdict lasts only while the files are the ones
+    /// verified: a writer that changes a byte (same size) is caught at the
+    /// next stage. Node-local sources, which no one else writes, keep it.
+    #[tokio::test]
+    async fn a_shared_source_changed_since_its_verdict_is_rehashed() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("w"), b"weights").unwrap();
+        let seal = sealed(d.path());
+        let v = Verifier::default();
+        v.verify(&seal, d.path().into(), None, true).await.unwrap();
+        v.verify(&seal, d.path().into(), None, true).await.unwrap();
+        std::fs::write(d.path().join("w"), b"WEIGHTS").unwrap();
+        let e = v
+            .verify(&seal, d.path().into(), None, true)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::Precondition(m) if m.contains("damaged")),
+            "{e:?}"
+        );
+        // Not shared: the verdict is kept (nobody else writes there).
+        let local = Verifier::default();
+        std::fs::write(d.path().join("w"), b"weights").unwrap();
+        local
+            .verify(&seal, d.path().into(), None, false)
             .await
             .unwrap();
-        assert!(t.elapsed() < Duration::from_millis(50));
+        std::fs::write(d.path().join("w"), b"WEIGHTS").unwrap();
+        local
+            .verify(&seal, d.path().into(), None, false)
+            .await
+            .unwrap();
     }
 
     #[tokio::test]
@@ -184,7 +258,10 @@ mod tests {
         std::fs::write(d.path().join("w"), b"WEIGHTS").unwrap();
         let v = Verifier::default();
         for _ in 0..2 {
-            let e = v.verify(&seal, d.path().into(), None).await.unwrap_err();
+            let e = v
+                .verify(&seal, d.path().into(), None, false)
+                .await
+                .unwrap_err();
             assert!(
                 matches!(&e, Error::Precondition(m) if m.contains("damaged")),
                 "{e:?}"

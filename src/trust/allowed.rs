@@ -152,9 +152,13 @@ impl AllowedSources {
         if ok {
             Ok(())
         } else {
+            // The class's list stays unsaid: which hosts and buckets an
+            // admin opened is not a tenant's to learn from a refusal.
             Err(format!(
-                "{} is outside the sources this StorageClass allows (allowedSources: {self})",
-                shown(uri)
+                "{} is outside the {} source prefix(es) this StorageClass allows (allowedSources; \
+                 its admin can tell you which)",
+                shown(uri),
+                self.prefixes.len()
             ))
         }
     }

@@ -151,6 +151,27 @@ impl Ranges {
     }
 }
 
+impl Ranges {
+    /// Why a host name an admin allowed still may not reach `ip`: loopback,
+    /// or a blocked network unless `name` is a cluster service's
+    /// (`*.svc`, `*.svc.<cluster domain>`), which the cluster's DNS
+    /// answers and no tenant does.
+    fn closed_to_names(&self, ip: IpAddr, name: &str) -> Option<String> {
+        let ip = canonical(ip);
+        if ip.is_loopback() {
+            return Some("loopback".into());
+        }
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        let service = name.ends_with(".svc") || name.contains(".svc.");
+        match self.blocked.iter().find(|n| n.contains(&ip)) {
+            Some(net) if !service => Some(format!(
+                "a blocked network {net} (--tenant-blocked-networks), and it is not a cluster service name"
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// A refusal raised inside an HTTP client (resolver, redirect policy), found
 /// again in its error chain so the pull fails with it, unretried.
 #[derive(Debug)]
@@ -313,6 +334,20 @@ impl Policy {
             return Ok(addrs);
         };
         if self.admits(bare, port) {
+            // An admin named this host: its port is open, wherever an
+            // address names it. A name is only as good as its DNS, which
+            // a tenant may control: it never reaches loopback, nor a
+            // blocked network unless it is the cluster's own service name.
+            if literal.is_none()
+                && let Some(why) = addrs
+                    .iter()
+                    .find_map(|a| ranges.closed_to_names(a.ip(), bare))
+            {
+                return Err(format!(
+                    "{} resolves to {why}; a name the StorageClass allows reaches neither (name the address itself to open it)",
+                    host_port(bare, port)
+                ));
+            }
             return Ok(addrs);
         }
         if let Some(why) = addrs.iter().find_map(|a| ranges.closed(a.ip())) {
@@ -689,6 +724,39 @@ mod tests {
         assert!(admin.resolve("127.0.0.1", 80).await.is_ok());
         let e = admin.resolve("[fd00:ec2::254]", 80).await.unwrap_err();
         assert!(e.contains("metadata"), "{e}");
+        // A name the class allows never reaches loopback (its DNS may be
+        // the tenant's); the address itself, named, does.
+        let named = Policy::tenant(vec!["localhost:9000".into()], Ranges::default());
+        let e = named.resolve("localhost", 9000).await.unwrap_err();
+        assert!(e.contains("loopback"), "{e}");
+        let blocked = Ranges {
+            blocked: vec!["127.0.0.0/8".parse().unwrap()],
+            open: vec![],
+        };
+        assert!(
+            blocked
+                .closed_to_names("127.0.0.1".parse().unwrap(), "x.example")
+                .is_some()
+        );
+        let svc = Ranges {
+            blocked: vec!["10.96.0.0/12".parse().unwrap()],
+            open: vec![],
+        };
+        assert!(
+            svc.closed_to_names("10.96.0.10".parse().unwrap(), "minio.store.svc")
+                .is_none()
+        );
+        assert!(
+            svc.closed_to_names(
+                "10.96.0.10".parse().unwrap(),
+                "minio.store.svc.cluster.local"
+            )
+            .is_none()
+        );
+        let why = svc
+            .closed_to_names("10.96.0.10".parse().unwrap(), "models.team-a.example")
+            .unwrap();
+        assert!(why.contains("--tenant-blocked-networks"), "{why}");
         // A name's answer is not repeated back to the requester.
         let e = Policy::tenant(vec![], Ranges::default())
             .resolve("localhost", 80)

@@ -542,3 +542,54 @@ async fn empty_files_cost_blocks_and_inodes() {
         .await
         .unwrap();
 }
+
+/// A local user of the node cannot walk the state directory to a tenant's
+/// model (security third pass L-4): the directory is root's alone (0700),
+/// while a pod still reads the model through the volume the driver
+/// mounts. Before, the tree was 0755 and the files 0644.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_user_reads_no_model_but_a_pod_reads_its_volume() {
+    let d = Driver::start().await;
+    let model = d.dir.join("models/m");
+    write_model(&model, 11);
+    let uri = format!("file://{}", model.display());
+    let v = d
+        .create(create_req("pvc-private", &[("source", &uri)], READER))
+        .await
+        .expect("pull");
+    let sid = v.volume_context["source"].clone();
+    d.wait_sealed(&[&sid], SEAL_BOUND).await;
+    assert_eq!(fs::metadata(&d.state_dir).unwrap().mode() & 0o777, 0o700);
+    let file = fs::read_dir(d.source_dir("local", &sid).join("data"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_file())
+        .expect("a model file");
+    // `nobody`, as any local user or unprivileged pod process would.
+    let as_nobody = |path: &Path| {
+        std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])
+            .arg(path)
+            .output()
+            .unwrap()
+    };
+    let out = as_nobody(&file);
+    assert!(!out.status.success(), "nobody read {}", file.display());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+        "{out:?}"
+    );
+    let (staging, target) = (d.staging("private"), d.target("private"));
+    d.stage(&v.volume_id, &staging, READER).await.unwrap();
+    d.publish(&v.volume_id, &staging, &target, READER, true)
+        .await
+        .unwrap();
+    let through = target.join(file.file_name().unwrap());
+    let out = as_nobody(&through);
+    assert!(
+        out.status.success(),
+        "a pod's user cannot read its volume: {out:?}"
+    );
+    d.unpublish(&v.volume_id, &target).await.unwrap();
+    d.unstage(&v.volume_id, &staging).await.unwrap();
+}
