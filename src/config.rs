@@ -261,6 +261,9 @@ pub struct PeerConfig {
     pub upload_bytes_per_sec: u64,
     /// The namespace of the Leases; None: the client's default.
     pub namespace: Option<String>,
+    /// The networks peers' addresses may be in: a Lease naming another
+    /// address (the API server, metadata, an outside host) is not dialled.
+    pub networks: Vec<ipnet::IpNet>,
 }
 
 /// Where the peer tokens are read from.

@@ -324,6 +324,14 @@ struct ServeArgs {
     /// install, so that node plugins only read it (--peer-token-secret).
     #[arg(long)]
     create_peer_token_secret: Option<String>,
+    /// The networks other nodes' peer addresses may be in (CIDRs, comma
+    /// separated): an address a Lease names outside them is never dialled,
+    /// nor is link-local (cloud metadata) whatever is listed.
+    #[arg(
+        long,
+        default_value = "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,100.64.0.0/10,fc00::/7"
+    )]
+    peer_networks: String,
     /// Uploads to peers served at once; more are told to go elsewhere.
     #[arg(long, default_value_t = 16)]
     peer_max_uploads: usize,
@@ -390,6 +398,17 @@ fn peer_config(a: &ServeArgs) -> anyhow::Result<Option<modelcache_csi::peer::Pee
         max_uploads: a.peer_max_uploads.max(1),
         upload_bytes_per_sec: a.peer_upload_mib_per_second.saturating_mul(1 << 20),
         namespace: a.peer_namespace.clone().filter(|n| !n.is_empty()),
+        networks: a
+            .peer_networks
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(|n| {
+                n.parse().map_err(|e| {
+                    anyhow::anyhow!("--peer-networks: {n:?} is not a CIDR ({e}); e.g. 10.0.0.0/8")
+                })
+            })
+            .collect::<anyhow::Result<_>>()?,
     }))
 }
 

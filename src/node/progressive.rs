@@ -53,6 +53,9 @@ fn view_key(content: &Path) -> String {
 
 /// The progressive views this node serves: their records (under the state
 /// directory's `views/`) and the keeper that holds their connections.
+/// Progressive views a node serves at once.
+pub const MAX_VIEWS: usize = 64;
+
 pub struct Views {
     dir: PathBuf,
     keeper: Option<Keeper>,
@@ -95,6 +98,23 @@ impl Views {
                  pulled on this node yet; its pull is started again by the provisioner, retry"
             )));
         };
+        // Each view costs two threads and a request buffer until its model
+        // seals: a node serves a bounded number; more stages wait (kubelet
+        // retries) for one to end or for their model's seal, after which a
+        // stage is an ordinary mount.
+        let serving = std::fs::read_dir(&self.dir)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+                    .count()
+            })
+            .unwrap_or(0);
+        if serving >= MAX_VIEWS {
+            return Err(Error::Transient(format!(
+                "this node serves {serving} progressive views already (at most {MAX_VIEWS}); \
+                 volume {volume_id} is staged once one of them ends or its model is sealed, retry"
+            )));
+        }
         let rec = ViewRecord {
             content: content.to_path_buf(),
             volume_id: volume_id.to_string(),
@@ -125,14 +145,16 @@ impl Views {
     /// The view on `content` is unmounted: its record and its kept
     /// connection go.
     pub fn forget(&self, content: &Path) {
-        let at = self.record_path(content);
-        if !at.exists() {
-            return;
-        }
+        // Released whether or not its record survived: a held connection
+        // without a record would be kept for ever.
         if let Some(k) = &self.keeper
             && let Err(e) = k.release(&content.to_string_lossy())
         {
             tracing::warn!(view = %content.display(), error = %e, "the keeper did not release the view");
+        }
+        let at = self.record_path(content);
+        if !at.exists() {
+            return;
         }
         let _ = state::remove_file(&self.ids_path(content));
         let _ = state::remove_file(&at);

@@ -43,6 +43,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct PeerFill {
     dir: Arc<Directory>,
     tokens: Arc<Tokens>,
+    /// The networks a peer's address must be in (`PeerConfig::networks`).
+    networks: Vec<ipnet::IpNet>,
     http: reqwest::Client,
     buffers: Arc<Semaphore>,
     node: String,
@@ -54,21 +56,41 @@ impl PeerFill {
         dir: Arc<Directory>,
         tokens: Arc<Tokens>,
         node: String,
+        networks: Vec<ipnet::IpNet>,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> PeerFill {
+        // A peer answers for itself: a redirect would send the token, and
+        // this node's requests, wherever it points.
         let http = reqwest::Client::builder()
             .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(CONNECT_TIMEOUT)
             .build()
             .expect("a plain HTTP client builds");
         PeerFill {
             dir,
             tokens,
+            networks,
             http,
             buffers: Arc::new(Semaphore::new(CHUNKS_IN_FLIGHT)),
             node,
             metrics,
         }
+    }
+
+    /// Live peers holding or pulling `sid` that this node may dial: their
+    /// address is in the peer networks, and never link-local (cloud
+    /// metadata), whatever a Lease says.
+    async fn holders(&self, sid: &str, fresh: bool) -> Vec<Peer> {
+        let mut holders = self.dir.holders(sid, fresh).await;
+        holders.retain(|p| {
+            let ok = dialable(&p.addr, &self.networks);
+            if !ok {
+                warn!(peer = %p.node, address = %p.addr, "a peer's Lease names an address outside --peer-networks; not dialled");
+            }
+            ok
+        });
+        holders
     }
 
     async fn seal_of(&self, peer: &Peer, sid: &str) -> Option<Seal> {
@@ -117,14 +139,14 @@ impl Fill for PeerFill {
         if let Err(e) = self.dir.begin(sid.as_str(), started).await {
             warn!(error = %e, "could not tell peers about this pull");
         }
-        let mut holders = self.dir.holders(sid.as_str(), true).await;
+        let mut holders = self.holders(sid.as_str(), true).await;
         let mut leader = None;
         if !holders.iter().any(|p| p.models.contains(sid.as_str())) {
             match self.dir.claim(sid.as_str()).await {
                 Claim::Leads => return None,
                 Claim::Follows(node) => {
                     // The claim's check listed just now: the leader is in it.
-                    holders = self.dir.holders(sid.as_str(), false).await;
+                    holders = self.holders(sid.as_str(), false).await;
                     leader = Some(node);
                 }
             }
@@ -249,7 +271,7 @@ impl Fill for PeerFill {
         if !super::fillable(root) {
             return None;
         }
-        let holders = self.dir.holders(sid.as_str(), true).await;
+        let holders = self.holders(sid.as_str(), true).await;
         let pinned = !pin.files.is_empty();
         let mut agreeing: Vec<(String, Vec<(String, u64, String)>)> = Vec::new();
         for peer in holders.iter().filter(|p| p.models.contains(sid.as_str())) {
@@ -349,6 +371,26 @@ async fn hand_on(tx: &tokio::sync::mpsc::Sender<Result<Bytes>>, bytes: Bytes) ->
         }
     }
     true
+}
+
+/// Whether a peer address (`ip:port`, as its Lease names it) is one to
+/// dial: in `networks`, and not link-local.
+fn dialable(addr: &str, networks: &[ipnet::IpNet]) -> bool {
+    let Ok(a) = addr.parse::<std::net::SocketAddr>() else {
+        return false;
+    };
+    let ip = match a.ip() {
+        std::net::IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map(std::net::IpAddr::V4)
+            .unwrap_or(std::net::IpAddr::V6(v6)),
+        v4 => v4,
+    };
+    let link_local = match ip {
+        std::net::IpAddr::V4(v4) => v4.is_link_local(),
+        std::net::IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+    };
+    !link_local && networks.iter().any(|n| n.contains(&ip))
 }
 
 /// How many sealed peers' seals a fill reads: enough for two that agree,
@@ -929,7 +971,25 @@ impl Source for PeerSource {
 
 #[cfg(test)]
 mod tests {
-    use super::{agreed_table, at_most};
+    use super::{agreed_table, at_most, dialable};
+
+    /// A Lease names the address a node dials: only one in the peer
+    /// networks, never metadata, whatever is listed.
+    #[test]
+    fn only_peer_networks_are_dialled() {
+        let nets: Vec<ipnet::IpNet> = ["10.0.0.0/8", "169.254.0.0/16", "fc00::/7"]
+            .iter()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        assert!(dialable("10.244.1.7:7420", &nets));
+        assert!(dialable("[fd00::7]:7420", &nets));
+        assert!(!dialable("169.254.169.254:80", &nets));
+        assert!(!dialable("[::ffff:169.254.169.254]:80", &nets));
+        assert!(!dialable("127.0.0.1:7420", &nets));
+        assert!(!dialable("8.8.8.8:443", &nets));
+        assert!(!dialable("[fe80::1]:7420", &nets));
+        assert!(!dialable("kubernetes.default:443", &nets));
+    }
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A peer that answers every request with `head` and then `body_len`

@@ -301,6 +301,7 @@ pub async fn start(
         dir,
         tokens,
         node,
+        cfg.networks.clone(),
         ctx.metrics.clone(),
     )))
 }

@@ -126,6 +126,25 @@ pub fn run(socket: &Path) -> Result<()> {
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(Error::io("accept on", socket, e.into())),
         };
+        // The socket is root's (0600) already; the peer's credentials are
+        // checked too, so a descriptor passed by anyone but root (or this
+        // keeper's own user) is never held nor handed over.
+        match nix::sys::socket::getsockopt(&conn, nix::sys::socket::sockopt::PeerCredentials) {
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            Ok(c) if c.uid() == 0 || c.uid() == unsafe { libc::geteuid() } => {}
+            Ok(c) => {
+                tracing::warn!(
+                    uid = c.uid(),
+                    pid = c.pid(),
+                    "a process of another user asked the keeper; refused"
+                );
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the keeper could not tell who asked; refused");
+                continue;
+            }
+        }
         if let Err(e) = serve(&conn, &mut held) {
             tracing::warn!(error = %e, "a request to the keeper failed");
         }

@@ -65,6 +65,9 @@ async fn node_with(name: &str, api: &ApiServer, extra: &[&str]) -> (Driver, Stri
         kubeconfig.to_str().unwrap(),
         "--peer-listen",
         &listen,
+        // Every node of these tests listens on loopback.
+        "--peer-networks",
+        "127.0.0.0/8",
         "--pull-chunk-mib",
         "8",
     ];
