@@ -204,11 +204,21 @@ def helm(path):
     return [("helm-chart", clean(l[5:]), path) for l in lines if l.startswith("FAIL ")]
 
 
+def clippy(path):
+    """clippy.log when clippy.rc beside it says it failed: its first error."""
+    rc = read_lines(os.path.join(os.path.dirname(path), "clippy.rc"))
+    if not rc or rc[0].strip() == "0":
+        return []
+    lines = read_lines(path) or []
+    first = next((clean(l) for l in lines if l.startswith(("error", "warning"))), "clippy failed")
+    return [("cargo clippy", first, path)]
+
+
 def main():
     target = sys.argv[1] if len(sys.argv) > 1 else "target"
     at = lambda name: os.path.join(target, name)
     found = []
-    for parse, log in [(cargo, "cargo-test.log"), (sanity, "csi-sanity.log"), (fuzz, "fuzz.log"),
+    for parse, log in [(clippy, "clippy.log"), (cargo, "cargo-test.log"), (sanity, "csi-sanity.log"), (fuzz, "fuzz.log"),
                        (e2e, "e2e.log"), (e2e, "e2e-deployed.log"), (helm, "helm-chart.log")]:
         try:
             found.extend(parse(at(log)))
