@@ -564,6 +564,7 @@ async fn serve_connections<S>(
         MAX_CONNECTIONS,
         PER_SOURCE,
         OPEN,
+        SLOW_CLIENT * 5,
     ));
     loop {
         let Some(next) = accepted.next().await else {
@@ -577,12 +578,14 @@ async fn serve_connections<S>(
                 continue;
             }
         };
-        let (Ok(from), Some(opened)) = (sock.peer_addr(), admission.open()) else {
+        let Some(opened) = sock.peer_addr().ok().and_then(|a| admission.open(a.ip())) else {
             continue;
         };
         let (endpoint, admission) = (endpoint.clone(), admission.clone());
         tokio::spawn(async move {
-            let _slot = admission.admit(opened, from.ip()).await;
+            let Some(_slot) = admission.admit(opened).await else {
+                return;
+            };
             answer(crate::conns::Stalls::new(sock, SLOW_CLIENT), &endpoint).await;
         });
     }

@@ -83,6 +83,10 @@ impl PeerFill {
     /// metadata), whatever a Lease says.
     async fn holders(&self, sid: &str, fresh: bool) -> Vec<Peer> {
         let mut holders = self.dir.holders(sid, fresh).await;
+        // One node is one peer, however many Leases name it: a node cannot
+        // be two peers that agree.
+        let mut seen = HashSet::new();
+        holders.retain(|p| seen.insert(p.node.clone()));
         holders.retain(|p| {
             let ok = dialable(&p.addr, &self.networks);
             if !ok {
@@ -250,6 +254,7 @@ impl Fill for PeerFill {
                 copies,
                 plan,
                 dropped: Mutex::new(HashSet::new()),
+                strikes: Mutex::new(HashMap::new()),
                 distrusted: Mutex::new(HashSet::new()),
                 served_by: Mutex::new(HashMap::new()),
                 from_peers: AtomicU64::new(0),
@@ -393,6 +398,11 @@ fn dialable(addr: &str, networks: &[ipnet::IpNet]) -> bool {
     !link_local && networks.iter().any(|n| n.contains(&ip))
 }
 
+/// A miss that took this long is a strike against its peer; `STRIKES`
+/// drop it for the pull.
+const SLOW_MISS: Duration = Duration::from_secs(2);
+const STRIKES: u32 = 3;
+
 /// How many sealed peers' seals a fill reads: enough for two that agree,
 /// and a spare.
 const SEALS_ASKED: usize = 4;
@@ -475,6 +485,8 @@ struct Inner {
     plan: HashMap<String, Vec<usize>>,
     /// Copies that served a wrong chunk: never asked again for this model.
     dropped: Mutex<HashSet<usize>>,
+    /// Copies' slow misses so far (`STRIKES` drop a copy for the pull).
+    strikes: Mutex<HashMap<usize, u32>>,
     /// Files whose peer bytes failed the origin's sha256: origin only.
     distrusted: Mutex<HashSet<String>>,
     /// File path -> the copies that served bytes of it.
@@ -779,7 +791,12 @@ impl Inner {
             let mut misses = Vec::new();
             for c in self.order(&file.path, idx) {
                 let node = &self.copies[c].peer.node;
-                match self.chunk(c, file, idx, cs, ce).await {
+                let asked = tokio::time::Instant::now();
+                let got = self.chunk(c, file, idx, cs, ce).await;
+                if got.is_err() && asked.elapsed() >= SLOW_MISS {
+                    self.strike(c);
+                }
+                match got {
                     Ok((b, buffer)) => return Some((c, b, buffer)),
                     Err(Miss::Wrong(why)) => {
                         warn!(peer = %node, model = %self.sid, %why, "peer served a wrong chunk; it is dropped for this model");
@@ -810,6 +827,23 @@ impl Inner {
             round += 1;
             let pause = Duration::from_millis(20u64 << round.min(4));
             tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64() * 0.5)).await;
+        }
+    }
+
+    /// A peer made this pull wait and served nothing: after `STRIKES` of
+    /// those it is asked no more, so one unresponsive or lying peer (one
+    /// that holds every request and answers busy) costs a pull a few
+    /// waits, not one per chunk.
+    fn strike(&self, c: usize) {
+        let n = {
+            let mut strikes = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
+            let n = strikes.entry(c).or_default();
+            *n += 1;
+            *n
+        };
+        if n >= STRIKES {
+            warn!(peer = %self.copies[c].peer.node, model = %self.sid, strikes = n, "peer kept this pull waiting without serving; it is dropped for this model");
+            self.drop_copy(c);
         }
     }
 

@@ -97,6 +97,7 @@ impl PeerServer {
             MAX_CONNECTIONS,
             PER_SOURCE,
             OPEN,
+            HEAD_WITHIN * 6,
         ));
         loop {
             let (stream, from) = match listener.accept().await {
@@ -107,14 +108,16 @@ impl PeerServer {
                     continue;
                 }
             };
-            let Some(opened) = admission.open() else {
+            let Some(opened) = admission.open(from.ip()) else {
                 debug!(%from, "peer endpoint: too many connections open; closed");
                 continue;
             };
             let _ = stream.set_nodelay(true);
             let (me, admission) = (self.clone(), admission.clone());
             tokio::spawn(async move {
-                let _slot = admission.admit(opened, from.ip()).await;
+                let Some(_slot) = admission.admit(opened).await else {
+                    return;
+                };
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
                     async move { Ok::<_, Infallible>(me.handle(req).await) }

@@ -643,6 +643,7 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
         &format!(
             "apiVersion: v1\nkind: Secret\nmetadata: {{name: admin-token, namespace: {NS}}}\nstringData: {{token: admin}}\n---\n\
              apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: pending\n  namespace: team-b\n  annotations: {{modelcache.csi.io/source: 'hf://org/m', volume.kubernetes.io/selected-node: node-b}}\n  finalizers: [kubernetes.io/pvc-protection]\nspec: {{accessModes: [ReadOnlyMany], resources: {{requests: {{storage: 1Gi}}}}, storageClassName: modelcache-cache-local}}\n---\n\
+             apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: mine\n  namespace: team-b\n  annotations: {{volume.kubernetes.io/selected-node: node-a}}\nspec: {{accessModes: [ReadOnlyMany], resources: {{requests: {{storage: 1Gi}}}}, storageClassName: modelcache-cache-local}}\n---\n\
              apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: pv-node-b}}\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadOnlyMany]\n  csi: {{driver: modelcache.csi.io, volumeHandle: local-b}}\n  nodeAffinity: {{required: {{nodeSelectorTerms: [{{matchExpressions: [{{key: topology.modelcache.csi.io/node, operator: In, values: [node-b]}}]}}]}}}}\n---\n\
              apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: pv-node-a}}\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadOnlyMany]\n  csi: {{driver: modelcache.csi.io, volumeHandle: local-a}}\n  nodeAffinity: {{required: {{nodeSelectorTerms: [{{matchExpressions: [{{key: topology.modelcache.csi.io/node, operator: In, values: [node-a]}}]}}]}}}}\n---\n\
              apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: external-resizer-modelcache-csi-io, namespace: {NS}}}\nspec: {{holderIdentity: controller-0, leaseDurationSeconds: 15}}\n---\n\
@@ -807,10 +808,24 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
             "never add or change",
         ),
         (
-            "node clears a claim's selected node",
+            "node clears another node's claim's selected node",
             node(
                 &replace,
                 Some(&edited("pvc", Some("team-b"), "pending", &|v| {
+                    v["metadata"]["annotations"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("volume.kubernetes.io/selected-node");
+                })),
+            ),
+            false,
+            "when it names its own node",
+        ),
+        (
+            "node clears its own claim's selected node",
+            node(
+                &replace,
+                Some(&edited("pvc", Some("team-b"), "mine", &|v| {
                     v["metadata"]["annotations"]
                         .as_object_mut()
                         .unwrap()
@@ -870,6 +885,17 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
             ),
             false,
             "Leases its own node holds",
+        ),
+        (
+            "node publishes a second peer Lease, to be two peers",
+            node(
+                &create,
+                Some(&format!(
+                    "apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: modelcache-peer-node-z, namespace: {NS}}}\nspec: {{holderIdentity: node-a, leaseDurationSeconds: 45}}\n"
+                )),
+            ),
+            false,
+            "its own node's peer Lease",
         ),
         (
             "node publishes its own peer Lease",
