@@ -659,6 +659,9 @@ async fn prefetch(
         let (k, v) = p
             .split_once('=')
             .ok_or_else(|| Error::invalid("--param", format!("{p:?} must look like KEY=VALUE")))?;
+        if matches!(k, puller::hf::ALLOW_PARAM | puller::hf::IGNORE_PARAM) {
+            puller::hf::patterns(k, v)?;
+        }
         opts.params.insert(k.to_string(), v.to_string());
     }
     // What a registry's answer may reach, as a StorageClass would say it.

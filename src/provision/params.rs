@@ -227,6 +227,11 @@ impl Params {
                                 format!("{value:?} is not an http(s) URL like https://host:port"),
                             ));
                         }
+                    } else if matches!(
+                        k,
+                        crate::puller::hf::ALLOW_PARAM | crate::puller::hf::IGNORE_PARAM
+                    ) {
+                        crate::puller::hf::patterns(k, value)?;
                     } else if k == "s3Region" {
                         if value.is_empty() || value.contains(char::is_whitespace) {
                             return Err(Error::invalid(
@@ -480,6 +485,27 @@ pub fn parse_mutable(map: &HashMap<String, String>) -> Result<Mutable> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The Hub's file filters are globs on a class, not flags: before,
+    /// every value but "true"/"false" was refused, so a class could not
+    /// leave out a Llama repo's original/ checkpoint.
+    #[test]
+    fn hub_patterns_are_globs_on_a_class() {
+        let map = |k: &str, v: &str| {
+            HashMap::from([
+                ("source".to_string(), "hf://org/m".to_string()),
+                (k.to_string(), v.to_string()),
+            ])
+        };
+        let p = Params::parse(&map("hfIgnorePatterns", "original/*,*.pth")).unwrap();
+        assert_eq!(p.source_options["hfIgnorePatterns"], "original/*,*.pth");
+        Params::parse(&map("hfAllowPatterns", "*.safetensors,*.json")).unwrap();
+        let e = Params::parse(&map("hfAllowPatterns", "model-[.safetensors")).unwrap_err();
+        assert!(
+            matches!(&e, Error::Invalid { field, message } if field == "parameters.hfAllowPatterns" && message.contains("not a glob")),
+            "{e}"
+        );
+    }
 
     fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
         kv.iter()

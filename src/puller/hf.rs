@@ -132,38 +132,39 @@ struct Filter {
     ignore_set: Option<globset::GlobSet>,
 }
 
+/// The globs of `value` (comma-separated), sorted and deduplicated, and
+/// their set; None for no globs. The one judge of `hfAllowPatterns` and
+/// `hfIgnorePatterns`, for a StorageClass and for `cache prefetch` alike.
+pub fn patterns(key: &str, value: &str) -> Result<(Vec<String>, Option<globset::GlobSet>)> {
+    let mut pats: Vec<String> = value
+        .split(',')
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect();
+    if pats.is_empty() {
+        return Ok((pats, None));
+    }
+    pats.sort();
+    pats.dedup();
+    let mut b = globset::GlobSetBuilder::new();
+    for p in &pats {
+        let g = globset::Glob::new(p).map_err(|e| {
+            Error::invalid(
+                format!("parameters.{key}"),
+                format!("{p:?} is not a glob ({e}); give comma-separated globs such as *.safetensors,*.json"),
+            )
+        })?;
+        b.add(g);
+    }
+    let set = b
+        .build()
+        .map_err(|e| Error::invalid(format!("parameters.{key}"), e.to_string()))?;
+    Ok((pats, Some(set)))
+}
+
 impl Filter {
     fn new(params: &std::collections::BTreeMap<String, String>) -> Result<Filter> {
-        let list = |key: &str| -> Result<(Vec<String>, Option<globset::GlobSet>)> {
-            let mut pats: Vec<String> = params
-                .get(key)
-                .map(|v| {
-                    v.split(',')
-                        .map(|p| p.trim().to_string())
-                        .filter(|p| !p.is_empty())
-                        .collect()
-                })
-                .unwrap_or_default();
-            if pats.is_empty() {
-                return Ok((pats, None));
-            }
-            pats.sort();
-            pats.dedup();
-            let mut b = globset::GlobSetBuilder::new();
-            for p in &pats {
-                let g = globset::Glob::new(p).map_err(|e| {
-                    Error::invalid(
-                        format!("parameters.{key}"),
-                        format!("{p:?} is not a glob ({e}); give comma-separated globs such as *.safetensors,*.json"),
-                    )
-                })?;
-                b.add(g);
-            }
-            let set = b
-                .build()
-                .map_err(|e| Error::invalid(format!("parameters.{key}"), e.to_string()))?;
-            Ok((pats, Some(set)))
-        };
+        let list = |key: &str| patterns(key, params.get(key).map_or("", String::as_str));
         let (allow, allow_set) = list(ALLOW_PARAM)?;
         let (ignore, ignore_set) = list(IGNORE_PARAM)?;
         Ok(Filter {

@@ -1040,3 +1040,120 @@ async fn a_class_secret_pull_is_resumed_only_when_the_secret_read_again_is_the_o
         "a pull nobody may resume was resumed without a call"
     );
 }
+
+/// A class leaves out what it names with the Hub's file filters, through
+/// CreateVolume: on a repo shaped like a Llama Instruct one (safetensors
+/// shards beside an `original/` checkpoint), `hfIgnorePatterns:
+/// original/*` never requests `original/`, and `hfAllowPatterns` pulls only
+/// its globs, as another model. A bad glob is refused naming the
+/// parameter. Before, the class parser refused every value but
+/// "true"/"false", so no class could set them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_leaves_out_what_its_hub_patterns_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let files: &[(&str, usize)] = &[
+        ("config.json", 600),
+        ("generation_config.json", 180),
+        ("model-00001-of-00002.safetensors", 3 << 20),
+        ("model-00002-of-00002.safetensors", 2 << 20),
+        ("model.safetensors.index.json", 2000),
+        ("tokenizer.json", 9000),
+        ("tokenizer_config.json", 5000),
+        ("special_tokens_map.json", 300),
+        ("LICENSE", 7000),
+        ("README.md", 4000),
+        ("original/consolidated.00.pth", 4 << 20),
+        ("original/params.json", 200),
+        ("original/tokenizer.model", 2 << 20),
+    ];
+    for (i, (path, size)) in files.iter().enumerate() {
+        let at = dir.path().join(path);
+        fs::create_dir_all(at.parent().unwrap()).unwrap();
+        fs::write(at, fixtures::pseudo_random(900 + i as u64, *size)).unwrap();
+    }
+    let hub = HubServer::start(dir.path()).await;
+    let endpoint = hub.endpoint();
+    let d = driver(&[]).await;
+    let uri = "hf://org/minilm";
+
+    let ignored = created(
+        create(
+            &d,
+            "pvc-no-original",
+            &[
+                ("source", uri),
+                ("hfEndpoint", &endpoint),
+                ("hfIgnorePatterns", "original/*"),
+            ],
+        )
+        .await,
+    );
+    let asked: Vec<String> = hub
+        .requests()
+        .iter()
+        .map(|r| r.raw_path.clone())
+        .filter(|p| p.contains("/resolve/") || p.contains("cdn-lfs"))
+        .collect();
+    assert!(!asked.is_empty());
+    assert!(
+        !asked.iter().any(|p| p.contains("original")),
+        "original/ was requested: {asked:?}"
+    );
+    let sid = ignored.volume_context["source"].clone();
+    d.wait_sealed(&[&sid], SEAL_BOUND).await;
+    let data = d.source_dir("local", &sid).join("data");
+    assert!(!data.join("original").exists());
+    assert!(data.join("model-00002-of-00002.safetensors").is_file());
+
+    let allowed = created(
+        create(
+            &d,
+            "pvc-weights-only",
+            &[
+                ("source", uri),
+                ("hfEndpoint", &endpoint),
+                ("hfAllowPatterns", "*.safetensors,*.json"),
+            ],
+        )
+        .await,
+    );
+    let only = allowed.volume_context["source"].clone();
+    assert_ne!(only, sid, "another subset of the repo is another model");
+    d.wait_sealed(&[&only], SEAL_BOUND).await;
+    let mut got: Vec<String> = fixtures::tree_files(&d.source_dir("local", &only).join("data"))
+        .into_iter()
+        .map(|(p, _)| p)
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "config.json",
+            "generation_config.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "original/params.json",
+            "special_tokens_map.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    );
+
+    let bad = create(
+        &d,
+        "pvc-bad-glob",
+        &[
+            ("source", uri),
+            ("hfEndpoint", &endpoint),
+            ("hfAllowPatterns", "model-["),
+        ],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
+    assert!(
+        bad.message().contains("parameters.hfAllowPatterns"),
+        "{bad:?}"
+    );
+}
