@@ -793,7 +793,10 @@ impl Inner {
                 let node = &self.copies[c].peer.node;
                 let asked = tokio::time::Instant::now();
                 let got = self.chunk(c, file, idx, cs, ce).await;
-                if got.is_err() && asked.elapsed() >= SLOW_MISS {
+                // Busy is an honest answer, even late (a leader holds a
+                // request while its chunk arrives, then queues it for a
+                // slot): only a peer that failed or timed out strikes.
+                if matches!(got, Err(Miss::Unavailable(_))) && asked.elapsed() >= SLOW_MISS {
                     self.strike(c);
                 }
                 match got {
@@ -830,10 +833,9 @@ impl Inner {
         }
     }
 
-    /// A peer made this pull wait and served nothing: after `STRIKES` of
-    /// those it is asked no more, so one unresponsive or lying peer (one
-    /// that holds every request and answers busy) costs a pull a few
-    /// waits, not one per chunk.
+    /// A peer made this pull wait and then failed (timed out, errored,
+    /// crawled): after `STRIKES` of those it is asked no more, so one
+    /// unresponsive peer costs a pull a few waits, not one per chunk.
     fn strike(&self, c: usize) {
         let n = {
             let mut strikes = self.strikes.lock().unwrap_or_else(|p| p.into_inner());

@@ -28,23 +28,27 @@ const KEPT: usize = 10_000;
 #[derive(Default)]
 pub(super) struct Access {
     proven: Mutex<HashMap<(String, String), Instant>>,
-    /// The requester whose pull of each model runs in this process: a
-    /// request with the same credentials joins it as its own.
-    leading: Arc<Mutex<HashMap<String, String>>>,
+    /// The requester whose pull of each model runs in this process (and
+    /// which lead it is): a request with the same credentials joins it as
+    /// its own.
+    leading: Arc<Mutex<HashMap<String, (Option<String>, u64)>>>,
+    leads: std::sync::atomic::AtomicU64,
 }
 
 /// A pull led by one requester, until dropped.
 pub(super) struct Lead {
-    leading: Arc<Mutex<HashMap<String, String>>>,
+    leading: Arc<Mutex<HashMap<String, (Option<String>, u64)>>>,
     sid: String,
+    id: u64,
 }
 
 impl Drop for Lead {
     fn drop(&mut self) {
-        self.leading
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.sid);
+        let mut leading = self.leading.lock().unwrap_or_else(|p| p.into_inner());
+        // A lead that followed this one is its own to end.
+        if leading.get(&self.sid).is_some_and(|(_, id)| *id == self.id) {
+            leading.remove(&self.sid);
+        }
     }
 }
 
@@ -52,24 +56,53 @@ impl Access {
     /// The pull of `sid` that runs now is `source`'s requester's, fetching
     /// with its own credentials.
     pub(super) fn lead(&self, sid: &str, source: &dyn Source) -> Lead {
-        let mut leading = self.leading.lock().unwrap_or_else(|p| p.into_inner());
-        match source.requester() {
-            Some(r) => leading.insert(sid.to_string(), r),
-            None => leading.remove(sid),
-        };
+        let id = self
+            .leads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.leading
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(sid.to_string(), (source.requester(), id));
         Lead {
             leading: self.leading.clone(),
             sid: sid.to_string(),
+            id,
         }
     }
 
-    /// Whether the running pull of `sid` presents `source`'s credentials:
-    /// joining it is no more than pulling.
-    pub(super) fn led_by(&self, sid: &str, source: &dyn Source) -> bool {
-        let leading = self.leading.lock().unwrap_or_else(|p| p.into_inner());
-        source
-            .requester()
-            .is_some_and(|r| leading.get(sid) == Some(&r))
+    /// Takes the pull of `sid` (`try_lock`, under this lock so that no
+    /// request sees the pull held before its leader is named) and leads it;
+    /// or, when another pull holds it, says whether that one presents
+    /// `source`'s credentials (joining it is then no more than pulling).
+    pub(super) fn lead_or_join<G>(
+        &self,
+        sid: &str,
+        source: &dyn Source,
+        try_lock: impl FnOnce() -> Option<G>,
+    ) -> (Option<(G, Lead)>, bool) {
+        let mut leading = self.leading.lock().unwrap_or_else(|p| p.into_inner());
+        match try_lock() {
+            Some(g) => {
+                let id = self
+                    .leads
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                leading.insert(sid.to_string(), (source.requester(), id));
+                let lead = Lead {
+                    leading: self.leading.clone(),
+                    sid: sid.to_string(),
+                    id,
+                };
+                (Some((g, lead)), false)
+            }
+            None => {
+                let same = source.requester().is_some_and(|mine| {
+                    leading
+                        .get(sid)
+                        .is_some_and(|(theirs, _)| theirs.as_ref() == Some(&mine))
+                });
+                (None, same)
+            }
+        }
     }
 
     /// Whether `requester` proved its access to `sid` within `PROVEN_FOR`.
@@ -241,12 +274,37 @@ mod tests {
     fn a_pull_is_joined_as_ones_own_only_with_the_same_credentials() {
         let access = Access::default();
         let (a, b) = (gated("a", true, false), gated("b", false, false));
-        let lead = access.lead("m1", &a);
-        assert!(access.led_by("m1", &a));
-        assert!(!access.led_by("m1", &b));
-        assert!(!access.led_by("m2", &a));
+        let held = std::sync::Mutex::new(());
+        let (first, _) = access.lead_or_join("m1", &a, || held.try_lock().ok());
+        let (guard, lead) = first.expect("the first request leads");
+        assert!(matches!(
+            access.lead_or_join("m1", &a, || held.try_lock().ok()),
+            (None, true)
+        ));
+        assert!(matches!(
+            access.lead_or_join("m1", &b, || held.try_lock().ok()),
+            (None, false)
+        ));
+        let other = std::sync::Mutex::new(());
+        assert!(
+            access
+                .lead_or_join("m2", &a, || other.try_lock().ok())
+                .0
+                .is_some()
+        );
+        // A lead named after this one outlives this one's end.
+        let next = access.lead("m1", &b);
         drop(lead);
-        assert!(!access.led_by("m1", &a), "a pull that ended leads nothing");
+        assert!(matches!(
+            access.lead_or_join("m1", &b, || held.try_lock().ok()),
+            (None, true)
+        ));
+        drop(next);
+        assert!(matches!(
+            access.lead_or_join("m1", &a, || held.try_lock().ok()),
+            (None, false)
+        ));
+        drop(guard);
     }
 
     #[tokio::test]

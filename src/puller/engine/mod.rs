@@ -440,22 +440,28 @@ impl Engine {
             // does every tenant, so that a refusal looks the same whether
             // the model is sealed, arriving or neither. Joining a pull that
             // presents the same credentials is pulling.
-            let lead = self.inflight.try_lock(&sid);
+            let (lead, joins_own) = self
+                .access
+                .lead_or_join(sid.as_str(), source.as_ref(), || self.inflight.try_lock(&sid));
             let own = lead.is_some() && !source.tenant_named() && {
                 let (r, s) = (root.clone(), sid.clone());
                 !blocking(move || Ok(cache::pull::left_over(&r, &s))).await?
             };
-            if !own && !self.access.led_by(sid.as_str(), source.as_ref()) {
+            if !own && !joins_own {
                 self.access
                     .admit(sid.as_str(), source.as_ref(), &resolved, outage)
                     .await?;
             }
             sink.resolved(sid.as_str(), &resolved.uri, &resolved.revision);
-            let _joined = match lead {
-                Some(g) => g,
-                None => self.inflight.lock(&sid).await,
+            // The lead goes before the lock (declared after it), so the
+            // next leader is never named while this one's name stands.
+            let (_joined, _lead) = match lead {
+                Some(held) => held,
+                None => {
+                    let g = self.inflight.lock(&sid).await;
+                    (g, self.access.lead(sid.as_str(), source.as_ref()))
+                }
             };
-            let _lead = self.access.lead(sid.as_str(), source.as_ref());
             if let Some(hit) = self.hit(root, &sid, source.as_ref(), &resolved, signature).await? {
                 return Ok(hit);
             }
