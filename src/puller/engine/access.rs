@@ -24,6 +24,9 @@ pub(super) const PROVEN_FOR: Duration = Duration::from_secs(600);
 /// How many proofs are kept before the stale ones are swept.
 const KEPT: usize = 10_000;
 
+/// Per model whose pull runs: its requester (if any), and which lead.
+type Leading = Arc<Mutex<HashMap<String, (Option<String>, u64)>>>;
+
 /// Proofs of access, per (model, requester), and who runs each pull.
 #[derive(Default)]
 pub(super) struct Access {
@@ -31,13 +34,13 @@ pub(super) struct Access {
     /// The requester whose pull of each model runs in this process (and
     /// which lead it is): a request with the same credentials joins it as
     /// its own.
-    leading: Arc<Mutex<HashMap<String, (Option<String>, u64)>>>,
+    leading: Leading,
     leads: std::sync::atomic::AtomicU64,
 }
 
 /// A pull led by one requester, until dropped.
 pub(super) struct Lead {
-    leading: Arc<Mutex<HashMap<String, (Option<String>, u64)>>>,
+    leading: Leading,
     sid: String,
     id: u64,
 }
