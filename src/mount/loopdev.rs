@@ -21,6 +21,11 @@ use super::with_context;
 
 const LO_FLAGS_READ_ONLY: u32 = 1;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
+/// The device reads its backing file with O_DIRECT: a page the filesystem
+/// on the device caches is not cached a second time under the backing
+/// file (a read-only model read once took 2x its size in page cache, at a
+/// quarter of the disk's speed).
+const LO_FLAGS_DIRECT_IO: u32 = 16;
 
 /// `struct loop_info64` from <linux/loop.h>.
 #[repr(C)]
@@ -198,9 +203,10 @@ fn attach_new(image: &Path, backing: &File, readonly: bool) -> io::Result<LoopHa
     crate::state::forget_cached_pages(backing);
     let mut flags = LO_FLAGS_AUTOCLEAR;
     if readonly {
-        flags |= LO_FLAGS_READ_ONLY;
+        // Readers only: a writer's small writes would each go to the disk.
+        flags |= LO_FLAGS_READ_ONLY | LO_FLAGS_DIRECT_IO;
     }
-    let config = LoopConfig {
+    let config_with = |flags: u32| LoopConfig {
         fd: backing.as_raw_fd() as u32,
         block_size: 0,
         info: LoopInfo64 {
@@ -209,6 +215,7 @@ fn attach_new(image: &Path, backing: &File, readonly: bool) -> io::Result<LoopHa
         },
         reserved: [0; 8],
     };
+    let mut config = config_with(flags);
     // Another process may take the free device between asking and configuring it.
     for _ in 0..16 {
         // SAFETY: plain ioctl on an fd we own.
@@ -229,6 +236,12 @@ fn attach_new(image: &Path, backing: &File, readonly: bool) -> io::Result<LoopHa
                 });
             }
             Err(Errno::EBUSY) => continue,
+            // A backing filesystem that cannot do direct I/O at this
+            // block size: read through its page cache, as before.
+            Err(Errno::EINVAL) if config.info.lo_flags & LO_FLAGS_DIRECT_IO != 0 => {
+                tracing::info!(image = %image.display(), "the image's filesystem refuses direct I/O for a loop device; it is read through the page cache");
+                config = config_with(config.info.lo_flags & !LO_FLAGS_DIRECT_IO);
+            }
             Err(e) => {
                 return Err(with_context(
                     e,
@@ -401,6 +414,29 @@ mod tests {
         assert_eq!(first.path(), second.path());
         let dev = first.path().to_owned();
         assert_eq!(devices_backed_by(&image).unwrap(), [(dev.clone(), true)]);
+        // Readers read the image with direct I/O: one page cache, the
+        // filesystem's on the device, not a second under the image file.
+        let name = dev.file_name().unwrap().to_string_lossy().into_owned();
+        let dio = std::fs::read_to_string(format!("/sys/block/{name}/loop/dio")).unwrap();
+        assert_eq!(
+            dio.trim(),
+            "1",
+            "{dev:?} reads its image through the page cache"
+        );
+        let rw = attach(&image, false).unwrap();
+        let rw_name = rw
+            .path()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        let rw_dio = std::fs::read_to_string(format!("/sys/block/{rw_name}/loop/dio")).unwrap();
+        assert_eq!(
+            rw_dio.trim(),
+            "0",
+            "a writer's device writes through the page cache"
+        );
+        drop(rw);
         assert_eq!(backing_file(&dev).unwrap().as_deref(), Some(&*image));
 
         let dirs = [image.with_file_name("a"), image.with_file_name("b")];
