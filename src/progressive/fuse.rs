@@ -386,8 +386,9 @@ impl Server {
             }
             STATFS => self.statfs(&h),
             RELEASEDIR | FLUSH | ACCESS | DESTROY => self.reply(h.unique, &[]),
+            INTERRUPT => self.interrupt(u64_at(body, 0)),
             // No answer is expected to these.
-            FORGET | BATCH_FORGET | INTERRUPT => {}
+            FORGET | BATCH_FORGET => {}
             _ => self.error(h.unique, libc::ENOSYS),
         }
     }
@@ -722,6 +723,29 @@ impl Server {
         // Decided between the check and the park: the waker may have
         // looked already, so it is told to look again.
         self.vol.gates.nudge();
+    }
+
+    /// The caller of parked request `unique` was interrupted (a signal,
+    /// SIGKILL included): it is answered EINTR at once. A request the
+    /// daemon has read ends only when the daemon answers it, so without
+    /// this a killed reader stayed in D state until its file's verdict or
+    /// the wait bound. One no longer parked was answered already: the
+    /// interrupt is nothing to do.
+    fn interrupt(&self, unique: u64) {
+        let found = {
+            let mut parked = self.lock_parked();
+            let at = parked.iter().position(|p| p.h.unique == unique);
+            at.map(|i| parked.swap_remove(i))
+        };
+        if let Some(p) = found {
+            self.vol.parked.fetch_sub(1, Ordering::Relaxed);
+            tracing::debug!(
+                file = p.index,
+                unique,
+                "a parked request's caller was interrupted: EINTR"
+            );
+            self.error(unique, libc::EINTR);
+        }
     }
 
     fn lock_parked(&self) -> std::sync::MutexGuard<'_, Vec<Parked>> {

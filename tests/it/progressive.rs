@@ -244,6 +244,61 @@ fn a_stalled_fill_answers_eio_within_the_bound() {
     );
 }
 
+/// A reader parked on a file still arriving can always be killed: the
+/// kernel sends FUSE_INTERRUPT for the request the daemon holds, which is
+/// answered EINTR at once. Before, SIGKILL left the reader in D state
+/// (request_wait_answer) until the file's verdict or the wait bound: a pod
+/// stuck Terminating.
+#[test]
+fn a_reader_parked_on_a_pending_file_can_be_killed() {
+    let m = mount(&[("pending.bin", 4096)], Duration::from_secs(120));
+    for tool in [["cat", ""], ["dd", "bs=4096"]] {
+        let mut cmd = std::process::Command::new(tool[0]);
+        match tool[0] {
+            "cat" => cmd.arg(m.mnt().join("pending.bin")),
+            _ => cmd
+                .arg(format!("if={}", m.mnt().join("pending.bin").display()))
+                .arg(tool[1])
+                .arg("of=/dev/null"),
+        };
+        let mut child = cmd.spawn().unwrap();
+        let parked = Instant::now() + Duration::from_secs(10);
+        while m.vol.parked.load(Ordering::Relaxed) == 0 {
+            assert!(
+                Instant::now() < parked,
+                "{}: the open was never parked",
+                tool[0]
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        child.kill().unwrap();
+        let died = Instant::now() + Duration::from_secs(5);
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            assert!(
+                Instant::now() < died,
+                "{}: a killed reader of a pending file did not die (D state)",
+                tool[0]
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let answered = Instant::now() + Duration::from_secs(5);
+        while m.vol.parked.load(Ordering::Relaxed) != 0 {
+            assert!(
+                Instant::now() < answered,
+                "the interrupted request stayed parked"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    // The file still reads once it arrives.
+    let body = pseudo_random(7, 4096);
+    m.arrive(0, "pending.bin", &body);
+    assert!(fs::read(m.mnt().join("pending.bin")).unwrap() == body);
+}
+
 /// Threads of this process named `name`.
 fn threads_named(name: &str) -> usize {
     fs::read_dir("/proc/self/task")
