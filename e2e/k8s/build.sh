@@ -59,7 +59,8 @@ ETCD_DIR=$TOOLS/etcd-$ETCD_VERSION
 
 ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl e2e.test agnhost ginkgo)
 DEFAULT=(etcd kube-apiserver kubectl)
-ONE_NODE=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
+# The test tools (etcd, kube-apiserver, kubectl) first: integration tests wait for them.
+ONE_NODE=(etcd kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet)
 
 components=()
 if [[ $# -eq 0 ]]; then

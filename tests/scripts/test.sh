@@ -36,6 +36,33 @@ log "fuzz build in the background (log: $TARGET/fuzz/build.log)"
 lowest "$ROOT/tests/scripts/fuzz.sh" build >/dev/null 2>&1 &
 fuzzbuild=$!
 
+# The e2e suite's Go builds (Kubernetes components, sidecars; cached by
+# version, so a warm run skips them) start now, at nice 19: they take the
+# cores the crate's build and the tests leave idle (the tests mostly wait
+# on paced transfers), ahead of clippy and the fuzz build (SCHED_IDLE),
+# which nothing waits for until the end. build.sh's lock keeps them from
+# building a binary the test tools' step builds too. What the single-node
+# cluster needs comes first (the markers say it is there); what only the
+# two-node suite needs (kube-proxy, e2e.test and its images' binaries,
+# Helm) builds on while the single-node e2e runs. The sidecars are Go
+# modules of their own, built once the test tools are in.
+prebuild="" prebuild_sidecars=""
+single_node_built="$TARGET/e2e-prebuild.single-node-built"
+sidecars_built="$TARGET/e2e-prebuild.sidecars-built"
+rm -f "$single_node_built" "$sidecars_built"
+if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
+  log "e2e builds in the background (log: $TARGET/e2e-prebuild.log)"
+  { nice -n 19 "$ROOT/e2e/k8s/build.sh" one-node && touch "$single_node_built"
+    nice -n 19 "$ROOT/e2e/k8s/build.sh" all && nice -n 19 bash "$ROOT/tests/scripts/deps/helm.sh"
+  } >"$TARGET/e2e-prebuild.log" 2>&1 &
+  prebuild=$!
+  # After the test tools: build-sidecars.sh takes build.sh's lock too.
+  { while kill -0 "$deps" 2>/dev/null; do sleep 5; done
+    nice -n 19 "$ROOT/e2e/build-sidecars.sh" && touch "$sidecars_built"
+  } >"$TARGET/e2e-prebuild-sidecars.log" 2>&1 &
+  prebuild_sidecars=$!
+fi
+
 log "cargo fmt --check"
 cargo fmt --all -- --check
 log "module cycles (tests/scripts/module-cycles.py)"
@@ -81,26 +108,6 @@ set -e
 log "waiting for the test tools"
 wait "$deps" || { tail -n 40 "$TARGET/test-deps.log" >&2; log "installing the test tools failed"; exit 1; }
 
-# The e2e suite's Go builds (Kubernetes components, sidecars; cached by
-# version, so a warm run skips them) run under nice 19 beside the tests,
-# which leave a core idle much of the time; e2e/up then finds them built.
-# What the single-node cluster needs comes first (the marker says it is
-# there); what only the two-node suite needs (kube-proxy, e2e.test and its
-# images' binaries, Helm) builds on while the single-node e2e runs.
-prebuild=""
-single_node_built="$TARGET/e2e-prebuild.single-node-built"
-rm -f "$single_node_built"
-if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
-  log "e2e builds in the background (log: $TARGET/e2e-prebuild.log)"
-  # All of it at the lowest priority (lib.sh's `lowest`): a cold run's Go
-  # builds at full priority took the cores from the tests' timing checks
-  # (the 8-node fan-out took 1.71x one node alone, against 1.18-1.29x on a
-  # quiet machine), and under nice 19 still 1.51x, past its 1.5x bound.
-  { lowest "$ROOT/e2e/k8s/build.sh" one-node && lowest "$ROOT/e2e/build-sidecars.sh" && touch "$single_node_built"
-    lowest "$ROOT/e2e/k8s/build.sh" all && lowest bash "$ROOT/tests/scripts/deps/helm.sh"
-  } >"$TARGET/e2e-prebuild.log" 2>&1 &
-  prebuild=$!
-fi
 # A private mount namespace: whatever a failing test leaves mounted dies with it.
 log "cargo test"
 set +e
@@ -133,6 +140,7 @@ e2e_rc=0
 if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
   # A failed prebuild is e2e/up's to report: it builds what is missing.
   while [ -n "$prebuild" ] && [ ! -e "$single_node_built" ] && kill -0 "$prebuild" 2>/dev/null; do sleep 5; done
+  while [ -n "$prebuild_sidecars" ] && [ ! -e "$sidecars_built" ] && kill -0 "$prebuild_sidecars" 2>/dev/null; do sleep 5; done
   log "e2e (e2e/up, e2e/run, e2e/down)"
   if "$ROOT/e2e/up" > "$TARGET/e2e-up.log" 2>&1; then
     E2E_DRIVER="$TARGET/debug/modelcache-csi" "$ROOT/e2e/run" 2>&1 | tee "$TARGET/e2e.log"
@@ -143,7 +151,7 @@ if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
     echo "e2e: 0 passed, 1 failed (e2e/up failed; see $TARGET/e2e-up.log)" >> "$TARGET/e2e.log"
   fi
   "$ROOT/e2e/down" >> "$TARGET/e2e-up.log" 2>&1 || { e2e_rc=1; echo "e2e/down left something behind" >&2; }
-  [ -n "$prebuild" ] && { wait "$prebuild" || log "e2e prebuild failed; e2e/up tries again"; }
+  [ -n "$prebuild" ] && { wait "$prebuild" "$prebuild_sidecars" || log "e2e prebuild failed; e2e/up tries again"; }
   log "helm chart against the kustomize base (tests/scripts/helm-chart.sh)"
   "$ROOT/tests/scripts/helm-chart.sh" 2>&1 | tee "$TARGET/helm-chart.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || e2e_rc=1
