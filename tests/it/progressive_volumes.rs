@@ -306,9 +306,12 @@ async fn a_volume_without_progressive_is_answered_once_verified_and_false_waits_
 
 /// A shard whose bytes the origin corrupts on every fetch of this pull:
 /// its reads fail with EIO (never a wrong byte) while other shards read
-/// right; the pull fails naming it, and the driver runs the pull again on
-/// its own (nobody else would: the volume exists), after which the shard
-/// reads right.
+/// right, the shards after it included (the pull goes on past it); the
+/// pull fails naming it, and the driver runs the pull again on its own
+/// (nobody else would: the volume exists), fetching only that shard (the
+/// others were verified and kept), after which it reads right. Before,
+/// the pull stopped at the bad shard, so the shards after it arrived
+/// only with the next run, which fetched the whole model again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_the_origin_corrupts_reads_eio_and_heals_when_the_pull_runs_again() {
     let o = origin(8 << 20, 60).await;
@@ -326,6 +329,33 @@ async fn a_shard_the_origin_corrupts_reads_eio_and_heals_when_the_pull_runs_agai
     .expect_err("a read of a shard whose every fetch failed");
     assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
     assert!(fs::read(target.join(shard_name(0))).unwrap() == o.shards[0]);
+    // The shards after the bad one arrive in the same run.
+    let last = target.join(shard_name(SHARDS - 1));
+    let read_last = tokio::task::spawn_blocking(move || fs::read(last));
+    let last_bytes = tokio::time::timeout(Duration::from_secs(8), read_last)
+        .await
+        .expect("the shards after a failed one waited for the next run")
+        .unwrap()
+        .unwrap();
+    assert!(
+        last_bytes == o.shards[SHARDS - 1],
+        "wrong bytes of the last shard"
+    );
+    // Ranges of the good shards fetched (not the one-byte reads a
+    // resuming requester's access check makes).
+    let gets_of_good = |o: &Origin| -> usize {
+        let good: Vec<String> = (0..SHARDS)
+            .filter(|i| *i != 1)
+            .map(|i| format!("/{}", shard_name(i)))
+            .collect();
+        o.server
+            .requests()
+            .iter()
+            .filter(|r| r.method == "GET" && good.contains(&r.raw_path))
+            .filter(|r| r.header("range") != Some("bytes=0-0"))
+            .count()
+    };
+    let good_before = gets_of_good(&o);
     assert!(!seal_of(&d, &sid).exists());
     assert!(
         d.log_text().contains("failed verification"),
@@ -339,6 +369,11 @@ async fn a_shard_the_origin_corrupts_reads_eio_and_heals_when_the_pull_runs_agai
     assert!(
         fs::read(&bad).unwrap() == o.shards[1],
         "wrong bytes after the heal"
+    );
+    assert_eq!(
+        gets_of_good(&o),
+        good_before,
+        "the run after the failure fetched verified shards again"
     );
     // The reference made in the first pull's area was lost with it (the
     // area of a pull the origin served garbage to is discarded); the

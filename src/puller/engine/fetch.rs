@@ -6,6 +6,10 @@ use super::*;
 /// What one remote file became.
 pub(super) enum Fetched {
     File(FileEntry),
+    /// The file failed verification every time it was fetched: its
+    /// readers are told EIO, and the pull goes on with the others (which
+    /// become durable and are never fetched again) before it fails.
+    Failed(Error),
     /// A verified layer blob, unpacked later in manifest order.
     Layer {
         index: usize,
@@ -144,11 +148,11 @@ pub(super) async fn fetch_file(
                 if file.unpack == Unpack::None {
                     work.partial().failed(&file.path, &why);
                 }
-                return Err(Error::Precondition(format!(
+                return Ok(Fetched::Failed(Error::Precondition(format!(
                     "{} failed verification: {why} (fetched {} times); nothing was sealed",
                     file.path_or_locator(),
                     refetches + 1
-                )));
+                ))));
             }
             st.sha256 = Some(sha.clone());
             st.size = Some(size);

@@ -14,7 +14,7 @@ pub(super) fn unpack_layers(
 ) -> Result<Vec<FileEntry>> {
     layers.sort_by_key(|l| match l {
         Fetched::Layer { index, .. } => *index,
-        Fetched::File(_) => 0,
+        Fetched::File(_) | Fetched::Failed(_) => 0,
     });
     let mut lists = Vec::new();
     for l in layers {

@@ -869,6 +869,11 @@ impl Engine {
             .buffer_unordered(budget);
         let mut files = std::pin::pin!(files);
         let mut results = Vec::new();
+        // A file that failed verification fails the pull, but only once
+        // the other files are in: each one verified and made durable is
+        // never fetched again, and a progressive volume's readers of the
+        // others are not held by it.
+        let mut failed: Option<Error> = None;
         let start = Instant::now();
         let mut tick = tokio::time::interval_at(
             tokio::time::Instant::now() + self.cfg.progress_every,
@@ -880,6 +885,10 @@ impl Engine {
                     // The first failure that retries could not mend ends the
                     // pull at once; what other files made durable is resumed.
                     Some(Err(e)) => return Err(e),
+                    Some(Ok(Fetched::Failed(e))) => {
+                        warn!(error = %e, "a file failed verification; the other files go on");
+                        failed.get_or_insert(e);
+                    }
                     Some(Ok(r)) => results.push(r),
                     None => break,
                 },
@@ -898,12 +907,16 @@ impl Engine {
                 }
             }
         }
+        if let Some(e) = failed {
+            return Err(e);
+        }
         let mut entries = Vec::new();
         let mut layers = Vec::new();
         for r in results {
             match r {
                 Fetched::File(f) => entries.push(f),
                 l @ Fetched::Layer { .. } => layers.push(l),
+                Fetched::Failed(_) => {}
             }
         }
         // Every file is in place: the partial directory must not become
