@@ -152,11 +152,7 @@ impl Provisioner {
                 // reference (it never waits for a create); a new pull
                 // brings it back. Bounded: a cache evicting every model as
                 // soon as it lands answers UNAVAILABLE instead.
-                let until = match until {
-                    Until::Sealed => Until::Sealed,
-                    early if progressive_kernel() => early,
-                    _ => Until::Sealed,
-                };
+                let until = until_on(&kernel_release(), until)?;
                 let mut attempt = 1;
                 loop {
                     let (early, backed) =
@@ -497,22 +493,37 @@ impl Provisioner {
     }
 }
 
-/// Whether this kernel can serve a progressive volume: FUSE passthrough,
-/// for native reads of verified files, came in 6.9. Older kernels get the
-/// ordinary volume, usable once sealed.
-fn progressive_kernel() -> bool {
-    let release = nix::sys::utsname::uname()
+fn kernel_release() -> String {
+    nix::sys::utsname::uname()
         .map(|u| u.release().to_string_lossy().into_owned())
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// When a create may answer on a node running kernel `release`: a volume
+/// answered before its seal is served through a FUSE view, whose verified
+/// files are read by passthrough, which came in 6.9. A class that asked
+/// for a progressive volume is refused on an older kernel, with why (a
+/// silent fallback left its pods waiting for the whole model with no word
+/// of it); one answered once verified is answered at the seal instead,
+/// which is the same volume a little later.
+fn until_on(release: &str, until: Until) -> Result<Until> {
     let mut parts = release
         .split(|c: char| !c.is_ascii_digit())
         .map(|p| p.parse::<u32>().unwrap_or(0));
     let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    let ok = (major, minor) >= (6, 9);
-    if !ok {
-        tracing::warn!(kernel = %release, "progressive volumes need kernel 6.9 or later (FUSE passthrough); this volume is usable once its model is sealed");
+    if (major, minor) >= (6, 9) {
+        return Ok(until);
     }
-    ok
+    match until {
+        Until::Listed => Err(Error::Precondition(format!(
+            "parameters.progressive: progressive volumes need Linux 6.9 or later (FUSE passthrough), and this node runs {release}; use a class without progressive: \"true\" here (its volumes are usable once the model is verified and sealed), or upgrade the node's kernel"
+        ))),
+        Until::Verified => {
+            tracing::info!(kernel = %release, "kernel before 6.9: this volume answers once its model is sealed");
+            Ok(Until::Sealed)
+        }
+        Until::Sealed => Ok(Until::Sealed),
+    }
 }
 
 /// The seal of a source a cache volume is about to read.
@@ -584,6 +595,28 @@ fn preview(items: &[String]) -> String {
 mod tests {
     use super::*;
     use crate::cache::{Role, VolumeRecord};
+
+    /// A progressive class on a kernel without FUSE passthrough is refused
+    /// naming the parameter and the kernel; a volume answered once verified
+    /// waits for the seal there instead; 6.9 and later serve both.
+    #[test]
+    fn progressive_needs_a_kernel_that_serves_it() {
+        let e = until_on("5.15.0-91-generic", Until::Listed).unwrap_err();
+        assert!(
+            matches!(&e, Error::Precondition(m) if m.contains("parameters.progressive") && m.contains("5.15.0-91-generic")),
+            "{e}"
+        );
+        assert_eq!(
+            until_on("6.8.0-31-generic", Until::Verified).unwrap(),
+            Until::Sealed
+        );
+        assert_eq!(until_on("6.9.0", Until::Listed).unwrap(), Until::Listed);
+        assert_eq!(
+            until_on("6.18.2", Until::Verified).unwrap(),
+            Until::Verified
+        );
+        assert_eq!(until_on("4.19.0", Until::Sealed).unwrap(), Until::Sealed);
+    }
 
     /// A namespace at its bound may still use the models it holds, and
     /// other namespaces are not counted against it.

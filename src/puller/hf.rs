@@ -32,6 +32,10 @@ pub const ALLOW_PARAM: &str = "hfAllowPatterns";
 pub const IGNORE_PARAM: &str = "hfIgnorePatterns";
 /// Secret with a Hub access token; else env `HF_TOKEN`.
 pub const TOKEN_SECRET: &str = "hfToken";
+/// Keys other tools give a Hub token under (huggingface_hub's environment
+/// names, KServe's secrets): taken as `hfToken`, in this order, when it is
+/// absent, so a Secret made for them works here too.
+pub const TOKEN_SECRET_ALIASES: [&str; 3] = ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "token"];
 /// Tree pages followed before giving up (the Hub sends ~1000 entries a page).
 const MAX_TREE_PAGES: usize = 1000;
 
@@ -209,10 +213,9 @@ impl HfSource {
             .unwrap_or_else(|| DEFAULT_ENDPOINT.to_string());
         let endpoint =
             super::http::service_url(&endpoint, ENDPOINT_PARAM, "https://huggingface.co")?;
-        let token = opts
-            .secrets
-            .get(TOKEN_SECRET)
-            .cloned()
+        let token = std::iter::once(TOKEN_SECRET)
+            .chain(TOKEN_SECRET_ALIASES)
+            .find_map(|k| opts.secrets.get(k).cloned())
             .or_else(|| opts.admin_env("HF_TOKEN"))
             .map(|t| t.trim().to_string())
             .filter(|t| !t.is_empty());

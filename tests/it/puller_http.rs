@@ -679,3 +679,49 @@ async fn a_cache_hit_of_a_gated_repo_needs_the_requesters_own_access() {
         "a proven requester's hit read content again"
     );
 }
+
+/// A Hub token Secret made for other tools works as is: `HF_TOKEN`,
+/// `HUGGING_FACE_HUB_TOKEN` and `token` are taken as `hfToken` (the
+/// walkthrough's F15: a Secret keyed `HF_TOKEN` was ignored, and the pull
+/// of a gated repo failed with 401). An unknown key is still no token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_token_is_found_under_the_keys_other_tools_use() {
+    use modelcache_csi::config::Config;
+    use modelcache_csi::puller::engine::{Engine, EngineConfig, NoProgress};
+    let model = fixtures::model_dir();
+    let hub = HubServer::start(&model).await;
+    hub.gate("the-token");
+    let endpoint = hub.endpoint();
+    for key in ["hfToken", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "token"] {
+        let state = tempfile::tempdir().unwrap();
+        let root = Config::for_node("n", state.path()).roots().roots.remove(0);
+        let engine = Engine::new(
+            EngineConfig::default(),
+            modelcache_csi::puller::extract_layer,
+        );
+        let o = opts(&[("hfEndpoint", &endpoint)], &[(key, "the-token")]);
+        let src = modelcache_csi::puller::open("hf://org/minilm", &o)
+            .await
+            .unwrap();
+        engine
+            .pull(&root, src, &NoProgress)
+            .await
+            .unwrap_or_else(|e| panic!("{key}: {e}"));
+    }
+    let state = tempfile::tempdir().unwrap();
+    let root = Config::for_node("n", state.path()).roots().roots.remove(0);
+    let engine = Engine::new(
+        EngineConfig::default(),
+        modelcache_csi::puller::extract_layer,
+    );
+    let o = opts(&[("hfEndpoint", &endpoint)], &[("hf-token", "the-token")]);
+    let src = modelcache_csi::puller::open("hf://org/minilm", &o)
+        .await
+        .unwrap();
+    let e = engine
+        .pull(&root, src, &NoProgress)
+        .await
+        .err()
+        .expect("no token");
+    assert!(e.to_string().contains("hfToken"), "{e}");
+}
