@@ -468,7 +468,7 @@ pub fn hash_file_chunked(path: &Path) -> Result<(u64, String, Vec<String>)> {
 }
 
 /// `hash_file_chunked` of a file already open (`path` names it in errors).
-fn hash_open_file(mut f: File, path: &Path) -> Result<(u64, String, Vec<String>)> {
+pub fn hash_open_file(mut f: File, path: &Path) -> Result<(u64, String, Vec<String>)> {
     let mut h = FileHasher::default();
     let mut buf = vec![0u8; 1 << 20];
     let mut size = 0u64;

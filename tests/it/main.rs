@@ -11,6 +11,7 @@ mod support;
 mod admin_cli;
 mod any_client;
 mod concurrency;
+mod crash_resume;
 mod deploy;
 mod errors;
 mod expansion;

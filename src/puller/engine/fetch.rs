@@ -66,6 +66,22 @@ pub(super) async fn fetch_file(
         ctx.bytes.fetch_add(st.size.unwrap_or(0), Ordering::Relaxed);
         return Ok(layer(st.extracted.clone(), c));
     }
+    // Written whole, hashed and put in place by a process of this boot
+    // that died before recording it: it is the file (see `Written`), and
+    // only needs its record, not a second transfer.
+    if st.sha256.is_none() && file.unpack == Unpack::None && dest.exists() && !part.exists() {
+        let (w, k, d, f) = (work.clone(), key.clone(), dest.clone(), file.clone());
+        let vouches = ctx.source.content_md5(&file).is_none();
+        let recovered = blocking(move || Ok(recover_in_place(&w, &k, &d, &f, vouches))).await?;
+        if let Some((size, sha, chunks)) = recovered {
+            info!(file = %file.path, "written whole and put in place before a crash of the driver; recorded, not fetched again");
+            st.size = Some(size);
+            st.sha256 = Some(sha);
+            st.chunks = chunks;
+            let (w, s2) = (work.clone(), st.clone());
+            blocking(move || save_state(&w, &s2)).await?;
+        }
+    }
     // A finished file is kept only at the size the listing gives now.
     let same_size = file.size.is_none_or(|s| st.size == Some(s));
     let mut refetches = 0;
@@ -158,7 +174,12 @@ pub(super) async fn fetch_file(
             st.size = Some(size);
             st.chunks = chunks.clone();
             let (w, s) = (work.clone(), st.clone());
-            blocking(move || save_state(&w, &s)).await?;
+            blocking(move || {
+                save_state(&w, &s)?;
+                forget_written(&w, &s.path);
+                Ok(())
+            })
+            .await?;
             if file.unpack == Unpack::None {
                 work.partial()
                     .finished(&file.path, size, dest.clone(), chunks.clone());
@@ -228,6 +249,27 @@ pub(super) async fn download(
     // describe nothing, and trusting them would seal a zero-filled file.
     if !part.exists() {
         st.done.clear();
+        st.partial.clear();
+    } else if let Some(size) = file.size {
+        // What a process of this boot wrote to `.part` beyond the durable
+        // record is there still: resumed after, not fetched again.
+        let chunk = ctx.cfg.chunk_bytes.max(1);
+        let same = |c: Option<u64>, s: Option<u64>| {
+            c.is_none_or(|c| c == chunk) && s.is_none_or(|s| s == size)
+        };
+        let (w, k) = (work.clone(), st.path.clone());
+        let written = blocking(move || Ok(load_written(&w, &k))).await?;
+        if let Some(w) = written.filter(|w| w.chunk_bytes == chunk && w.size == size && !w.whole)
+            && same(st.chunk_bytes, st.size_listed)
+        {
+            st.chunk_bytes = Some(chunk);
+            st.size_listed = Some(size);
+            for (i, b) in w.partial {
+                let at = st.partial.entry(i).or_default();
+                *at = (*at).max(b);
+            }
+            st.done.extend(w.done);
+        }
     }
     // O_DIRECT pays for itself on large files; a small one would only
     // cost a second descriptor.
@@ -247,6 +289,19 @@ pub(super) async fn download(
         // recorded and no `.part`, which a resume fetches anew (see above).
         let early = ctx.page_cache && file.unpack == Unpack::None && vouched(ctx, file, &sha);
         if early {
+            // Said before the rename, so that a process of this boot that
+            // finds the file in place unrecorded knows it whole.
+            if let Some(boot) = boot_id() {
+                let whole = Written {
+                    boot: boot.to_string(),
+                    chunk_bytes: ctx.cfg.chunk_bytes.max(1),
+                    size,
+                    whole: true,
+                    ..Written::default()
+                };
+                let (w, k) = (work.clone(), st.path.clone());
+                blocking(move || save_written(&w, &k, &whole)).await?;
+            }
             put_in_place().await?;
             work.partial()
                 .finished(&file.path, size, dest.to_path_buf(), chunks.clone());
@@ -294,6 +349,55 @@ pub(super) fn chunks(size: u64, chunk: u64) -> Vec<(u64, u64)> {
         start = end;
     }
     out
+}
+
+/// How often a range's progress within a chunk is said (`Written`); a
+/// whole chunk is said as it ends. A crash of the driver fetches again at
+/// most the chunks in flight, less what was said of them.
+const WRITTEN_EVERY: Duration = Duration::from_secs(1);
+
+impl Written {
+    fn note(&mut self, f: &Finished) {
+        match *f {
+            Finished::Chunk(i) => {
+                self.partial.remove(&i);
+                self.done.insert(i);
+            }
+            Finished::Prefix(i, n) if !self.done.contains(&i) => {
+                let at = self.partial.entry(i).or_default();
+                *at = (*at).max(n);
+            }
+            Finished::Prefix(..) => {}
+        }
+    }
+}
+
+/// A file a process of this boot wrote whole, hashed and put in place,
+/// then died before recording (`Written::whole`): its size, sha256 and
+/// chunk table, read from it and made durable, when it is what the origin
+/// lists; None to fetch it anew.
+fn recover_in_place(
+    work: &PullArea,
+    key: &str,
+    dest: &Path,
+    file: &RemoteFile,
+    vouches: bool,
+) -> Option<(u64, String, Vec<String>)> {
+    let w = load_written(work, key)?;
+    if !w.whole || file.size.is_some_and(|s| s != w.size) {
+        return None;
+    }
+    let f = File::open(dest).ok()?;
+    let (size, sha, chunks) = crate::cache::manifest::hash_open_file(f, dest).ok()?;
+    let right = match &file.sha256 {
+        Some(expected) => expected.eq_ignore_ascii_case(&sha),
+        None => vouches,
+    };
+    if !right || size != w.size {
+        return None;
+    }
+    File::open(dest).and_then(|f| f.sync_all()).ok()?;
+    Some((size, sha, chunks))
 }
 
 /// How long a pull answered once verified holds its durability back for
@@ -477,7 +581,36 @@ pub(super) async fn commit_ranges(
             // the create waiting for the verdict has recorded its volume:
             // that record's fsync would otherwise wait behind this
             // writeback (ext4 commits both in one journal transaction).
-            while let Some(f) = finished.recv().await {
+            // Meanwhile what is written is said, unsynced, for a restart
+            // of the process on this boot (`Written`).
+            let mut written = boot_id().filter(|_| record).map(|boot| Written {
+                boot: boot.to_string(),
+                chunk_bytes: st.chunk_bytes.unwrap_or(0),
+                size: st.size_listed.unwrap_or(0),
+                done: st.done.clone(),
+                partial: st.partial.clone(),
+                whole: false,
+            });
+            let mut said = std::time::Instant::now();
+            let mut whole_chunk = matches!(batch[0], Finished::Chunk(_));
+            if let Some(w) = &mut written {
+                w.note(&batch[0]);
+            }
+            loop {
+                if let Some(w) = &written
+                    && (whole_chunk || said.elapsed() >= WRITTEN_EVERY)
+                {
+                    let (wk, k, w) = (work.clone(), st.path.clone(), w.clone());
+                    blocking(move || save_written(&wk, &k, &w)).await?;
+                    said = std::time::Instant::now();
+                }
+                let Some(f) = finished.recv().await else {
+                    break;
+                };
+                whole_chunk = matches!(f, Finished::Chunk(_));
+                if let Some(w) = &mut written {
+                    w.note(&f);
+                }
                 batch.push(f);
             }
             work.partial().until_answered(ANSWER_WAIT).await;

@@ -1,6 +1,8 @@
 //! Per-file progress of a pull, recorded in its area's progress directory
 //! only after the bytes it describes are durable, so a pull killed at any
-//! point resumes.
+//! point resumes; and, between those records, what is written but not yet
+//! durable, which only a restart of the process on the same boot trusts
+//! (the kernel kept the dead process's writes; a reboot may not have).
 
 use super::*;
 
@@ -53,4 +55,58 @@ pub(super) fn load_state(work: &PullArea, path: &str) -> Result<FileState> {
 pub(super) fn save_state(work: &PullArea, st: &FileState) -> Result<()> {
     let p = state_path(work, &st.path);
     state::write_json(&p, st).ctx("write pull state", &p)
+}
+
+/// Chunks written but not yet made durable (`Ctx::defer_durable` holds
+/// durability back to the end of a file's transfer). Written without an
+/// fsync, and trusted only by a process of the same boot: a crash of the
+/// driver loses nothing the kernel has, a crash of the machine loses what
+/// it must.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(super) struct Written {
+    /// `/proc/sys/kernel/random/boot_id` when written.
+    pub(super) boot: String,
+    pub(super) chunk_bytes: u64,
+    pub(super) size: u64,
+    pub(super) done: BTreeSet<u64>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(super) partial: BTreeMap<u64, u64>,
+    /// The whole file was written and hashed, and may have been put in
+    /// place before its record: what is in place is it.
+    #[serde(default)]
+    pub(super) whole: bool,
+}
+
+/// This boot's id, or None where the kernel does not say (nothing written
+/// but not durable is then ever trusted).
+pub(super) fn boot_id() -> Option<&'static str> {
+    static ID: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    })
+    .as_deref()
+}
+
+fn written_path(work: &PullArea, path: &str) -> PathBuf {
+    state_path(work, path).with_extension("written.json")
+}
+
+/// What this boot wrote of `path` beyond its durable record, if anything
+/// trustworthy (a record another boot wrote, or one a crash tore, is
+/// nothing).
+pub(super) fn load_written(work: &PullArea, path: &str) -> Option<Written> {
+    let w: Written = state::read_json(&written_path(work, path)).ok()??;
+    (Some(w.boot.as_str()) == boot_id()).then_some(w)
+}
+
+pub(super) fn save_written(work: &PullArea, path: &str, w: &Written) -> Result<()> {
+    let p = written_path(work, path);
+    state::write_json_unsynced(&p, w).ctx("write pull progress", &p)
+}
+
+pub(super) fn forget_written(work: &PullArea, path: &str) {
+    let _ = fs::remove_file(written_path(work, path));
 }
