@@ -643,6 +643,7 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
         &format!(
             "apiVersion: v1\nkind: Secret\nmetadata: {{name: admin-token, namespace: {NS}}}\nstringData: {{token: admin}}\n---\n\
              apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: pending\n  namespace: team-b\n  annotations: {{modelcache.csi.io/source: 'hf://org/m', volume.kubernetes.io/selected-node: node-b}}\n  finalizers: [kubernetes.io/pvc-protection]\nspec: {{accessModes: [ReadOnlyMany], resources: {{requests: {{storage: 1Gi}}}}, storageClassName: modelcache-cache-local}}\n---\n\
+             apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: unclaimed\n  namespace: team-b\nspec: {{accessModes: [ReadOnlyMany], resources: {{requests: {{storage: 1Gi}}}}, storageClassName: modelcache-cache-local}}\n---\n\
              apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: mine\n  namespace: team-b\n  annotations: {{volume.kubernetes.io/selected-node: node-a}}\nspec: {{accessModes: [ReadOnlyMany], resources: {{requests: {{storage: 1Gi}}}}, storageClassName: modelcache-cache-local}}\n---\n\
              apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: pv-node-b}}\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadOnlyMany]\n  csi: {{driver: modelcache.csi.io, volumeHandle: local-b}}\n  nodeAffinity: {{required: {{nodeSelectorTerms: [{{matchExpressions: [{{key: topology.modelcache.csi.io/node, operator: In, values: [node-b]}}]}}]}}}}\n---\n\
              apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: pv-node-a}}\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadOnlyMany]\n  csi: {{driver: modelcache.csi.io, volumeHandle: local-a}}\n  nodeAffinity: {{required: {{nodeSelectorTerms: [{{matchExpressions: [{{key: topology.modelcache.csi.io/node, operator: In, values: [node-a]}}]}}]}}}}\n---\n\
@@ -782,7 +783,7 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
                 })),
             ),
             false,
-            "never add or change",
+            "never change another annotation",
         ),
         (
             "node forges shared-with consent",
@@ -793,7 +794,31 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
                 })),
             ),
             false,
-            "never add or change",
+            "never change another annotation",
+        ),
+        (
+            "node claims an unclaimed claim for itself (Immediate binding)",
+            node(
+                &replace,
+                Some(&edited("pvc", Some("team-b"), "unclaimed", &|v| {
+                    v["metadata"]["annotations"] =
+                        serde_json::json!({"volume.kubernetes.io/selected-node": "node-a"})
+                })),
+            ),
+            true,
+            "",
+        ),
+        (
+            "node claims an unclaimed claim for another node",
+            node(
+                &replace,
+                Some(&edited("pvc", Some("team-b"), "unclaimed", &|v| {
+                    v["metadata"]["annotations"] =
+                        serde_json::json!({"volume.kubernetes.io/selected-node": "node-b"})
+                })),
+            ),
+            false,
+            "never change another annotation",
         ),
         (
             "node selects itself for a claim",
@@ -805,7 +830,7 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
                 })),
             ),
             false,
-            "never add or change",
+            "never change another annotation",
         ),
         (
             "node clears another node's claim's selected node",
@@ -819,7 +844,7 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
                 })),
             ),
             false,
-            "when it names its own node",
+            "or clear its own claim",
         ),
         (
             "node clears its own claim's selected node",
