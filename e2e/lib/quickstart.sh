@@ -211,6 +211,10 @@ qs_docs() {
     ls "$QS/docs/$base".*.yaml
 }
 
+# qs_class_names FILE...: the StorageClasses FILE's YAML (or a block's
+# heredoc) defines.
+qs_class_names() { awk '/^kind: StorageClass/ {sc = 1} sc && /^  name: / {print $2; sc = 0}' "$@" | sort -u; }
+
 qs_install_renders() {
     local name
     for name in helm kustomize; do
@@ -374,6 +378,12 @@ flow_quickstart() {
         kctl -n "$NS" delete secret modelcache-credentials >/dev/null
     fi
     fresh_ns "$QS_NS"
+    # Classes an earlier run left name an older stand-in (parameters are
+    # immutable): gone before the page makes them again.
+    local classes
+    classes=$(qs_class_names "$QS"/blocks/*.sh "$QS_EXAMPLES"/*.yaml "$QS_EXAMPLES"/*/*.yaml | grep -vx -e modelcache-inline -e modelcache-minilm-s3 -e 'modelcache-source-.*' -e 'modelcache-cache-.*' -e 'modelcache-.*shared')
+    note "the page's and the examples' classes: $(echo $classes)"
+    kctl delete storageclass $classes --ignore-not-found >/dev/null
     qs_ungated
     qs_gated
     qs_examples
