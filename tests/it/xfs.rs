@@ -112,3 +112,79 @@ async fn sealed_image_is_shared_read_only_through_one_loop_device() {
         mounts_below(&d.dir)
     );
 }
+
+/// Bytes of `file` in the page cache, as `fincore` (util-linux) reports them.
+fn resident_bytes(file: &Path) -> u64 {
+    let out = std::process::Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--raw", "--output", "RES"])
+        .arg(file)
+        .output()
+        .expect("run fincore");
+    assert!(out.status.success(), "fincore: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("fincore printed {out:?}: {e}"))
+}
+
+/// Reading a model through a sealed image caches it once, under the XFS
+/// mount, and not a second time under the image file: the read-only loop
+/// device reads its backing file with direct I/O. Without it the image's
+/// pages held every byte read again.
+#[tokio::test]
+async fn reading_a_sealed_image_caches_the_model_once() {
+    const WEIGHTS: usize = 64 << 20;
+    let d = Driver::start().await;
+    let src = d.create_source("pvc-xfs-once", "xfs").await;
+    let id = &src.volume_id;
+    let image = d
+        .source_dir("xfs", &src.volume_context["source"])
+        .join("image.xfs");
+    let (staging, target) = (d.staging("once-src"), d.target("once-writer"));
+    d.stage(id, &staging, WRITER).await.unwrap();
+    d.publish(id, &staging, &target, WRITER, false)
+        .await
+        .unwrap();
+    let weights: Vec<u8> = (0..WEIGHTS).map(|i| (i * 7 + i / 4096) as u8).collect();
+    std::fs::write(target.join("model.safetensors"), &weights).unwrap();
+    d.unpublish(id, &target).await.unwrap();
+    d.unstage(id, &staging).await.unwrap();
+    d.seal(id).await.unwrap();
+
+    // The writer's device went through the page cache; start from none.
+    let f = std::fs::File::open(&image).unwrap();
+    f.sync_all().unwrap();
+    nix::fcntl::posix_fadvise(
+        &f,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .unwrap();
+    let before = resident_bytes(&image);
+
+    let cache = d.create_cache("pvc-xfs-once-a", id, &[]).await.unwrap();
+    let (s, t) = (d.staging("once-a"), d.target("once-a"));
+    d.stage(&cache.volume_id, &s, READER).await.unwrap();
+    d.publish(&cache.volume_id, &s, &t, READER, true)
+        .await
+        .unwrap();
+    let read = std::fs::read(t.join("model.safetensors")).unwrap();
+    assert!(read == weights, "the model read back differs");
+    let under_mount = resident_bytes(&t.join("model.safetensors"));
+    let under_image = resident_bytes(&image).saturating_sub(before);
+    assert!(
+        under_mount >= WEIGHTS as u64 / 2,
+        "the read left {under_mount} bytes of the file cached under the mount; the check \
+         below means nothing without them"
+    );
+    assert!(
+        under_image <= WEIGHTS as u64 / 20,
+        "reading {WEIGHTS} bytes through the volume cached {under_image} bytes of the image \
+         file too (before: {before}): the model is in memory twice"
+    );
+
+    d.unpublish(&cache.volume_id, &t).await.unwrap();
+    d.unstage(&cache.volume_id, &s).await.unwrap();
+    assert_released(&image);
+}
