@@ -293,7 +293,7 @@ qs_examples() {
     mkdir -p "$QS/docs"
     # A progressive class and the Deployment it serves.
     f=$QS_EXAMPLES/progressive.yaml
-    if check "examples: progressive.yaml applied" bash -c "PATH='$QS/bin:\$PATH' kubectl apply -f - < '$f'"; then
+    if check "examples: progressive.yaml applied" bash -c "PATH=\"$QS/bin:\$PATH\" kubectl apply -f - < '$f'"; then
         dep=$(qs_names "$f" Deployment | head -n 1)
         available() { kctl wait -n "$QS_NS" --for=condition=Available "deployment/$1" --timeout=1s; }
         check "examples: ... its Deployment $dep is Available" wait_until 300 "deployment $dep" available "$dep" \
@@ -323,7 +323,7 @@ qs_examples() {
         kctl create --dry-run=client -o json -f "$d" \
             | jq 'if .kind == "List" then .items[] else . end | select(.kind == "StorageClass")'
     done > "$QS/vllm-classes.json"
-    if check "examples: the vLLM class $sc applied" bash -c "PATH='$QS/bin:\$PATH' kubectl apply -f - < '$QS/vllm-classes.json'"; then
+    if check "examples: the vLLM class $sc applied" bash -c "PATH=\"$QS/bin:\$PATH\" kubectl apply -f - < '$QS/vllm-classes.json'"; then
         kctl label node "$node2" nvidia.com/gpu.present=true --overwrite >/dev/null
         kctl apply -f "$f" >/dev/null
         line_of() { kctl get modelprefetch "$mpf" -o json | jq -c --arg n "$1" '.status.nodes[]? | select(.node == $n)'; }
@@ -340,7 +340,7 @@ qs_examples() {
     # The signed class refuses a model that carries no signature.
     f=$QS_EXAMPLES/signed-model.yaml
     sc=$(qs_names "$f" StorageClass | head -n 1)
-    if check "examples: signed-model.yaml's class $sc applied" bash -c "PATH='$QS/bin:\$PATH' kubectl apply -f - < '$f'"; then
+    if check "examples: signed-model.yaml's class $sc applied" bash -c "PATH=\"$QS/bin:\$PATH\" kubectl apply -f - < '$f'"; then
         pvc "$QS_NS" unsigned "$sc" ReadWriteOnce \
             "modelcache.csi.io/source: \"$(grep -ho 'hf://sentence-transformers/[^ "]*' "$(qs_file run:model)" | head -n 1)\""
         pod "$QS_NS" unsigned-reader unsigned 'ls /model'

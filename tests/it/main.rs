@@ -34,6 +34,7 @@ mod puller_http;
 mod puller_oci;
 mod puller_s3;
 mod read_only;
+mod read_paths;
 mod registration;
 mod rescheduler;
 mod restart;
