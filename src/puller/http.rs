@@ -267,10 +267,8 @@ pub(crate) fn status_error(
             let gated = headers
                 .get("x-error-code")
                 .is_some_and(|v| v.as_bytes() == b"GatedRepo");
-            let kind = if gated { "gated repo, " } else { "" };
-            Failure::Denied(format!(
-                "{what}: {kind}access denied (HTTP {code}); {denied_hint}"
-            ))
+            let kind = if gated { "gated repo" } else { "access denied" };
+            Failure::Denied(format!("{what}: {kind} (HTTP {code}); {denied_hint}"))
         }
         429 | 503 => match retry_after(headers, SystemTime::now()) {
             Some(after) => Failure::Transient {
@@ -1135,6 +1133,13 @@ mod tests {
         assert!(matches!(e(503), Failure::Transient { after: None, .. }));
         assert!(matches!(e(429), Failure::Transient { after: None, .. }));
         assert!(matches!(e(502), Failure::Transient { after: None, .. }));
+        // A gated repo's file reads as its API documents do (docs/troubleshooting.md).
+        let mut gated = HeaderMap::new();
+        gated.insert("x-error-code", "GatedRepo".parse().unwrap());
+        assert!(matches!(
+            status_error("f", StatusCode::UNAUTHORIZED, &gated, "set hfToken"),
+            Failure::Denied(m) if m == "f: gated repo (HTTP 401); set hfToken"
+        ));
         let mut h = HeaderMap::new();
         h.insert(header::RETRY_AFTER, "3".parse().unwrap());
         let e = status_error("x", StatusCode::TOO_MANY_REQUESTS, &h, "");
