@@ -677,22 +677,34 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
             .clone()
             .filter(|n| !n.is_empty())
             .unwrap_or_else(|| client.default_namespace().to_string());
-        tokio::spawn(async move {
-            let made = modelcache_csi::retry::retry(
-                "create the peer token",
-                PEER_TOKEN_CREATE,
-                modelcache_csi::retry::transient,
-                || modelcache_csi::peer::ensure_token_secret(client.clone(), &namespace, &name),
-            )
-            .await;
-            if let Err(e) = made {
-                tracing::error!(error = %e, "could not create the peer token; node plugins wait for it");
-            }
-        });
+        // Once at start, briefly, so that a process that also reads the
+        // token (a node with both flags) finds it; then in the background
+        // while the API does not answer.
+        let first = tokio::time::timeout(
+            PEER_TOKEN_FIRST,
+            modelcache_csi::peer::ensure_token_secret(client.clone(), &namespace, &name),
+        )
+        .await;
+        if !matches!(first, Ok(Ok(()))) {
+            tokio::spawn(async move {
+                let made = modelcache_csi::retry::retry(
+                    "create the peer token",
+                    PEER_TOKEN_CREATE,
+                    modelcache_csi::retry::transient,
+                    || modelcache_csi::peer::ensure_token_secret(client.clone(), &namespace, &name),
+                )
+                .await;
+                if let Err(e) = made {
+                    tracing::error!(error = %e, "could not create the peer token; node plugins have no peers until it exists");
+                }
+            });
+        }
     }
-    // The CSI socket is bound before kubelet can hear of it: kubelet calls
-    // NodeGetInfo on it as soon as it sees the registration socket.
-    let listener = modelcache_csi::uds::bind(&server::socket_path(&a.endpoint)?)?;
+    // The registration socket appears only once the CSI socket answers:
+    // kubelet calls NodeGetInfo on it as soon as it sees the registration.
+    let (csi_published, csi_in_place) = tokio::sync::oneshot::channel();
+    let listener = modelcache_csi::uds::bind_hidden(&server::socket_path(&a.endpoint)?)?
+        .on_publish(csi_published);
     // Sidecars hold their connections open, so a graceful shutdown alone
     // would wait for them forever; in-flight calls get SHUTDOWN_GRACE, and
     // an interrupted pull resumes on the provisioner's retry.
@@ -713,7 +725,13 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     let socket = registration.as_ref().map(|r| r.socket());
     let registering = async move {
         match registration {
-            Some(reg) => registration::run(reg, reg_state).await,
+            Some(reg) => {
+                // A server that fails before it answers ends the process.
+                if csi_in_place.await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+                registration::run(reg, reg_state).await
+            }
             None => std::future::pending().await,
         }
     };
@@ -731,6 +749,9 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long the first attempt to create the peer token may hold the start.
+const PEER_TOKEN_FIRST: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How long the controller keeps trying to create the peer token while
 /// the API does not answer.

@@ -4,8 +4,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tokio::net::UnixListener;
-
 use crate::config::Config;
 use crate::context::Context;
 use crate::controller::ControllerService;
@@ -47,17 +45,19 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let path = socket_path(endpoint)?;
-    let listener = crate::uds::bind(&path)?;
+    let listener = crate::uds::bind_hidden(&path)?;
     serve_on(cfg, metrics, mode, listener, shutdown).await
 }
 
 /// Serves the chosen services on `listener`, counting into `metrics` (the
-/// handle the process's metrics endpoint renders).
+/// handle the process's metrics endpoint renders). The socket is put in
+/// place once the services answer, so no client dials it while they start
+/// (reading the peer token, the Kubernetes client).
 pub async fn serve_on(
     cfg: Arc<Config>,
     metrics: Arc<Metrics>,
     mode: Mode,
-    listener: UnixListener,
+    listener: crate::uds::Bound,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let controller = matches!(mode, Mode::Controller | Mode::All);
@@ -170,6 +170,7 @@ pub async fn serve_on(
     tracing::info!(driver = %cfg.driver_name, ?mode, node = ?cfg.node_id, "serving CSI");
     // Through the shim, so gRPC clients that send their own :authority for
     // a Unix socket (C-core: Python, C++) are served too.
+    let listener = listener.publish()?;
     router
         .serve_with_incoming_shutdown(crate::uds::incoming(listener), shutdown)
         .await?;

@@ -16,7 +16,7 @@
 //! looked at. A header block it cannot decode ends the connection.
 
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use loona_hpack::{Decoder, Encoder};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
@@ -45,30 +45,82 @@ const MAX_HEADER_LIST: usize = 64 << 10;
 /// dynamic table size update above it is a protocol error.
 const MAX_TABLE: usize = 4096;
 
-/// Binds a Unix socket, replacing one a killed predecessor left. The path
-/// appears only once the socket listens: it is bound under a hidden name
-/// (kubelet's plugin watcher skips dot files) and renamed into place, so a
-/// client that dials the moment the file appears is never refused.
+/// Binds a Unix socket, replacing one a killed predecessor left, and
+/// renames it into place at once. The path appears only once the socket
+/// listens, so a client that dials the moment the file appears is never
+/// refused.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    bind_hidden(path)?.publish()
+}
+
+/// A listening socket that clients cannot find yet: bound under a hidden
+/// name (kubelet's plugin watcher skips dot files) until [`Bound::publish`]
+/// renames it to its path. A server publishes once it answers: gRPC
+/// clients (the CSI sidecars among them) give up on a socket that accepts
+/// and then does not speak for a second.
+pub struct Bound {
+    listener: UnixListener,
+    /// The hidden name and the path; none for a socket already in place.
+    rename: Option<(PathBuf, PathBuf)>,
+    published: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// Binds `path`'s socket under a hidden name in its directory.
+pub fn bind_hidden(path: &Path) -> anyhow::Result<Bound> {
     let dir = path.parent().unwrap_or(Path::new("/"));
     std::fs::create_dir_all(dir)?;
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy())
         .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    match std::fs::remove_file(&tmp) {
+    let hidden = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    match std::fs::remove_file(&hidden) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e.into()),
     }
-    let listener = UnixListener::bind(&tmp)?;
-    // Over whatever a killed predecessor left.
-    if let Err(e) = std::fs::rename(&tmp, path) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e.into());
+    let listener = UnixListener::bind(&hidden)?;
+    Ok(Bound {
+        listener,
+        rename: Some((hidden, path.to_path_buf())),
+        published: None,
+    })
+}
+
+impl Bound {
+    /// A socket its clients can already reach (bound by the caller).
+    pub fn visible(listener: UnixListener) -> Bound {
+        Bound {
+            listener,
+            rename: None,
+            published: None,
+        }
     }
-    Ok(listener)
+
+    /// `tx` is sent to once the socket is in place.
+    pub fn on_publish(mut self, tx: tokio::sync::oneshot::Sender<()>) -> Bound {
+        self.published = Some(tx);
+        self
+    }
+
+    /// Renames the socket into place, over whatever a killed predecessor
+    /// left.
+    pub fn publish(self) -> anyhow::Result<UnixListener> {
+        if let Some((hidden, path)) = &self.rename
+            && let Err(e) = std::fs::rename(hidden, path)
+        {
+            let _ = std::fs::remove_file(hidden);
+            return Err(anyhow::anyhow!(
+                "rename {} to {}: {e}",
+                hidden.display(),
+                path.display()
+            ));
+        }
+        if let Some(tx) = self.published {
+            let _ = tx.send(());
+        }
+        Ok(self.listener)
+    }
 }
 
 /// Connections accepted on `listener`, each relayed through the shim to

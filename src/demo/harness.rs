@@ -224,7 +224,7 @@ impl InProcessDriver {
             cfg.clone(),
             metrics.clone(),
             Mode::All,
-            listener,
+            crate::uds::Bound::visible(listener),
             async {
                 let _ = stopped.await;
             },

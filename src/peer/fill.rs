@@ -24,7 +24,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::directory::{Claim, Directory, Peer};
 use super::{CHUNK_DIGEST, SLOT_WAIT, Tokens, WAIT_FOR_CHUNK};
@@ -82,6 +82,10 @@ impl PeerFill {
     /// address is in the peer networks, and never link-local (cloud
     /// metadata), whatever a Lease says.
     async fn holders(&self, sid: &str, fresh: bool) -> Vec<Peer> {
+        if !self.tokens.ready() {
+            debug!(sid, "no peer token read yet: no peer is asked");
+            return Vec::new();
+        }
         let mut holders = self.dir.holders(sid, fresh).await;
         // One node is one peer, however many Leases name it: a node cannot
         // be two peers that agree.

@@ -72,18 +72,17 @@ pub const SECRET_KEY: &str = "token";
 
 const REFRESH_EVERY: Duration = Duration::from_secs(15);
 
-/// How long a node plugin waits at start for the peer token's Secret,
-/// which the controller creates at install.
-const SECRET_WAIT: crate::retry::Backoff = crate::retry::Backoff {
-    first: Duration::from_secs(1),
-    max: Duration::from_secs(15),
-    total: Duration::from_secs(300),
-};
+/// How soon a node without a token yet reads its Secret again: the
+/// controller creates it at install, within seconds.
+const MISSING_RETRY: Duration = Duration::from_secs(2);
 
 impl Tokens {
-    /// Reads the tokens once, waiting (up to `SECRET_WAIT`) for a Secret
-    /// the controller has not created yet. An unreadable file or an empty
-    /// or short token is an error at start.
+    /// Reads the tokens once. A Secret the controller has not created yet
+    /// leaves this node without peers (it neither serves nor asks them)
+    /// until [`Tokens::keep_fresh`] reads one: the node's CSI service must
+    /// not wait on it, since unpublishing a pod's volume never needs a
+    /// peer. An unreadable file, an empty or short token, or a Secret the
+    /// account may not read is an error at start.
     pub async fn open(source: PeerToken, client: kube::Client, namespace: &str) -> Result<Tokens> {
         let secrets = matches!(source, PeerToken::Secret(_))
             .then(|| kube::Api::<Secret>::namespaced(client, namespace));
@@ -92,13 +91,13 @@ impl Tokens {
             secrets,
             cached: Mutex::new(Vec::new()),
         };
-        crate::retry::retry(
-            "read the peer token",
-            SECRET_WAIT,
-            crate::retry::transient,
-            || t.refresh(),
-        )
-        .await?;
+        match t.refresh().await {
+            Ok(()) => {}
+            Err(e) if crate::retry::transient(&e) => {
+                tracing::warn!(error = %e, "no peer token yet: this node neither serves nor asks peers until it reads one");
+            }
+            Err(e) => return Err(e),
+        }
         Ok(t)
     }
 
@@ -141,9 +140,22 @@ impl Tokens {
     pub fn keep_fresh(self: Arc<Self>) {
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(REFRESH_EVERY).await;
-                if let Err(e) = self.refresh().await {
-                    tracing::warn!(error = %e, "could not read the peer tokens again; keeping the old ones");
+                let missing = self.current().is_empty();
+                tokio::time::sleep(if missing {
+                    MISSING_RETRY
+                } else {
+                    REFRESH_EVERY
+                })
+                .await;
+                match self.refresh().await {
+                    Ok(()) if missing => {
+                        tracing::info!("read the peer token: peers serve and are asked")
+                    }
+                    Ok(()) => {}
+                    Err(e) if missing => tracing::debug!(error = %e, "still no peer token"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not read the peer tokens again; keeping the old ones")
+                    }
                 }
             }
         });
@@ -154,6 +166,11 @@ impl Tokens {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Whether a token has been read: without one no peer is asked.
+    pub fn ready(&self) -> bool {
+        !self.current().is_empty()
     }
 
     /// The token this node presents.

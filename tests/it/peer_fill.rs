@@ -1354,3 +1354,64 @@ async fn a_progressive_volume_filled_from_a_sealed_peer_reads_each_chunk_once_it
     b.unstage(&v.volume_id, &staging).await.unwrap();
     drop((a, b, c, l.work));
 }
+
+/// A node plugin whose peer Secret does not exist yet (the controller has
+/// not made it) serves CSI at once: kubelet's sidecars give up on a socket
+/// that does not answer, and unpublishing a pod's volume never needs a
+/// peer. It serves no peer meanwhile, and does once the Secret appears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_serves_csi_before_its_peer_secret_exists() {
+    let api = ApiServer::start().expect("start apiserver");
+    let (n, addr) = node_with("node-early", &api, &["--peer-token-secret", "later-token"]).await;
+    let info = tokio::time::timeout(
+        Duration::from_secs(10),
+        n.client
+            .node
+            .clone()
+            .node_get_info(modelcache_csi::csi::NodeGetInfoRequest {}),
+    )
+    .await
+    .expect("NodeGetInfo answered within 10 s while the peer Secret is missing")
+    .expect("NodeGetInfo");
+    assert_eq!(info.into_inner().node_id, "node-early");
+
+    let token = "a-token-made-later-0123456789abcdef";
+    let url = format!("http://{addr}/v1/models/m-none/seal");
+    let http = reqwest::Client::new();
+    let status = || async {
+        http.get(&url)
+            .bearer_auth(token)
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        status().await,
+        401,
+        "a peer served before any token was read"
+    );
+    let out = api.kubectl(&[
+        "create",
+        "secret",
+        "generic",
+        "later-token",
+        &format!("--from-literal=token={token}"),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut last = 401;
+    while std::time::Instant::now() < deadline {
+        last = status().await;
+        if last != 401 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_ne!(
+        last,
+        401,
+        "the token of the Secret made after the start was never accepted:\n{}",
+        n.log_text()
+    );
+}
