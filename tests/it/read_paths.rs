@@ -235,40 +235,78 @@ async fn bench() {
             .map(|i| dir.join(format!("model-{i:05}.safetensors")))
             .collect()
     };
+    let runs: usize = std::env::var("BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    // [job][kind]: each run's ratio against the files, and cache per byte.
+    let mut ratios = vec![vec![Vec::new(); kinds.len()]; JOBS.len()];
+    let mut caches = vec![vec![Vec::new(); kinds.len()]; JOBS.len()];
     println!("| run | job | volume | MB/s (IOPS) | against the files | page cache per byte read |");
     println!("|---|---|---|---|---|---|");
-    for run in 1..=2 {
-        for job in JOBS {
-            let mut base = None;
-            // Alternate the order between runs, so neither side always goes first.
-            let order: Vec<usize> = if run % 2 == 1 {
-                vec![0, 1, 2, 3]
-            } else {
-                vec![0, 3, 2, 1]
-            };
+    for run in 1..=runs {
+        for (j, job) in JOBS.iter().enumerate() {
+            // The files first, then the volumes in an order that turns
+            // each run, so that none always follows the same one.
+            let mut order: Vec<usize> = (1..kinds.len()).collect();
+            let turn = run % order.len();
+            order.rotate_left(turn);
+            order.insert(0, 0);
+            let mut base = 0.0;
             for k in order {
                 let (label, dir) = &kinds[k];
                 let o = fio(job, &files(dir));
-                let (figure, value) = if job.args.contains(&"--rw=randread") {
-                    (format!("{:.0} IOPS", o.iops), o.iops)
+                let iops = job.args.contains(&"--rw=randread");
+                let value = if iops { o.iops } else { o.bytes_per_s };
+                if k == 0 {
+                    base = value;
+                }
+                ratios[j][k].push(value / base);
+                caches[j][k].push(o.cache_per_byte);
+                let figure = if iops {
+                    format!("{:.0} IOPS", o.iops)
                 } else {
-                    (format!("{:.0}", o.bytes_per_s / 1e6), o.bytes_per_s)
-                };
-                let ratio = match base {
-                    None => {
-                        base = Some(value);
-                        "1.00x".to_string()
-                    }
-                    Some(b) => format!("{:.2}x", value / b),
+                    format!("{:.0}", o.bytes_per_s / 1e6)
                 };
                 println!(
-                    "| {run} | {} | {label} | {figure} | {ratio} | {:.2} |",
-                    job.name, o.cache_per_byte
+                    "| {run} | {} | {label} | {figure} | {:.2}x | {:.2} |",
+                    job.name,
+                    value / base,
+                    o.cache_per_byte
                 );
             }
         }
     }
+    println!(
+        "\nMedians of {runs} runs: throughput against the files read in the same run, and page cache per byte read\n"
+    );
+    let head: Vec<&str> = kinds[1..].iter().map(|(l, _)| *l).collect();
+    println!("| job | the files (page cache) | {} |", head.join(" | "));
+    println!("|---|---|{}", "---|".repeat(head.len()));
+    for (j, job) in JOBS.iter().enumerate() {
+        let cells: Vec<String> = (1..kinds.len())
+            .map(|k| {
+                format!(
+                    "{:.2}x, {:.2}",
+                    median(&ratios[j][k]),
+                    median(&caches[j][k])
+                )
+            })
+            .collect();
+        println!(
+            "| {} | {:.2} | {} |",
+            job.name,
+            median(&caches[j][0]),
+            cells.join(" | ")
+        );
+    }
     drop(buffered);
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
 }
 
 /// The one `image.xfs` under `dir`.
