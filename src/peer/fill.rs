@@ -39,6 +39,10 @@ const CHUNKS_IN_FLIGHT: usize = 12;
 /// A peer slower than this for a chunk is left for the next one.
 const MIN_PEER_BYTES_PER_SEC: u64 = 8 << 20;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How late past its own wait for a chunk a leader may answer: it then
+/// takes a slot and may hash the chunk, which on a loaded node takes
+/// seconds.
+const LEADER_LATE: Duration = Duration::from_secs(10);
 
 pub struct PeerFill {
     dir: Arc<Directory>,
@@ -263,6 +267,7 @@ impl Fill for PeerFill {
                 served_by: Mutex::new(HashMap::new()),
                 from_peers: AtomicU64::new(0),
                 from_origin: AtomicU64::new(0),
+                last_from_peer: Mutex::new(tokio::time::Instant::now()),
                 metrics: self.metrics.clone(),
             }),
         }))
@@ -406,6 +411,11 @@ fn dialable(addr: &str, networks: &[ipnet::IpNet]) -> bool {
 /// drop it for the pull.
 const SLOW_MISS: Duration = Duration::from_secs(2);
 const STRIKES: u32 = 3;
+/// How long a peer with `STRIKES` is left out before it is asked again:
+/// a peer slowed for a while (its disk, its CPU) is often the one that
+/// will hold every chunk, and the rest of the model should not cost the
+/// origin for it.
+const BENCHED_FOR: Duration = Duration::from_secs(20);
 
 /// How many sealed peers' seals a fill reads: enough for two that agree,
 /// and a spare.
@@ -470,8 +480,8 @@ impl Copy {
     }
 }
 
-/// How long a chunk is asked of peers that are only busy before the
-/// origin serves it.
+/// How long a chunk is asked of peers that are only busy, while no peer
+/// serves this pull anything, before the origin serves it.
 const BUSY_PATIENCE: Duration = Duration::from_secs(10);
 
 struct PeerSource {
@@ -489,14 +499,19 @@ struct Inner {
     plan: HashMap<String, Vec<usize>>,
     /// Copies that served a wrong chunk: never asked again for this model.
     dropped: Mutex<HashSet<usize>>,
-    /// Copies' slow misses so far (`STRIKES` drop a copy for the pull).
-    strikes: Mutex<HashMap<usize, u32>>,
+    /// Copies' slow misses since they were last benched, and until when
+    /// a copy is benched (`STRIKES` bench it for `BENCHED_FOR`).
+    strikes: Mutex<HashMap<usize, (u32, Option<tokio::time::Instant>)>>,
     /// Files whose peer bytes failed the origin's sha256: origin only.
     distrusted: Mutex<HashSet<String>>,
     /// File path -> the copies that served bytes of it.
     served_by: Mutex<HashMap<String, BTreeSet<usize>>>,
     from_peers: AtomicU64,
     from_origin: AtomicU64,
+    /// When a peer last served this pull a chunk: busy peers are waited
+    /// for as long as peers keep serving (a leader slowed by its disk or
+    /// CPU is still cheaper than the origin), not a fixed time.
+    last_from_peer: Mutex<tokio::time::Instant>,
     metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -547,9 +562,16 @@ impl Inner {
 
     /// The copies to ask for chunk `idx` of `path`, in order: sealed ones
     /// striped by chunk, then one follower that may already have it, then
-    /// the pull that leads (waited for).
+    /// the pull that leads (waited for). Benched copies are left out.
     fn order(&self, path: &str, idx: u64) -> Vec<usize> {
-        let cands = self.candidates(path);
+        let now = tokio::time::Instant::now();
+        let cands: Vec<usize> = {
+            let strikes = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
+            self.candidates(path)
+                .into_iter()
+                .filter(|c| !matches!(strikes.get(c), Some((_, Some(until))) if *until > now))
+                .collect()
+        };
         let of = |want: fn(&Held) -> bool| -> Vec<usize> {
             cands
                 .iter()
@@ -610,7 +632,7 @@ impl Inner {
         // this node's own chunk memory counts against neither.
         let mut head_within = CONNECT_TIMEOUT + SLOT_WAIT;
         if wait == Some(true) {
-            head_within += WAIT_FOR_CHUNK;
+            head_within += WAIT_FOR_CHUNK + LEADER_LATE;
         }
         let body_within =
             CONNECT_TIMEOUT + Duration::from_secs_f64(len as f64 / MIN_PEER_BYTES_PER_SEC as f64);
@@ -646,7 +668,9 @@ impl Inner {
                     .get(super::REFUSED)
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("");
-                if reason == "busy" {
+                // The leader waited for the chunk and has not got it yet:
+                // it is still coming, as busy as a peer with no slot.
+                if reason == "busy" || (wait == Some(true) && reason == "not_yet") {
                     return Err(Miss::Busy);
                 }
                 return Err(Miss::Unavailable(format!("answered {s} {reason}")));
@@ -707,7 +731,7 @@ impl Inner {
             let idx = pos / CHUNK_BYTES;
             let size = file.size.unwrap_or(end);
             let (cs, ce) = (idx * CHUNK_BYTES, ((idx + 1) * CHUNK_BYTES).min(size));
-            if self.order(&file.path, idx).is_empty() {
+            if self.candidates(&file.path).is_empty() {
                 break;
             }
             let got = self.chunk_from_peers(&file, idx, cs, ce).await;
@@ -776,9 +800,10 @@ impl Inner {
     }
 
     /// Chunk `idx` from the first peer in `order` that serves it right.
-    /// Peers that are only busy are asked again, round after round, for a
-    /// while: their slots free up in moments, and the origin is the last
-    /// resort, not the next one.
+    /// Peers that are only busy are asked again, round after round, as
+    /// long as some peer keeps serving this pull: their slots free up as
+    /// the chunks they wait for arrive, and the origin is the last resort
+    /// (the peers stalled), not the next one.
     async fn chunk_from_peers(
         &self,
         file: &RemoteFile,
@@ -786,10 +811,10 @@ impl Inner {
         cs: u64,
         ce: u64,
     ) -> Option<(usize, Bytes, OwnedSemaphorePermit)> {
-        let patience = tokio::time::Instant::now() + BUSY_PATIENCE;
+        let first_asked = tokio::time::Instant::now();
         let mut round = 0u32;
         loop {
-            let mut busy = false;
+            let mut busy = Vec::new();
             // Why each peer asked last did not serve it: said when the
             // origin serves the chunk, since those bytes cost the origin.
             let mut misses = Vec::new();
@@ -804,7 +829,13 @@ impl Inner {
                     self.strike(c);
                 }
                 match got {
-                    Ok((b, buffer)) => return Some((c, b, buffer)),
+                    Ok((b, buffer)) => {
+                        *self
+                            .last_from_peer
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner()) = tokio::time::Instant::now();
+                        return Some((c, b, buffer));
+                    }
                     Err(Miss::Wrong(why)) => {
                         warn!(peer = %node, model = %self.sid, %why, "peer served a wrong chunk; it is dropped for this model");
                         self.drop_copy(c);
@@ -816,7 +847,7 @@ impl Inner {
                         misses.push(format!("{node}: gone ({why})"));
                     }
                     Err(Miss::Busy) => {
-                        busy = true;
+                        busy.push(c);
                         misses.push(format!("{node}: busy"));
                     }
                     Err(Miss::Unavailable(why)) => {
@@ -825,7 +856,18 @@ impl Inner {
                     }
                 }
             }
-            if !busy || tokio::time::Instant::now() >= patience {
+            let serving = *self
+                .last_from_peer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let patience = serving.max(first_asked) + BUSY_PATIENCE;
+            if busy.is_empty() || tokio::time::Instant::now() >= patience {
+                // A peer busy for a whole patience strikes: one that
+                // answers busy for ever costs a few patiences, not one per
+                // chunk.
+                for c in busy {
+                    self.strike(c);
+                }
                 if !misses.is_empty() {
                     info!(model = %self.sid, file = %file.path, chunk = idx, rounds = round + 1, ?misses, "no peer served this chunk; the origin serves it");
                 }
@@ -838,18 +880,21 @@ impl Inner {
     }
 
     /// A peer made this pull wait and then failed (timed out, errored,
-    /// crawled): after `STRIKES` of those it is asked no more, so one
-    /// unresponsive peer costs a pull a few waits, not one per chunk.
+    /// crawled): after `STRIKES` of those it is benched for `BENCHED_FOR`,
+    /// so one unresponsive peer costs a pull a few waits now and then,
+    /// not one per chunk.
     fn strike(&self, c: usize) {
-        let n = {
-            let mut strikes = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
-            let n = strikes.entry(c).or_default();
-            *n += 1;
-            *n
-        };
-        if n >= STRIKES {
-            warn!(peer = %self.copies[c].peer.node, model = %self.sid, strikes = n, "peer kept this pull waiting without serving; it is dropped for this model");
-            self.drop_copy(c);
+        let now = tokio::time::Instant::now();
+        let mut strikes = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
+        let (n, benched) = strikes.entry(c).or_default();
+        if benched.is_some_and(|until| until > now) {
+            return;
+        }
+        *n += 1;
+        if *n >= STRIKES {
+            warn!(peer = %self.copies[c].peer.node, model = %self.sid, strikes = *n, benched_for = ?BENCHED_FOR, "peer kept this pull waiting without serving; it is left out for a while");
+            *n = 0;
+            *benched = Some(now + BENCHED_FOR);
         }
     }
 

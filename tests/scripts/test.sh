@@ -114,10 +114,9 @@ set +e
 # Tests that need quiet cores run alone after the rest. Peer fill's
 # fan-out no longer asserts a ratio of times (it prints it, shown below;
 # docs/benchmarks.md keeps the claim), but its bound on the origin's bytes
-# holds only while eight node processes serve each other's chunks within
-# the protocol's waits: a starved peer's chunk comes from the origin
-# instead (CI saw 1.17x once, alone). The rootless tier runs below, as
-# nobody, to prove it needs no root.
+# holds only while eight node processes keep serving each other's chunks:
+# peers stalled for 10 s cost the origin. The rootless tier runs below,
+# as nobody, to prove it needs no root.
 ALONE=(peer_fill::eight_nodes_filling_at_once_cost_the_origin_one_copy)
 skips=(--skip rootless::)
 for t in "${ALONE[@]}"; do skips+=(--skip "$t"); done

@@ -111,6 +111,15 @@ impl Driver {
         }
     }
 
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the driver: a node whose
+    /// process hangs, its sockets open and silent.
+    pub fn freeze(&self, frozen: bool) {
+        let sig = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: kill(2) on our own child's pid, with no memory passed.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+        assert_eq!(rc, 0, "signal {sig} to the driver");
+    }
+
     /// SIGKILL: no handler runs, no cleanup; mounts and leases stay as they are.
     pub fn kill_9(&mut self) {
         self.child.kill().expect("kill -9 driver");
