@@ -25,4 +25,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+class Server(http.server.ThreadingHTTPServer):
+    # MinIO posts entries at once for requests that end together: a full
+    # listen backlog (5 by default) would turn some away.
+    request_queue_size = 256
+
+
+Server(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()

@@ -1157,3 +1157,60 @@ async fn a_class_leaves_out_what_its_hub_patterns_name() {
         "{bad:?}"
     );
 }
+
+/// A Hub repo of 10,000 small files in 97 directories against the same
+/// files by `#manifest` (with their sha256), each pulled by a fresh driver:
+/// the time to the create's answer and to the seal, printed. Run alone:
+/// `cargo test --test it -- --ignored --nocapture many_small_files`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: docs/benchmarks.md, many small files"]
+async fn many_small_files() {
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().join("repo");
+    let files = std::env::var("BENCH_FILES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000usize);
+    for i in 0..files {
+        let dir = root.join(format!("d{:02}", i % 97));
+        std::fs::create_dir_all(&dir).unwrap();
+        let size = 512 + (i * 7919) % 3584;
+        std::fs::write(
+            dir.join(format!("f{i:05}.json")),
+            fixtures::pseudo_random(i as u64 + 1, size),
+        )
+        .unwrap();
+    }
+    let hub = HubServer::start(&root).await;
+    hub.page_size(1000);
+    let origin = FileServer::start(&root).await;
+    origin.put("m.json", fixtures::manifest_for(&root, true));
+    let endpoint = hub.endpoint();
+    let manifest = format!("{}#manifest", origin.url("m.json"));
+    for (what, params) in [
+        (
+            "hf://",
+            vec![
+                ("source", format!("hf://{HUB_REPO}@{HUB_SHA}")),
+                ("hfEndpoint", endpoint.clone()),
+            ],
+        ),
+        ("#manifest", vec![("source", manifest.clone())]),
+    ] {
+        let d = driver(&[]).await;
+        let refs: Vec<(&str, &str)> = params.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let t0 = std::time::Instant::now();
+        let v = created(create(&d, "pvc-many", &refs).await);
+        let answered = t0.elapsed();
+        d.wait_sealed(
+            &[v.volume_context["source"].as_str()],
+            Duration::from_secs(900),
+        )
+        .await;
+        eprintln!(
+            "{what}: {files} files answered in {:.1}s, sealed in {:.1}s",
+            answered.as_secs_f64(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+}

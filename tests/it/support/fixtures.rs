@@ -878,6 +878,8 @@ struct HubState {
     throttle: Mutex<Option<u64>>,
     /// How long a gated refusal takes, when not at once.
     refuse_after: Mutex<Option<Duration>>,
+    /// Tree entries per page.
+    page: std::sync::atomic::AtomicUsize,
     base: OnceLock<String>,
     hits: Hits,
 }
@@ -922,6 +924,7 @@ impl HubServer {
             private: Default::default(),
             throttle: Mutex::default(),
             refuse_after: Mutex::default(),
+            page: HUB_PAGE.into(),
             base: OnceLock::new(),
             hits: Hits::default(),
         });
@@ -960,6 +963,14 @@ impl HubServer {
     /// Sends each file's content at `bytes_per_sec` per connection.
     pub fn throttle(&self, bytes_per_sec: u64) {
         *self.state.throttle.lock().unwrap() = Some(bytes_per_sec);
+    }
+
+    /// Tree entries per page: the Hub pages its tree by 1000 (the
+    /// default here is small, so that paging is exercised).
+    pub fn page_size(&self, n: usize) {
+        self.state
+            .page
+            .store(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Answers a gated refusal only `after` this long, as a Hub a round
@@ -1062,7 +1073,8 @@ fn serve_hub(state: &HubState, req: &Request) -> Reply {
                 .param("cursor")
                 .and_then(|c| c.parse().ok())
                 .unwrap_or(0);
-            let end = (start + HUB_PAGE).min(entries.len());
+            let page = state.page.load(std::sync::atomic::Ordering::Relaxed);
+            let end = (start + page).min(entries.len());
             let page: Vec<Value> = entries.get(start..end).unwrap_or(&[]).to_vec();
             let mut r = Reply::json(200, &Value::Array(page));
             if end < entries.len() {
