@@ -268,12 +268,18 @@ impl Partial {
 
     /// Waits until [`Partial::answered`], or a moment after every file
     /// is verified (nobody is answering then), or `bound`; at once while
-    /// much of the model is still to arrive: then the answer is far off,
-    /// and a file that ended early is made durable now, so that a crash
-    /// before the answer resumes from it.
+    /// much of the model is still to arrive, or while some file has not
+    /// begun: then the answer is far off, and a file that ended early is
+    /// made durable now, so that a crash before the answer resumes from
+    /// it. (A file waiting here holds its transfer slot: with files still
+    /// queued behind the slots, the answer, which needs their verdicts,
+    /// would only come at `bound`, one wave of files at a time.)
     pub async fn until_answered(&self, bound: Duration) {
         /// The create polls its pull every 20 ms, then records its volume.
         const GRACE: Duration = Duration::from_secs(1);
+        if !self.all_begun() {
+            return;
+        }
         let total: u64 = self.listing().map_or(0, |l| l.iter().map(|(_, n)| n).sum());
         let left = total.saturating_sub(self.moved());
         if left > (64 << 20u64).max(total / 20) {
@@ -299,6 +305,16 @@ impl Partial {
 
     /// Whether every file of the listing is verified (false before the
     /// listing is known).
+    /// Every listed file has begun arriving or is in place: none waits
+    /// for a transfer slot.
+    fn all_begun(&self) -> bool {
+        let Some(listing) = self.listing() else {
+            return false;
+        };
+        let files = self.files();
+        listing.iter().all(|(p, _)| files.contains_key(p))
+    }
+
     pub fn all_verified(&self) -> bool {
         let Some(listing) = self.listing() else {
             return false;
@@ -512,5 +528,33 @@ mod tests {
         assert!(lookup("m0123456789abcdef0123456789abcd1").is_some());
         drop(view);
         assert!(lookup("m0123456789abcdef0123456789abcd1").is_none());
+    }
+
+    /// A file that ends while another waits to begin does not wait for
+    /// the answer (which needs that other's verdict); once every file has
+    /// begun, one waits for it.
+    #[tokio::test]
+    async fn durability_waits_for_the_answer_only_once_every_file_has_begun() {
+        let view = Arc::new(Partial::default());
+        view.listed(Some(vec![("a".into(), 10), ("b".into(), 10)]));
+        view.begin("a", 10, PathBuf::from("/area/partial/a.part"));
+        let started = std::time::Instant::now();
+        view.until_answered(Duration::from_secs(30)).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "b has not begun"
+        );
+        view.begin("b", 10, PathBuf::from("/area/partial/b.part"));
+        let waiting = tokio::spawn({
+            let view = view.clone();
+            async move { view.until_answered(Duration::from_secs(30)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiting.is_finished(), "every file has begun: it waits");
+        view.answered();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("answered: it goes on")
+            .unwrap();
     }
 }

@@ -1171,16 +1171,7 @@ async fn many_small_files() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10_000usize);
-    for i in 0..files {
-        let dir = root.join(format!("d{:02}", i % 97));
-        std::fs::create_dir_all(&dir).unwrap();
-        let size = 512 + (i * 7919) % 3584;
-        std::fs::write(
-            dir.join(format!("f{i:05}.json")),
-            fixtures::pseudo_random(i as u64 + 1, size),
-        )
-        .unwrap();
-    }
+    small_files(&root, files);
     let hub = HubServer::start(&root).await;
     hub.page_size(1000);
     let origin = FileServer::start(&root).await;
@@ -1211,6 +1202,56 @@ async fn many_small_files() {
             "{what}: {files} files answered in {:.1}s, sealed in {:.1}s",
             answered.as_secs_f64(),
             t0.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// `n` files of 0.5 to 4 KiB in 97 directories.
+fn small_files(root: &Path, n: usize) {
+    for i in 0..n {
+        let dir = root.join(format!("d{:02}", i % 97));
+        fs::create_dir_all(&dir).unwrap();
+        let size = 512 + (i * 7919) % 3584;
+        fs::write(
+            dir.join(format!("f{i:05}.json")),
+            fixtures::pseudo_random(i as u64 + 1, size),
+        )
+        .unwrap();
+    }
+}
+
+/// A Hub repo of many small files is pulled at the pace of its transfers:
+/// a file that ends early does not hold its transfer slot until the
+/// create answers (which needs every file's verdict, so files queued
+/// behind the slots came a wave every 10 s: 300 files took about 6
+/// minutes). Bound: 60 s, for what takes about a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_repo_of_many_small_files_is_not_paced_by_its_answer() {
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().join("repo");
+    small_files(&root, 300);
+    let hub = HubServer::start(&root).await;
+    hub.page_size(1000);
+    let endpoint = hub.endpoint();
+    let source = format!("hf://{HUB_REPO}@{HUB_SHA}");
+    let d = driver(&[]).await;
+    let params = [
+        ("source", source.as_str()),
+        ("hfEndpoint", endpoint.as_str()),
+    ];
+    let v = tokio::time::timeout(Duration::from_secs(60), create(&d, "pvc-many", &params))
+        .await
+        .expect("300 small files not answered within 60 s");
+    let v = created(v);
+    d.wait_sealed(&[v.volume_context["source"].as_str()], SEAL_BOUND)
+        .await;
+    assert_eq!(fixtures::tree_files(&root).len(), 300);
+    let sid = v.volume_context["source"].clone();
+    for (path, _) in fixtures::tree_files(&root) {
+        assert_eq!(
+            fs::read(d.source_dir("local", &sid).join("data").join(&path)).unwrap(),
+            fs::read(root.join(&path)).unwrap(),
+            "{path}"
         );
     }
 }
