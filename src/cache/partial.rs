@@ -303,8 +303,6 @@ impl Partial {
         }
     }
 
-    /// Whether every file of the listing is verified (false before the
-    /// listing is known).
     /// Every listed file has begun arriving or is in place: none waits
     /// for a transfer slot.
     fn all_begun(&self) -> bool {
@@ -315,6 +313,8 @@ impl Partial {
         listing.iter().all(|(p, _)| files.contains_key(p))
     }
 
+    /// Whether every file of the listing is verified (false before the
+    /// listing is known).
     pub fn all_verified(&self) -> bool {
         let Some(listing) = self.listing() else {
             return false;

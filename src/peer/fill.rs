@@ -417,6 +417,19 @@ const STRIKES: u32 = 3;
 /// origin for it.
 const BENCHED_FOR: Duration = Duration::from_secs(20);
 
+/// A copy's slow misses since it was last benched, and until when it is.
+#[derive(Default)]
+struct Strikes {
+    count: u32,
+    benched_until: Option<tokio::time::Instant>,
+}
+
+impl Strikes {
+    fn benched_at(&self, now: tokio::time::Instant) -> bool {
+        self.benched_until.is_some_and(|until| until > now)
+    }
+}
+
 /// How many sealed peers' seals a fill reads: enough for two that agree,
 /// and a spare.
 const SEALS_ASKED: usize = 4;
@@ -499,9 +512,8 @@ struct Inner {
     plan: HashMap<String, Vec<usize>>,
     /// Copies that served a wrong chunk: never asked again for this model.
     dropped: Mutex<HashSet<usize>>,
-    /// Copies' slow misses since they were last benched, and until when
-    /// a copy is benched (`STRIKES` bench it for `BENCHED_FOR`).
-    strikes: Mutex<HashMap<usize, (u32, Option<tokio::time::Instant>)>>,
+    /// Copies' slow misses (`STRIKES` bench a copy for `BENCHED_FOR`).
+    strikes: Mutex<HashMap<usize, Strikes>>,
     /// Files whose peer bytes failed the origin's sha256: origin only.
     distrusted: Mutex<HashSet<String>>,
     /// File path -> the copies that served bytes of it.
@@ -569,7 +581,7 @@ impl Inner {
             let strikes = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
             self.candidates(path)
                 .into_iter()
-                .filter(|c| !matches!(strikes.get(c), Some((_, Some(until))) if *until > now))
+                .filter(|c| !strikes.get(c).is_some_and(|s| s.benched_at(now)))
                 .collect()
         };
         let of = |want: fn(&Held) -> bool| -> Vec<usize> {
@@ -886,15 +898,15 @@ impl Inner {
     fn strike(&self, c: usize) {
         let now = tokio::time::Instant::now();
         let mut strikes = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
-        let (n, benched) = strikes.entry(c).or_default();
-        if benched.is_some_and(|until| until > now) {
+        let s = strikes.entry(c).or_default();
+        if s.benched_at(now) {
             return;
         }
-        *n += 1;
-        if *n >= STRIKES {
-            warn!(peer = %self.copies[c].peer.node, model = %self.sid, strikes = *n, benched_for = ?BENCHED_FOR, "peer kept this pull waiting without serving; it is left out for a while");
-            *n = 0;
-            *benched = Some(now + BENCHED_FOR);
+        s.count += 1;
+        if s.count >= STRIKES {
+            warn!(peer = %self.copies[c].peer.node, model = %self.sid, strikes = s.count, benched_for = ?BENCHED_FOR, "peer kept this pull waiting without serving; it is left out for a while");
+            s.count = 0;
+            s.benched_until = Some(now + BENCHED_FOR);
         }
     }
 

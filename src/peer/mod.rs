@@ -140,7 +140,7 @@ impl Tokens {
     pub fn keep_fresh(self: Arc<Self>) {
         tokio::spawn(async move {
             loop {
-                let missing = self.current().is_empty();
+                let missing = !self.ready();
                 tokio::time::sleep(if missing {
                     MISSING_RETRY
                 } else {

@@ -501,25 +501,11 @@ async fn a_leader_that_hangs_mid_pull_costs_its_followers_a_few_waits() {
     let uri = format!("{}#manifest", origin.url("m.json"));
     let (a, _) = node("node-a", &api, &tokens).await;
     let (b, _) = node("node-b", &api, &tokens).await;
-    let lead = tokio::spawn({
-        let c = a.client.clone();
-        let req = create_req("pvc-a", &[("backend", "local"), ("source", &uri)], READER);
-        async move {
-            let mut c = c;
-            c.controller.create_volume(req).await
-        }
-    });
+    let lead = pull_in_background(&a, "pvc-a", &uri);
     // B starts once A's Lease says it is pulling, and A hangs once B has
     // taken some chunks from it.
     pulling(&api, "node-a").await;
-    let follow = tokio::spawn({
-        let c = b.client.clone();
-        let req = create_req("pvc-b", &[("backend", "local"), ("source", &uri)], READER);
-        async move {
-            let mut c = c;
-            c.controller.create_volume(req).await
-        }
-    });
+    let follow = pull_in_background(&b, "pvc-b", &uri);
     let log = b.dir.join("driver.log");
     let took_from_a = || {
         fs::read_to_string(&log)
@@ -540,10 +526,7 @@ async fn a_leader_that_hangs_mid_pull_costs_its_followers_a_few_waits() {
         .await
         .expect("B's create still waits 240 s after A hung")
         .unwrap()
-        .unwrap_or_else(|s| panic!("B: {:?}: {}", s.code(), s.message()))
-        .into_inner()
-        .volume
-        .unwrap();
+        .unwrap_or_else(|s| panic!("B: {:?}: {}", s.code(), s.message()));
     eprintln!(
         "B was done {:.1}s after A hung",
         frozen.elapsed().as_secs_f64()
@@ -557,6 +540,20 @@ async fn a_leader_that_hangs_mid_pull_costs_its_followers_a_few_waits() {
     );
     a.freeze(false);
     lead.abort();
+}
+
+/// `pull` as a task of its own, its answer for whoever awaits it.
+fn pull_in_background(
+    d: &Driver,
+    name: &str,
+    uri: &str,
+) -> tokio::task::JoinHandle<Result<Volume, tonic::Status>> {
+    let mut c = d.client.clone();
+    let req = create_req(name, &[("backend", "local"), ("source", uri)], READER);
+    tokio::spawn(async move {
+        let v = c.controller.create_volume(req).await?.into_inner();
+        Ok(v.volume.expect("a created volume"))
+    })
 }
 
 /// Waits until `node`'s Lease says it is pulling a model.
