@@ -22,6 +22,9 @@ use crate::cache::Root;
 /// The Lease annotations: where the node serves peers, what it holds.
 pub const ADDRESS: &str = "modelcache.csi.io/peer-address";
 pub const MODELS: &str = "modelcache.csi.io/models";
+/// The SHA-256 of the certificate the node serves peers with (hex): a
+/// Lease without one names no peer (peers are never dialled in the clear).
+pub const CERTIFICATE: &str = "modelcache.csi.io/peer-certificate-sha256";
 /// Models the node is pulling now, each with when it started
 /// (`<sid>@<unix ms>`): the first to start pulls from the origin, and
 /// those starting after it fill from it as its bytes arrive.
@@ -61,6 +64,8 @@ const MAX_ADVERTISED: usize = 2000;
 pub struct Peer {
     pub node: String,
     pub addr: String,
+    /// The certificate it must present.
+    pub pin: super::tls::Pin,
     pub models: BTreeSet<String>,
     /// Models being pulled there, and when each started (unix ms).
     pub pulling: BTreeMap<String, u64>,
@@ -71,6 +76,7 @@ pub struct Directory {
     node: String,
     driver: String,
     advertise: String,
+    pin: String,
     roots: Vec<Root>,
     listed: Mutex<Option<(Instant, Arc<Vec<Peer>>)>>,
     wake: tokio::sync::Notify,
@@ -111,6 +117,7 @@ impl Directory {
         node: String,
         driver: &str,
         advertise: String,
+        pin: String,
         roots: Vec<Root>,
     ) -> Directory {
         Directory {
@@ -118,6 +125,7 @@ impl Directory {
             node,
             driver: driver.to_string(),
             advertise,
+            pin,
             roots,
             listed: Mutex::new(None),
             wake: tokio::sync::Notify::new(),
@@ -302,7 +310,12 @@ impl Directory {
             "metadata": {
                 "name": name,
                 "labels": {LABEL: self.driver},
-                "annotations": {ADDRESS: self.advertise, MODELS: models, PULLING: pulling},
+                "annotations": {
+                    ADDRESS: self.advertise,
+                    CERTIFICATE: self.pin,
+                    MODELS: models,
+                    PULLING: pulling,
+                },
             },
             "spec": {
                 "holderIdentity": self.node,
@@ -396,6 +409,7 @@ fn live_peer(l: &Lease, now: Timestamp) -> Option<Peer> {
     let ann = l.metadata.annotations.as_ref()?;
     let addr = ann.get(ADDRESS)?.clone();
     addr.parse::<std::net::SocketAddr>().ok()?;
+    let pin = super::tls::parse_pin(ann.get(CERTIFICATE)?)?;
     let models = ann
         .get(MODELS)
         .map(|m| {
@@ -418,6 +432,7 @@ fn live_peer(l: &Lease, now: Timestamp) -> Option<Peer> {
     Some(Peer {
         node: spec.holder_identity.clone()?,
         addr,
+        pin,
         models,
         pulling,
     })
@@ -453,9 +468,19 @@ mod tests {
         assert!(lease_name(&"x".repeat(400)).len() < 253);
     }
 
+    const PIN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
     fn lease(renewed: Timestamp, addr: &str, models: &str) -> Lease {
+        pinned_lease(renewed, addr, models, Some(PIN))
+    }
+
+    fn pinned_lease(renewed: Timestamp, addr: &str, models: &str, pin: Option<&str>) -> Lease {
+        let mut ann = serde_json::json!({ADDRESS: addr, MODELS: models});
+        if let Some(pin) = pin {
+            ann[CERTIFICATE] = pin.into();
+        }
         serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "l", "annotations": {ADDRESS: addr, MODELS: models}},
+            "metadata": {"name": "l", "annotations": ann},
             "spec": {"holderIdentity": "n2", "leaseDurationSeconds": 45, "renewTime": MicroTime(renewed)}
         }))
         .unwrap()
@@ -471,5 +496,10 @@ mod tests {
         let old = now - k8s_openapi::jiff::SignedDuration::from_secs(60);
         assert!(live_peer(&lease(old, "10.0.0.2:7420", m), now).is_none());
         assert!(live_peer(&lease(now, "not an address", m), now).is_none());
+        // No certificate, or not a digest: never dialled, so never sent the
+        // token in the clear.
+        let addr = "10.0.0.2:7420";
+        assert!(live_peer(&pinned_lease(now, addr, m, None), now).is_none());
+        assert!(live_peer(&pinned_lease(now, addr, m, Some("abc")), now).is_none());
     }
 }

@@ -49,7 +49,8 @@ pub struct PeerFill {
     tokens: Arc<Tokens>,
     /// The networks a peer's address must be in (`PeerConfig::networks`).
     networks: Vec<ipnet::IpNet>,
-    http: reqwest::Client,
+    /// One TLS client per peer certificate its Lease pins.
+    clients: Arc<super::tls::Clients>,
     buffers: Arc<Semaphore>,
     node: String,
     metrics: Arc<crate::metrics::Metrics>,
@@ -63,19 +64,11 @@ impl PeerFill {
         networks: Vec<ipnet::IpNet>,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> PeerFill {
-        // A peer answers for itself: a redirect would send the token, and
-        // this node's requests, wherever it points.
-        let http = reqwest::Client::builder()
-            .no_proxy()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(CONNECT_TIMEOUT)
-            .build()
-            .expect("a plain HTTP client builds");
         PeerFill {
             dir,
             tokens,
             networks,
-            http,
+            clients: Arc::new(super::tls::Clients::new(CONNECT_TIMEOUT)),
             buffers: Arc::new(Semaphore::new(CHUNKS_IN_FLIGHT)),
             node,
             metrics,
@@ -106,9 +99,10 @@ impl PeerFill {
     }
 
     async fn seal_of(&self, peer: &Peer, sid: &str) -> Option<Seal> {
-        let url = format!("http://{}/v1/models/{sid}/seal", peer.addr);
+        let url = format!("https://{}/v1/models/{sid}/seal", peer.addr);
         let resp = self
-            .http
+            .clients
+            .of(&peer.pin)
             .get(&url)
             .bearer_auth(self.tokens.presented())
             .timeout(Duration::from_secs(5))
@@ -256,7 +250,7 @@ impl Fill for PeerFill {
             inner: Arc::new(Inner {
                 origin,
                 sid: sid.to_string(),
-                http: self.http.clone(),
+                clients: self.clients.clone(),
                 tokens: self.tokens.clone(),
                 buffers: self.buffers.clone(),
                 copies,
@@ -504,7 +498,7 @@ struct PeerSource {
 struct Inner {
     origin: Arc<dyn Source>,
     sid: String,
-    http: reqwest::Client,
+    clients: Arc<super::tls::Clients>,
     tokens: Arc<Tokens>,
     buffers: Arc<Semaphore>,
     copies: Vec<Copy>,
@@ -636,7 +630,7 @@ impl Inner {
             ),
             Held::Pulling { leads } => (None, Some(*leads)),
         };
-        let url = format!("http://{}/v1/models/{}/file", copy.peer.addr, self.sid);
+        let url = format!("https://{}/v1/models/{}/file", copy.peer.addr, self.sid);
         let len = end - start;
         // The answer's head may be held while the peer waits for the
         // chunk (the leader) and for an upload slot; the body must then
@@ -655,7 +649,8 @@ impl Inner {
             ))
         };
         let mut req = self
-            .http
+            .clients
+            .of(&copy.peer.pin)
             .get(&url)
             .query(&[("path", file.path.as_str())])
             .bearer_auth(self.tokens.presented())

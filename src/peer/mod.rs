@@ -5,6 +5,8 @@
 //!   driver's namespace (the Kubernetes API is the only shared state).
 //! - `server`: the node's peer endpoint, for drivers holding the cluster's
 //!   peer token only, with upload caps.
+//! - `tls`: the key and certificate each run serves peers with, pinned by
+//!   its Lease, and the clients that accept only the pinned one.
 //! - `fill`: a `Source` in front of the origin that takes whole chunks
 //!   from peers, checks each against the seal's chunk table and the file
 //!   against the origin's sha256, and falls back to the origin per range.
@@ -12,6 +14,7 @@
 pub mod directory;
 pub mod fill;
 pub mod server;
+pub mod tls;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -293,6 +296,7 @@ pub async fn start(
     let tokens = Arc::new(Tokens::open(cfg.token.clone(), client.clone(), &namespace).await?);
     tokens.clone().keep_fresh();
     let served = servable(roots);
+    let identity = tls::Identity::generate()?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| anyhow::anyhow!("--peer-listen {}: {e}", cfg.listen))?;
@@ -302,6 +306,7 @@ pub async fn start(
         node.clone(),
         driver,
         cfg.advertise.to_string(),
+        identity.pin_hex(),
         served.clone(),
     ));
     tokio::spawn(dir.clone().run());
@@ -312,7 +317,7 @@ pub async fn start(
         cfg.upload_bytes_per_sec,
         ctx.metrics.clone(),
     ));
-    tokio::spawn(srv.serve(listener));
+    tokio::spawn(srv.serve(listener, identity.acceptor().clone()));
     tracing::info!(listen = %cfg.listen, advertise = %cfg.advertise, %namespace, "serving peers");
     Ok(Arc::new(fill::PeerFill::new(
         dir,

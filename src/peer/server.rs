@@ -91,7 +91,13 @@ impl PeerServer {
         }
     }
 
-    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+    /// Serves peers on `listener`, over TLS with `acceptor`'s certificate
+    /// (the one this node's Lease pins).
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        acceptor: tokio_rustls::TlsAcceptor,
+    ) {
         tokio::spawn(self.clone().close_idle_views());
         let admission = Arc::new(crate::conns::Admission::new(
             MAX_CONNECTIONS,
@@ -113,16 +119,30 @@ impl PeerServer {
                 continue;
             };
             let _ = stream.set_nodelay(true);
-            let (me, admission) = (self.clone(), admission.clone());
+            let (me, admission, acceptor) = (self.clone(), admission.clone(), acceptor.clone());
             tokio::spawn(async move {
                 let Some(_slot) = admission.admit(opened).await else {
                     return;
+                };
+                // The handshake is part of the head: a client that stops
+                // in it holds a slot no longer than one that stops in a
+                // request line.
+                let io = crate::conns::Stalls::new(stream, STALLED);
+                let io = match tokio::time::timeout(HEAD_WITHIN, acceptor.accept(io)).await {
+                    Ok(Ok(tls)) => tls,
+                    Ok(Err(e)) => {
+                        debug!(%from, error = %e, "peer endpoint: TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        debug!(%from, "peer endpoint: TLS handshake not done in time");
+                        return;
+                    }
                 };
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
                     async move { Ok::<_, Infallible>(me.handle(req).await) }
                 });
-                let io = crate::conns::Stalls::new(stream, STALLED);
                 if let Err(e) = hyper::server::conn::http1::Builder::new()
                     .timer(hyper_util::rt::TokioTimer::new())
                     .header_read_timeout(HEAD_WITHIN)
@@ -717,7 +737,7 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    async fn listening() -> std::net::SocketAddr {
+    async fn listening() -> (std::net::SocketAddr, super::super::tls::Pin) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let server = Arc::new(PeerServer::new(
@@ -727,20 +747,53 @@ mod tests {
             0,
             Arc::default(),
         ));
-        tokio::spawn(server.serve(listener));
-        addr
+        let id = super::super::tls::Identity::generate().unwrap();
+        let pin = super::super::tls::parse_pin(&id.pin_hex()).unwrap();
+        tokio::spawn(server.serve(listener, id.acceptor().clone()));
+        (addr, pin)
     }
 
-    /// What the server says to `sent`, until it closes the connection
-    /// (or 20 s pass: it never did).
-    async fn answer_to(addr: std::net::SocketAddr, sent: &[u8]) -> String {
-        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    /// What the server says to `sent` over TLS, until it closes the
+    /// connection (or 20 s pass: it never did).
+    async fn answer_to(
+        (addr, pin): (std::net::SocketAddr, super::super::tls::Pin),
+        sent: &[u8],
+    ) -> String {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let connector =
+            tokio_rustls::TlsConnector::from(Arc::new(super::super::tls::client_config(pin)));
+        let name = rustls::pki_types::ServerName::try_from("peer").unwrap();
+        let mut c = connector.connect(name, tcp).await.unwrap();
         let _ = c.write_all(sent).await;
         let mut got = Vec::new();
         let read = tokio::time::timeout(Duration::from_secs(20), c.read_to_end(&mut got)).await;
         let head = String::from_utf8_lossy(&sent[..sent.len().min(40)]).into_owned();
         assert!(read.is_ok(), "the connection was held open after {head:?}");
         String::from_utf8_lossy(&got).into_owned()
+    }
+
+    /// A client that opens a connection and never finishes the handshake
+    /// is cut off after `HEAD_WITHIN`, like one that never ends its head;
+    /// one that speaks plain HTTP gets no answer at all.
+    #[tokio::test]
+    async fn unfinished_handshakes_and_plain_http_are_cut_off() {
+        let (addr, _) = listening().await;
+        let started = std::time::Instant::now();
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(20), c.read_to_end(&mut got)).await;
+        assert!(read.is_ok(), "a silent client held its connection");
+        assert!(started.elapsed() >= HEAD_WITHIN, "{:?}", started.elapsed());
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /v1/models/x/seal HTTP/1.1\r\nauthorization: Bearer a-peer-token-0123456789\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(20), c.read_to_end(&mut got)).await;
+        assert!(
+            !String::from_utf8_lossy(&got).contains("HTTP/1.1"),
+            "answered in the clear"
+        );
     }
 
     /// A head larger than the bound is refused, and one that never ends is

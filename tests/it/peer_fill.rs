@@ -55,8 +55,16 @@ async fn node(name: &str, api: &ApiServer, tokens: &Path) -> (Driver, String) {
 }
 
 async fn node_with(name: &str, api: &ApiServer, extra: &[&str]) -> (Driver, String) {
-    let port = free_port().to_string();
-    let listen = format!("127.0.0.1:{port}");
+    let listen = format!("127.0.0.1:{}", free_port());
+    node_listening(name, api, &listen, extra).await
+}
+
+async fn node_listening(
+    name: &str,
+    api: &ApiServer,
+    listen: &str,
+    extra: &[&str],
+) -> (Driver, String) {
     let kubeconfig = api.kubeconfig_path();
     let mut args = vec![
         "--kube-api",
@@ -64,7 +72,7 @@ async fn node_with(name: &str, api: &ApiServer, extra: &[&str]) -> (Driver, Stri
         "--kubeconfig",
         kubeconfig.to_str().unwrap(),
         "--peer-listen",
-        &listen,
+        listen,
         // Every node of these tests listens on loopback.
         "--peer-networks",
         "127.0.0.0/8",
@@ -73,7 +81,34 @@ async fn node_with(name: &str, api: &ApiServer, extra: &[&str]) -> (Driver, Stri
     ];
     args.extend_from_slice(extra);
     let d = Driver::start_node(name, None, &args).await;
-    (d, listen)
+    (d, listen.to_string())
+}
+
+/// The certificate `node`'s Lease pins, once it publishes one.
+async fn pin_of(api: &ApiServer, node: &str) -> modelcache_csi::peer::tls::Pin {
+    let lease = format!("modelcache-peer-{node}");
+    for _ in 0..100 {
+        let out = api.kubectl(&[
+            "get",
+            "lease",
+            &lease,
+            "-o",
+            "jsonpath={.metadata.annotations.modelcache\\.csi\\.io/peer-certificate-sha256}",
+        ]);
+        if let Some(pin) =
+            modelcache_csi::peer::tls::parse_pin(&String::from_utf8_lossy(&out.stdout))
+        {
+            return pin;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{node}'s Lease never pinned a certificate");
+}
+
+/// A client of `node`'s peer endpoint, as other nodes' drivers dial it:
+/// TLS, accepting only the certificate its Lease pins.
+async fn peer_client(api: &ApiServer, node: &str) -> reqwest::Client {
+    modelcache_csi::peer::tls::pinned_client(pin_of(api, node).await, Duration::from_secs(2))
 }
 
 /// CreateVolume of `name` with `params`, for READER.
@@ -289,8 +324,8 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
 
     // The peer endpoint serves drivers only: no token, a wrong token: 401
     // and not one byte of the model.
-    let url = format!("http://{a_addr}/v1/models/{sid}/file?path={}", FILES[2].0);
-    let http = reqwest::Client::new();
+    let url = format!("https://{a_addr}/v1/models/{sid}/file?path={}", FILES[2].0);
+    let http = peer_client(&api, "node-a").await;
     for auth in [None, Some("Bearer not-the-peer-token-at-all")] {
         let mut req = http.get(&url);
         if let Some(a) = auth {
@@ -980,6 +1015,7 @@ async fn a_pull_is_claimed_by_one_node_of_many_starting_at_once() {
             format!("claimer-{n}"),
             "claims.csi.test",
             format!("127.0.0.1:{}", 7000 + n),
+            "0".repeat(64),
             Vec::new(),
         ))
     };
@@ -1476,8 +1512,8 @@ async fn a_node_serves_csi_before_its_peer_secret_exists() {
     assert_eq!(info.into_inner().node_id, "node-early");
 
     let token = "a-token-made-later-0123456789abcdef";
-    let url = format!("http://{addr}/v1/models/m-none/seal");
-    let http = reqwest::Client::new();
+    let url = format!("https://{addr}/v1/models/m-none/seal");
+    let http = peer_client(&api, "node-early").await;
     let status = || async {
         http.get(&url)
             .bearer_auth(token)
@@ -1513,5 +1549,200 @@ async fn a_node_serves_csi_before_its_peer_secret_exists() {
         401,
         "the token of the Secret made after the start was never accepted:\n{}",
         n.log_text()
+    );
+}
+
+/// A TCP relay that keeps every byte it carries, both ways: what a
+/// sniffer on the node network sees. With no upstream it is an impostor
+/// answering at an address a Lease names: it keeps what it is sent and
+/// answers nothing.
+struct Tap {
+    addr: String,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Tap {
+    async fn start(upstream: Option<String>) -> Tap {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (s, n) = (seen.clone(), connections.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let (seen, upstream) = (s.clone(), upstream.clone());
+                tokio::spawn(async move {
+                    let Some(up) = upstream else {
+                        let (mut r, _w) = client.into_split();
+                        let mut buf = vec![0u8; 1 << 16];
+                        let read = tokio::time::timeout(Duration::from_secs(5), r.read(&mut buf));
+                        if let Ok(Ok(k)) = read.await {
+                            seen.lock().unwrap().extend_from_slice(&buf[..k]);
+                        }
+                        return;
+                    };
+                    let Ok(server) = tokio::net::TcpStream::connect(&up).await else {
+                        return;
+                    };
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let relay =
+                        |mut from: tokio::net::tcp::OwnedReadHalf,
+                         mut to: tokio::net::tcp::OwnedWriteHalf,
+                         seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>| async move {
+                            let mut buf = vec![0u8; 1 << 16];
+                            while let Ok(k) = from.read(&mut buf).await {
+                                if k == 0 || to.write_all(&buf[..k]).await.is_err() {
+                                    break;
+                                }
+                                seen.lock().unwrap().extend_from_slice(&buf[..k]);
+                            }
+                            let _ = to.shutdown().await;
+                        };
+                    tokio::join!(relay(cr, sw, seen.clone()), relay(sr, cw, seen));
+                });
+            }
+        });
+        Tap {
+            addr,
+            seen,
+            connections,
+        }
+    }
+
+    fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether `needle` crossed this relay in the clear.
+    fn carried(&self, needle: &[u8]) -> bool {
+        let seen = self.seen.lock().unwrap();
+        seen.windows(needle.len()).any(|w| w == needle)
+    }
+}
+
+/// Peers talk TLS, each accepting only the certificate the other's Lease
+/// pins (review M-2): a relay on the path between two nodes carries a
+/// whole fill and sees neither the token, nor a request, nor a byte of
+/// the model; an impostor at an address a Lease names is dialled but
+/// never sent the token; a Lease with no certificate is never dialled.
+/// With plain HTTP the relay sees `Authorization: Bearer <token>` in
+/// every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_send_the_token_and_bytes_only_encrypted_to_the_key_their_lease_pins() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let (model, total, origin, uri) = manifest_origin(work.path()).await;
+    let token = "a-peer-token-no-wire-may-carry-0123456789";
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, format!("{token}\n")).unwrap();
+    let token_arg = ["--peer-token-file", tokens.to_str().unwrap()];
+
+    // A listens behind the relay and advertises the relay's address, so
+    // every byte B exchanges with A crosses it.
+    let a_listen = format!("127.0.0.1:{}", free_port());
+    let wire = Tap::start(Some(a_listen.clone())).await;
+    let mut a_args = token_arg.to_vec();
+    a_args.extend(["--peer-advertise", wire.addr.as_str()]);
+    let (a, _) = node_listening("node-a", &api, &a_listen, &a_args).await;
+    let va = pull(&a, "pvc-a", &uri).await;
+    let sid = va.volume_context["source"].clone();
+    assert_exact(&a, &sid, &model).await;
+    advertised(&api, "node-a", &sid).await;
+
+    let (b, _) = node_with("node-b", &api, &token_arg).await;
+    let before = origin_bytes_under(&origin, &model);
+    pull(&b, "pvc-b", &uri).await;
+    assert_exact(&b, &sid, &model).await;
+    let from_origin = origin_bytes_under(&origin, &model) - before;
+    assert!(
+        from_origin < total / 50,
+        "B took {from_origin} of {total} bytes from the origin, not through the relay from A"
+    );
+    assert!(wire.connections() > 0, "B never dialled A's address");
+    let first = &fs::read(model.join(FILES[0].0)).unwrap()[..64];
+    let small = &fs::read(model.join(FILES[2].0)).unwrap()[..64];
+    for (what, needle) in [
+        ("the peer token", token.as_bytes()),
+        ("an Authorization header", b"Bearer".as_slice()),
+        ("a request line", b"/v1/models/".as_slice()),
+        ("the first bytes of a weights file", first),
+        ("the first bytes of config.json", small),
+    ] {
+        assert!(
+            !wire.carried(needle),
+            "{what} crossed the network in the clear"
+        );
+    }
+
+    // Only impostors hold the model now: one pins a certificate it does
+    // not have, one pins none.
+    drop((a, b));
+    let driver = String::from_utf8_lossy(
+        &api.kubectl(&[
+            "get",
+            "lease",
+            "modelcache-peer-node-a",
+            "-o",
+            "jsonpath={.metadata.labels.modelcache\\.csi\\.io/peer-of}",
+        ])
+        .stdout,
+    )
+    .into_owned();
+    assert!(!driver.is_empty(), "node-a's Lease names no driver");
+    let pinned = Tap::start(None).await;
+    let unpinned = Tap::start(None).await;
+    let now = chrono::Utc::now()
+        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
+        .to_string();
+    for (node, at, pin) in [
+        ("impostor", &pinned.addr, Some("ab".repeat(32))),
+        ("unpinned", &unpinned.addr, None),
+    ] {
+        let mut ann = serde_json::json!({
+            "modelcache.csi.io/peer-address": at,
+            "modelcache.csi.io/models": sid,
+        });
+        if let Some(pin) = pin {
+            ann["modelcache.csi.io/peer-certificate-sha256"] = pin.into();
+        }
+        let lease = serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": format!("modelcache-peer-{node}"),
+                "labels": {"modelcache.csi.io/peer-of": driver},
+                "annotations": ann,
+            },
+            "spec": {"holderIdentity": node, "leaseDurationSeconds": 3600, "renewTime": now},
+        });
+        let file = work.path().join(format!("{node}.json"));
+        fs::write(&file, lease.to_string()).unwrap();
+        let out = api.kubectl(&["apply", "-f", file.to_str().unwrap()]);
+        assert!(out.status.success(), "{out:?}");
+    }
+    let (c, _) = node_with("node-c", &api, &token_arg).await;
+    pull(&c, "pvc-c", &uri).await;
+    assert_exact(&c, &sid, &model).await;
+    assert!(
+        pinned.connections() > 0,
+        "C never dialled the pinned impostor, so the check proves nothing:\n{}",
+        c.log_text()
+    );
+    assert!(
+        !pinned.carried(token.as_bytes()),
+        "the impostor received the token"
+    );
+    assert!(
+        !pinned.carried(b"Bearer"),
+        "the impostor received a request"
+    );
+    assert_eq!(
+        unpinned.connections(),
+        0,
+        "a Lease without a certificate was dialled"
     );
 }
