@@ -156,10 +156,14 @@ fn serve(conn: &OwnedFd, held: &mut BTreeMap<String, OwnedFd>) -> std::io::Resul
     let fd = conn.as_raw_fd();
     let (req, passed) = receive::<Request>(fd)?;
     let answer = match (req, passed) {
-        (Request::Hold(key), Some(dev)) => {
+        (Request::Hold(key), Some(dev)) if is_fuse_connection(&dev) => {
             tracing::info!(view = %key, "holding a view's connection");
             held.insert(key, dev);
             Answer::Ok
+        }
+        (Request::Hold(key), Some(_)) => {
+            tracing::warn!(view = %key, "refused to hold a descriptor that is no FUSE connection");
+            Answer::Refused("hold: the descriptor is not a FUSE connection (/dev/fuse)".into())
         }
         (Request::Hold(_), None) => Answer::Refused("hold: no descriptor came with it".into()),
         (Request::Release(key), _) => {
@@ -178,6 +182,22 @@ fn serve(conn: &OwnedFd, held: &mut BTreeMap<String, OwnedFd>) -> std::io::Resul
     };
     send(fd, &answer, None)?;
     Ok(())
+}
+
+/// The character device every FUSE connection is opened from.
+const FUSE_DEVICE: (u64, u64) = (10, 229);
+
+/// Whether `fd` is a FUSE connection: a descriptor of `/dev/fuse`. Any
+/// other (a socket, a file) would have the driver answer a view's reads
+/// to whoever holds its other end.
+pub fn is_fuse_connection(fd: &OwnedFd) -> bool {
+    nix::sys::stat::fstat(fd).is_ok_and(|st| {
+        (st.st_mode & libc::S_IFMT) == libc::S_IFCHR
+            && (
+                libc::major(st.st_rdev) as u64,
+                libc::minor(st.st_rdev) as u64,
+            ) == FUSE_DEVICE
+    })
 }
 
 /// A driver's line to its keeper.
@@ -237,7 +257,12 @@ impl Keeper {
         let mut out = Vec::new();
         loop {
             match receive::<Answer>(conn.as_raw_fd()) {
-                Ok((Answer::Held(key), Some(dev))) => out.push((key, dev)),
+                Ok((Answer::Held(key), Some(dev))) if is_fuse_connection(&dev) => {
+                    out.push((key, dev))
+                }
+                Ok((Answer::Held(key), Some(_))) => {
+                    tracing::warn!(view = %key, "the keeper handed over a descriptor that is no FUSE connection; not served");
+                }
                 Ok((Answer::Done, _)) => return Ok(out),
                 Ok((other, _)) => {
                     return Err(Error::Internal(format!("the keeper answered {other:?}")));
@@ -268,21 +293,33 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         let k = Keeper::new(&socket);
-        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
-        k.hold("/views/a", &OwnedFd::from(b)).unwrap();
-        let other = std::fs::File::open("/").unwrap();
-        k.hold("/views/b", &OwnedFd::from(other)).unwrap();
+        let fuse = || OwnedFd::from(std::fs::File::open("/dev/fuse").unwrap());
+        // A mark on `a`'s open file (status flags are the open file's,
+        // shared by its duplicates), to know it when it comes back.
+        let a = fuse();
+        let marked = nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(&a, nix::fcntl::FcntlArg::F_SETFL(marked)).unwrap();
+        k.hold("/views/a", &a).unwrap();
+        k.hold("/views/b", &fuse()).unwrap();
         k.release("/views/b").unwrap();
+        // Anything but a FUSE connection is refused: a socket held under a
+        // view's key would have the next driver answer that view's reads
+        // to whoever holds the socket's other end.
+        let (_mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let refused = k.hold("/views/c", &OwnedFd::from(theirs));
+        assert!(
+            matches!(refused, Err(Error::Internal(ref m)) if m.contains("not a FUSE connection")),
+            "{refused:?}"
+        );
+        let file = OwnedFd::from(std::fs::File::open("/").unwrap());
+        assert!(k.hold("/views/d", &file).is_err());
         let all = k.take_all().unwrap();
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].0, "/views/a");
-        // The descriptor handed back is the other end of `a`.
-        use std::io::{Read, Write};
-        let mut back = std::os::unix::net::UnixStream::from(all.into_iter().next().unwrap().1);
-        back.write_all(b"ping").unwrap();
-        let mut got = [0u8; 4];
-        a.read_exact(&mut got).unwrap();
-        assert_eq!(&got, b"ping");
+        // The descriptor handed back is the same open file as `a`.
+        let flags = nix::fcntl::fcntl(&all[0].1, nix::fcntl::FcntlArg::F_GETFL).unwrap();
+        assert!(nix::fcntl::OFlag::from_bits_truncate(flags).contains(marked));
+        assert!(is_fuse_connection(&all[0].1));
         // Still held after a take.
         assert_eq!(k.take_all().unwrap().len(), 1);
         let gone = Keeper::new(&d.path().join("none.sock")).release("x");
