@@ -28,7 +28,8 @@
 #
 # Versions come from the wrapper modules' go.mod files (single source of truth).
 # Builds run under `nice -n 19` with `go build -p 2`: this is a shared 2-core
-# machine. A flock keeps parallel callers from running two big builds at once.
+# machine. A flock keeps parallel callers from running two big builds at once;
+# it is held per component, so a caller waits only for what it needs.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -99,12 +100,10 @@ missing() {
 mkdir -p "$K8S_DIR" "$ETCD_DIR"
 
 if [[ -n $(missing) ]]; then
-    # Serialise builds across processes (parallel tests all call this script).
+    # Serialise builds across processes (parallel tests all call this script),
+    # one component at a time: a caller that needs only what another has
+    # built already goes on while that one builds the rest.
     exec 9>"$TOOLS/.build.lock"
-    if ! flock -n 9; then
-        echo "build.sh: another build is running; waiting for $TOOLS/.build.lock" >&2
-        flock 9
-    fi
 
     # A full, committed go.sum lets the builds run with -mod=readonly: a build
     # never rewrites the wrapper modules. (GOFLAGS from the environment replaces
@@ -114,6 +113,14 @@ if [[ -n $(missing) ]]; then
 
     for c in $(missing); do
         out=$(target_of "$c")
+        if ! flock -n 9; then
+            echo "build.sh: another build is running; waiting for $TOOLS/.build.lock" >&2
+            flock 9
+        fi
+        if [[ -x $out ]]; then
+            flock -u 9   # built by the caller that held the lock
+            continue
+        fi
         tmp="$out.tmp.$$"
         trap 'rm -f "$tmp"' EXIT
         start=$(date +%s)
@@ -146,6 +153,7 @@ if [[ -n $(missing) ]]; then
         printf '%s\t%s\t%ss\tgo=%s\tload=%s\n' "$(date -u +%FT%TZ)" "$c" "$secs" \
             "$(go env GOVERSION)" "$(cut -d' ' -f1-3 /proc/loadavg)" >> "$dir/build-times.log"
         echo "build.sh: built $c in ${secs}s" >&2
+        flock -u 9
     done
 fi
 
