@@ -17,9 +17,9 @@
 #     k8s-v1.36.3/e2e.test                       `go test -c` of wrapper/storagee2e
 #     k8s-v1.36.3/agnhost                        test/images/agnhost (for its image)
 #     k8s-v1.36.3/ginkgo                         the ginkgo CLI e2e.test runs under
-#     k8s-v1.36.3/etcd -> ../etcd-v3.6.16/etcd  (symlink, so one bin dir)
-#     etcd-v3.6.16/etcd                          built from e2e/k8s/etcd-wrapper
-#     k8s-v1.36.3/build-times.log, etcd-v3.6.16/build-times.log
+#     k8s-v1.36.3/etcd -> ../etcd-v3.6.8/etcd   (symlink, so one bin dir)
+#     etcd-v3.6.8/etcd                           built from e2e/k8s/wrapper too
+#     k8s-v1.36.3/build-times.log, etcd-v3.6.8/build-times.log
 #     .build.lock                                serialises concurrent callers
 #
 # A binary already present is never rebuilt (a warm run takes well under a
@@ -34,7 +34,6 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 K8S_WRAPPER=$HERE/wrapper
-ETCD_WRAPPER=$HERE/etcd-wrapper
 
 if ! command -v go >/dev/null 2>&1; then
     if [[ -x /usr/local/go/bin/go ]]; then
@@ -48,8 +47,10 @@ fi
 # Versions, read from the committed wrapper go.mod files.
 K8S_VERSION=$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3} $1=="k8s.io/kubernetes" && $2 ~ /^v/ {print $2}' \
     "$K8S_WRAPPER/go.mod" | head -n1)
+# etcd is a tool of the same module, at the version of the etcd client
+# kube-apiserver links, so the two share their dependencies' compiles.
 ETCD_VERSION=$(awk '$1=="go.etcd.io/etcd/server/v3" && $2 ~ /^v/ {print $2} $1=="require" && $2=="go.etcd.io/etcd/server/v3" {print $3}' \
-    "$ETCD_WRAPPER/go.mod" | head -n1)
+    "$K8S_WRAPPER/go.mod" | head -n1)
 [[ -n $K8S_VERSION && -n $ETCD_VERSION ]] || { echo "build.sh: cannot read versions from wrapper go.mod" >&2; exit 1; }
 K8S_MINOR=$(echo "$K8S_VERSION" | cut -d. -f2)
 K8S_MAJOR=$(echo "$K8S_VERSION" | cut -d. -f1 | tr -d v)
@@ -126,7 +127,7 @@ if [[ -n $(missing) ]]; then
         start=$(date +%s)
         echo "build.sh: building $c -> $out (cold builds take many minutes)" >&2
         if [[ $c == etcd ]]; then
-            (cd "$ETCD_WRAPPER" && nice -n 19 go build -p 2 -trimpath -ldflags "-s -w" \
+            (cd "$K8S_WRAPPER" && nice -n 19 go build -p 2 -trimpath -ldflags "-s -w" \
                 -o "$tmp" go.etcd.io/etcd/server/v3) >&2
             dir=$ETCD_DIR
         else

@@ -3,7 +3,6 @@
 # bumping versions; commit the resulting go.mod and go.sum files).
 #
 #   e2e/k8s/gen-wrapper.sh k8s v1.36.3      -> e2e/k8s/wrapper/go.{mod,sum}
-#   e2e/k8s/gen-wrapper.sh etcd v3.6.16     -> e2e/k8s/etcd-wrapper/go.{mod,sum}
 #
 # k8s.io/kubernetes replaces its ~33 staging modules (k8s.io/api, client-go,
 # ...) with ./staging/src/k8s.io/X, and a dependency's replace directives are
@@ -13,13 +12,16 @@
 # upstream's go.mod. The commands are listed as `tool` directives so that
 # `go mod tidy` keeps (and go.sum covers) everything they import; the package
 # in wrapper/storagee2e (the External Storage suite, built as e2e.test) is
-# part of the module, so tidy covers its imports too.
+# part of the module, so tidy covers its imports too. etcd's server is a tool
+# of the same module, at the version of the etcd client kube-apiserver links:
+# it then shares every dependency (gRPC, protobuf, OpenTelemetry, ...) with
+# the Kubernetes binaries, compiled once.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export GOFLAGS="-mod=mod -buildvcs=false"
 
-[[ $# -eq 2 ]] || { echo "usage: $0 k8s v1.X.Y | etcd v3.X.Y" >&2; exit 2; }
+[[ $# -eq 2 ]] || { echo "usage: $0 k8s v1.X.Y" >&2; exit 2; }
 what=$1 version=$2
 
 moddir() { go mod download -json "$1" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p'; }
@@ -46,12 +48,18 @@ k8s)
             grep '^godebug' "$up/go.mod"
         fi
         echo
-        echo "require k8s.io/kubernetes $version"
+        etcd=$(awk '$1=="go.etcd.io/etcd/client/v3" && $2 ~ /^v3/ {print $2}' "$up/go.mod" | head -n1)
+        [[ -n $etcd ]] || { echo "no go.etcd.io/etcd/client/v3 in upstream's go.mod" >&2; exit 1; }
+        echo "require ("
+        echo "	go.etcd.io/etcd/server/v3 $etcd"
+        echo "	k8s.io/kubernetes $version"
+        echo ")"
         echo
         echo "tool ("
         for c in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl; do
             echo "	k8s.io/kubernetes/cmd/$c"
         done
+        echo "	go.etcd.io/etcd/server/v3"
         # The storage suite's pods run it (hostexec, pause).
         echo "	k8s.io/kubernetes/test/images/agnhost"
         # The storage suite's runner (parallel specs), at the version
@@ -71,30 +79,8 @@ k8s)
         | join - "$out/.selected.tmp" | awk '$2 != $3 {print "version drift: " $0; bad=1} END {exit bad}'
     rm -f "$out/.selected.tmp"
     ;;
-etcd)
-    [[ $version =~ ^v3\. ]] || { echo "want v3.X.Y" >&2; exit 2; }
-    up=$(moddir "go.etcd.io/etcd/server/v3@$version")
-    out=$HERE/etcd-wrapper
-    mkdir -p "$out"
-    {
-        echo "// Wrapper module: builds etcd (go.etcd.io/etcd/server/v3, whose own go.mod"
-        echo "// replaces its sibling modules with ../api etc.) from the Go module proxy."
-        echo "// The published sibling versions it requires match, so no replace is needed."
-        echo "// Regenerate with e2e/k8s/gen-wrapper.sh."
-        echo
-        echo "module local/modelcache-etcd-wrapper"
-        echo
-        grep '^go ' "$up/go.mod"
-        echo
-        echo "require go.etcd.io/etcd/server/v3 $version"
-        echo
-        echo "tool go.etcd.io/etcd/server/v3"
-    } > "$out/go.mod"
-    rm -f "$out/go.sum"
-    (cd "$out" && nice -n 19 go mod tidy)
-    ;;
 *)
-    echo "usage: $0 k8s v1.X.Y | etcd v3.X.Y" >&2
+    echo "usage: $0 k8s v1.X.Y" >&2
     exit 2
     ;;
 esac
