@@ -50,6 +50,8 @@ pub struct Config {
     pub fuse_keeper: Option<PathBuf>,
     /// Pull what ModelPrefetch objects ask of this node (`prefetch`).
     pub prefetch: bool,
+    /// Keep each ModelPrefetch's summary and Ready condition (`prefetch::summary`).
+    pub summarize_prefetches: bool,
     /// Serve sealed models to other nodes and fill from them (`peer`).
     pub peer: Option<PeerConfig>,
 }
@@ -134,6 +136,7 @@ impl Default for Config {
             inline_class: None,
             fuse_keeper: None,
             prefetch: false,
+            summarize_prefetches: false,
             peer: None,
         }
     }

@@ -300,6 +300,12 @@ struct ServeArgs {
     /// controller service and Kubernetes API access.
     #[arg(long)]
     prefetch: bool,
+    /// Keep each ModelPrefetch's status summary up to date: how many of the
+    /// nodes it selects (those running this driver) hold the model Ready,
+    /// and a Ready condition for `kubectl wait`; needs the controller
+    /// service and Kubernetes API access (on in deploy/'s controller).
+    #[arg(long)]
+    summarize_prefetches: bool,
     /// Peer fill: serve this node's sealed models to other nodes' drivers
     /// here, and fill models from them before the origin (e.g.
     /// 0.0.0.0:7420); needs --node-id, the controller service, Kubernetes
@@ -514,6 +520,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         inline_class: a.inline_storage_class.clone().filter(|c| !c.is_empty()),
         fuse_keeper: a.fuse_keeper_socket.clone(),
         prefetch: a.prefetch,
+        summarize_prefetches: a.summarize_prefetches,
         peer: peer_config(a)?,
         evict_idle: a
             .evict_idle_minutes

@@ -91,7 +91,7 @@ pub async fn serve_on(
         true => {
             let mut p = Provisioner::new(&ctx);
             if let (Some(peer), Some(node), Some(client)) =
-                (cfg.peer.clone(), cfg.node_id.clone(), client)
+                (cfg.peer.clone(), cfg.node_id.clone(), client.clone())
             {
                 p = p.with_fill(crate::peer::start(peer, node, &ctx, client).await?);
             }
@@ -110,6 +110,17 @@ pub async fn serve_on(
         let agent = Agent::new("--modify-node-local-volumes", &ctx, provisioner.as_ref())
             .map_err(anyhow::Error::msg)?;
         tokio::spawn(crate::modify_agent::run(agent));
+    }
+    if cfg.summarize_prefetches {
+        let Some(client) = &client else {
+            anyhow::bail!(
+                "--summarize-prefetches needs the controller service and Kubernetes API access (--kube-api, --kubeconfig)"
+            );
+        };
+        tokio::spawn(crate::prefetch::summary::run(
+            client.clone(),
+            cfg.driver_name.clone(),
+        ));
     }
     if cfg.prefetch {
         let agent =

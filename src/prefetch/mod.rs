@@ -5,11 +5,15 @@
 //! the object's status: Pending, Pulling with bytes, Ready with the
 //! revision, Failed with why.
 //!
+//! In the controller, `summary` counts the nodes each object selects and
+//! those Ready, for `kubectl get` and `kubectl wait`.
+//!
 //! What is pulled is what a PVC of the named StorageClass would pull (its
 //! `source`, parameters and provisioner secret), so such a PVC on a warm
 //! node finds the model sealed and binds at once.
 
 pub mod resource;
+pub mod summary;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};

@@ -37,9 +37,19 @@ pub struct PrefetchSpec {
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
 pub struct PrefetchStatus {
+    /// One line per node, each written by that node's driver.
     #[serde(default)]
     pub nodes: Vec<NodeStatus>,
+    /// The controller's summary (`summary`): selected nodes that run the
+    /// driver, those of them Ready, and the `Ready` condition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_nodes: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_nodes: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]

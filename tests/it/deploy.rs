@@ -367,6 +367,28 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
         ALL,
         false,
     ),
+    // The controller writes each declaration's summary, nothing else of it.
+    (
+        CONTROLLER,
+        "watch",
+        "modelprefetches.modelcache.csi.io",
+        ALL,
+        true,
+    ),
+    (
+        CONTROLLER,
+        "patch",
+        "modelprefetches.modelcache.csi.io/status",
+        ALL,
+        true,
+    ),
+    (
+        CONTROLLER,
+        "patch",
+        "modelprefetches.modelcache.csi.io",
+        ALL,
+        false,
+    ),
 ];
 
 /// With the component applied for team-a.

@@ -25,6 +25,7 @@ mod node_scale;
 mod node_trust;
 mod peer_fill;
 mod placement;
+mod prefetch;
 mod progressive;
 mod progressive_volumes;
 mod pull_s3;

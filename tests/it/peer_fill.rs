@@ -1746,3 +1746,132 @@ async fn peers_send_the_token_and_bytes_only_encrypted_to_the_key_their_lease_pi
         "a Lease without a certificate was dialled"
     );
 }
+
+/// A peer that answers for a model it holds sealed (its seal is a real
+/// one) but says "busy" to every chunk request, for ever: TLS with a key
+/// its Lease pins, as a real peer's.
+async fn busybody(seal: Vec<u8>) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let id = modelcache_csi::peer::tls::Identity::generate().unwrap();
+    let pin = id.pin_hex();
+    let acceptor = id.acceptor().clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seal = std::sync::Arc::new(seal);
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, seal) = (acceptor.clone(), seal.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tls.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => head.extend_from_slice(&buf[..k]),
+                    }
+                }
+                let line = String::from_utf8_lossy(&head)
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .to_string();
+                let answer = if line.contains("/seal") {
+                    let mut a = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        seal.len()
+                    )
+                    .into_bytes();
+                    a.extend_from_slice(&seal);
+                    a
+                } else {
+                    b"HTTP/1.1 503 Service Unavailable\r\nx-modelcache-refused: busy\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_vec()
+                };
+                let _ = tls.write_all(&answer).await;
+                let _ = tls.shutdown().await;
+            });
+        }
+    });
+    (addr, pin)
+}
+
+/// A peer that says "busy" to every chunk for ever costs a pull a few
+/// patiences, not one per chunk, and never the pull: after three busy
+/// patiences it is left out for a while, and the origin serves the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_answers_busy_for_ever_costs_a_pull_a_few_waits() {
+    let api = ApiServer::start().expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let (model, total, origin, uri) = manifest_origin(work.path()).await;
+    let tokens = work.path().join("peer-token");
+    fs::write(&tokens, "a-peer-token-for-the-busy-test-0123456789\n").unwrap();
+    let (a, _) = node("node-a", &api, &tokens).await;
+    let va = pull(&a, "pvc-a", &uri).await;
+    let sid = va.volume_context["source"].clone();
+    assert_exact(&a, &sid, &model).await;
+    let seal = fs::read(a.source_dir("local", &sid).join("seal.json")).unwrap();
+    let driver = String::from_utf8_lossy(
+        &api.kubectl(&[
+            "get",
+            "lease",
+            "modelcache-peer-node-a",
+            "-o",
+            "jsonpath={.metadata.labels.modelcache\\.csi\\.io/peer-of}",
+        ])
+        .stdout,
+    )
+    .into_owned();
+    drop(a);
+    api.kubectl(&["delete", "lease", "modelcache-peer-node-a"]);
+
+    let (addr, pin) = busybody(seal).await;
+    let now = chrono::Utc::now()
+        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
+        .to_string();
+    let lease = serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": "modelcache-peer-busybody",
+            "labels": {"modelcache.csi.io/peer-of": driver},
+            "annotations": {
+                "modelcache.csi.io/peer-address": addr,
+                "modelcache.csi.io/peer-certificate-sha256": pin,
+                "modelcache.csi.io/models": sid,
+            },
+        },
+        "spec": {"holderIdentity": "busybody", "leaseDurationSeconds": 3600, "renewTime": now},
+    });
+    let out = api.kubectl_stdin(&["apply", "-f", "-"], &lease.to_string());
+    assert!(out.status.success(), "{out:?}");
+
+    let (b, _) = node("node-b", &api, &tokens).await;
+    let before = origin_bytes_under(&origin, &model);
+    let started = std::time::Instant::now();
+    let answered = tokio::time::timeout(Duration::from_secs(120), pull(&b, "pvc-b", &uri)).await;
+    let took = started.elapsed();
+    assert!(
+        answered.is_ok(),
+        "the pull did not answer within 120 s of a peer saying busy:\n{}",
+        b.log_text()
+    );
+    assert_exact(&b, &sid, &model).await;
+    let log = b.log_text();
+    assert!(
+        log.contains("no peer served this chunk; the origin serves it")
+            && log.contains("busybody: busy"),
+        "B never asked the busy peer, so this proves nothing:\n{log}"
+    );
+    assert!(
+        log.contains("left out for a while"),
+        "the busy peer was never left out:\n{log}"
+    );
+    let from_origin = origin_bytes_under(&origin, &model) - before;
+    assert!(
+        from_origin >= total,
+        "{from_origin} of {total} bytes from the origin"
+    );
+    eprintln!("a {total}-byte model past a peer busy for ever: {took:?}");
+}
