@@ -42,7 +42,7 @@ enum Command {
         #[command(subcommand)]
         command: modelcache_csi::admin::CacheCommand,
     },
-    /// Hold progressive volumes' FUSE connections across restarts of the node plugin (a second container of its pod).
+    /// Hold progressive volumes' FUSE connections across restarts and upgrades of the node plugin (its own DaemonSet, updated OnDelete).
     FuseKeeper {
         #[arg(long, default_value = "/var/lib/modelcache-csi/fuse-keeper.sock")]
         socket: PathBuf,
@@ -289,8 +289,8 @@ struct ServeArgs {
     /// a pod's inline volume is refused.
     #[arg(long)]
     inline_storage_class: Option<String>,
-    /// The FUSE keeper's socket (`modelcache-csi fuse-keeper`, a second
-    /// container of the node pod): progressive volumes' connections are
+    /// The FUSE keeper's socket (`modelcache-csi fuse-keeper`, a DaemonSet
+    /// of its own, updated OnDelete): progressive volumes' connections are
     /// handed to it, so that a restart of this process never breaks a
     /// pod's reads. Without it a restart leaves their mounts dead.
     #[arg(long)]

@@ -1,4 +1,4 @@
-//! The keeper: a process of its own (a second container of the node pod)
+//! The keeper: a process of its own (its own DaemonSet, updated OnDelete)
 //! that holds a duplicate of every progressive view's `/dev/fuse`
 //! descriptor, so that a driver killed or restarted never takes the
 //! connections down with it: the kernel keeps a connection while any
