@@ -401,6 +401,20 @@ fn dialable(addr: &str, networks: &[ipnet::IpNet]) -> bool {
     !link_local && networks.iter().any(|n| n.contains(&ip))
 }
 
+/// `e` and what caused it, down the chain: a client error's own text
+/// ("error sending request") says nothing of a refused connection, a
+/// timeout or a failed handshake.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
 /// A miss that took this long is a strike against its peer; `STRIKES`
 /// drop it for the pull.
 const SLOW_MISS: Duration = Duration::from_secs(2);
@@ -661,7 +675,7 @@ impl Inner {
         let resp = tokio::time::timeout(head_within, req.send())
             .await
             .map_err(|_| slow())?
-            .map_err(|e| Miss::Unavailable(e.to_string()))?;
+            .map_err(|e| Miss::Unavailable(with_causes(&e)))?;
         match resp.status() {
             reqwest::StatusCode::PARTIAL_CONTENT => {}
             // A sealed copy that lost the model is gone; a pull may just
@@ -714,7 +728,7 @@ impl Inner {
             move || Ok(chunk_digest(&b))
         })
         .await
-        .map_err(|e| Miss::Unavailable(e.to_string()))?;
+        .map_err(|e| Miss::Unavailable(with_causes(&e)))?;
         if !got.eq_ignore_ascii_case(&want) {
             return Err(Miss::Wrong(format!(
                 "chunk {idx} of {} hashes to {got}, the peer says {want}",

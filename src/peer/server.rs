@@ -121,12 +121,12 @@ impl PeerServer {
             let _ = stream.set_nodelay(true);
             let (me, admission, acceptor) = (self.clone(), admission.clone(), acceptor.clone());
             tokio::spawn(async move {
-                let Some(_slot) = admission.admit(opened).await else {
-                    return;
-                };
-                // The handshake is part of the head: a client that stops
-                // in it holds a slot no longer than one that stops in a
-                // request line.
+                // The handshake comes before the wait for a serving slot:
+                // it is the connection's opening, which the client bounds
+                // by its connect timeout, while a wait for a slot is
+                // answered within the request's. A client that stops in it
+                // holds its open connection no longer than one that stops
+                // in a request line.
                 let io = crate::conns::Stalls::new(stream, STALLED);
                 let io = match tokio::time::timeout(HEAD_WITHIN, acceptor.accept(io)).await {
                     Ok(Ok(tls)) => tls,
@@ -138,6 +138,9 @@ impl PeerServer {
                         debug!(%from, "peer endpoint: TLS handshake not done in time");
                         return;
                     }
+                };
+                let Some(_slot) = admission.admit(opened).await else {
+                    return;
                 };
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
