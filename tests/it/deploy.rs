@@ -1160,3 +1160,91 @@ async fn source_secrets_need_the_tenant_grant() {
         .expect("create with the source secret of team-a");
     assert_eq!(v.volume_context["model"], source);
 }
+
+/// deploy/csi-driver/base under another namespace (an overlay's
+/// `namespace:`, as an admin renames it): every admission policy still
+/// holds the driver's accounts, now named in that namespace, and nothing
+/// in the rendered objects names the base's namespace. The policies once
+/// named `system:serviceaccount:modelcache-csi:...`, so after a rename the
+/// node plugin's account could create a hostPath PV.
+#[test]
+fn a_renamed_namespace_keeps_every_admission_policy_in_force() {
+    let api = apiserver::ApiServer::start().expect("start apiserver");
+    let overlay = tempfile::tempdir().unwrap();
+    let base = format!("{}/deploy/csi-driver/base", env!("CARGO_MANIFEST_DIR"));
+    let ns = "models-system";
+    // kustomize takes a base by relative path only: up to / from the
+    // overlay, then down to the base.
+    let up = "../".repeat(overlay.path().components().count() - 1);
+    let base = format!("{up}{}", base.trim_start_matches('/'));
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {ns}\nresources:\n  - {base}\n"),
+    )
+    .unwrap();
+    let rendered = kubectl_ok(&api, &["kustomize", overlay.path().to_str().unwrap()]);
+    for stale in [
+        format!("={NS}\n"),
+        format!(":{NS}:"),
+        format!("namespace: {NS}\n"),
+    ] {
+        assert!(
+            !rendered.contains(&stale),
+            "the renamed install still names {NS}: {stale:?}"
+        );
+    }
+    kubectl_ok(&api, &["create", "namespace", ns]);
+    let out = api.kubectl_stdin(&["apply", "-f", "-"], &rendered);
+    assert!(out.status.success(), "{out:?}");
+    let hostpath = "apiVersion: v1\nkind: PersistentVolume\nmetadata: {name: stolen}\nspec:\n  capacity: {storage: 1Gi}\n  accessModes: [ReadOnlyMany]\n  hostPath: {path: /var/lib/kubelet/pki}\n  nodeAffinity:\n    required:\n      nodeSelectorTerms:\n        - matchExpressions:\n            - {key: topology.modelcache.csi.io/node, operator: In, values: [node-a]}\n";
+    let as_node = |yaml: &str| {
+        let who = format!("--as=system:serviceaccount:{ns}:{NODE}");
+        let out = api.kubectl_stdin(
+            &[
+                "create",
+                "--dry-run=server",
+                "-f",
+                "-",
+                &who,
+                "--as-user-extra=authentication.kubernetes.io/node-name=node-a",
+            ],
+            yaml,
+        );
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // RBAC lets the renamed node account create PVs; only the policy, once
+    // enforced, stops a hostPath one.
+    let start = std::time::Instant::now();
+    let (mut done, mut err) = as_node(hostpath);
+    while done {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the node plugin's account in {ns} created a hostPath PV: no policy holds it"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        (done, err) = as_node(hostpath);
+    }
+    assert!(err.contains("of driver modelcache.csi.io"), "{err}");
+    // The peer token is the one Secret the renamed accounts may create.
+    let secret = "apiVersion: v1\nkind: Secret\nmetadata: {name: other}\ntype: Opaque\n";
+    let out = api.kubectl_stdin(
+        &[
+            "-n",
+            ns,
+            "create",
+            "--dry-run=server",
+            "-f",
+            "-",
+            &format!("--as=system:serviceaccount:{ns}:modelcache-csi-controller"),
+        ],
+        secret,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("may only create the peer token"),
+        "{err}"
+    );
+}
