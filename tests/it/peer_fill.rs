@@ -84,25 +84,36 @@ async fn node_listening(
     (d, listen.to_string())
 }
 
-/// The certificate `node`'s Lease pins, once it publishes one.
-async fn pin_of(api: &ApiServer, node: &str) -> modelcache_csi::peer::tls::Pin {
+/// `node`'s peer Lease annotation `modelcache.csi.io/<key>`, read until
+/// `done` accepts it (10 s at most).
+async fn lease_annotation(
+    api: &ApiServer,
+    node: &str,
+    key: &str,
+    done: impl Fn(&str) -> bool,
+) -> Option<String> {
     let lease = format!("modelcache-peer-{node}");
+    let path = format!("jsonpath={{.metadata.annotations.modelcache\\.csi\\.io/{key}}}");
     for _ in 0..100 {
-        let out = api.kubectl(&[
-            "get",
-            "lease",
-            &lease,
-            "-o",
-            "jsonpath={.metadata.annotations.modelcache\\.csi\\.io/peer-certificate-sha256}",
-        ]);
-        if let Some(pin) =
-            modelcache_csi::peer::tls::parse_pin(&String::from_utf8_lossy(&out.stdout))
-        {
-            return pin;
+        let out = api.kubectl(&["get", "lease", &lease, "-o", &path]);
+        let value = String::from_utf8_lossy(&out.stdout).into_owned();
+        if done(&value) {
+            return Some(value);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("{node}'s Lease never pinned a certificate");
+    None
+}
+
+/// The certificate `node`'s Lease pins, once it publishes one.
+async fn pin_of(api: &ApiServer, node: &str) -> modelcache_csi::peer::tls::Pin {
+    use modelcache_csi::peer::tls::parse_pin;
+    lease_annotation(api, node, "peer-certificate-sha256", |v| {
+        parse_pin(v).is_some()
+    })
+    .await
+    .and_then(|v| parse_pin(&v))
+    .unwrap_or_else(|| panic!("{node}'s Lease never pinned a certificate"))
 }
 
 /// A client of `node`'s peer endpoint, as other nodes' drivers dial it:
@@ -133,21 +144,12 @@ async fn pull(d: &Driver, name: &str, uri: &str) -> Volume {
 
 /// Waits until `node`'s Lease advertises `sid`.
 async fn advertised(api: &ApiServer, node: &str, sid: &str) {
-    let lease = format!("modelcache-peer-{node}");
-    for _ in 0..100 {
-        let out = api.kubectl(&[
-            "get",
-            "lease",
-            &lease,
-            "-o",
-            "jsonpath={.metadata.annotations.modelcache\\.csi\\.io/models}",
-        ]);
-        if String::from_utf8_lossy(&out.stdout).contains(sid) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    if lease_annotation(api, node, "models", |v| v.contains(sid))
+        .await
+        .is_none()
+    {
+        panic!("{node} never advertised {sid}");
     }
-    panic!("{node} never advertised {sid}");
 }
 
 /// Every file of `model` is in `d`'s copy of source `sid`, byte for byte,
@@ -1624,6 +1626,48 @@ impl Tap {
     }
 }
 
+/// The driver name `node`'s peer Lease is labelled with.
+fn driver_of(api: &ApiServer, node: &str) -> String {
+    let out = api.kubectl(&[
+        "get",
+        "lease",
+        &format!("modelcache-peer-{node}"),
+        "-o",
+        "jsonpath={.metadata.labels.modelcache\\.csi\\.io/peer-of}",
+    ]);
+    let driver = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!driver.is_empty(), "{node}'s Lease names no driver");
+    driver
+}
+
+/// A peer Lease for `node`, of `driver`, as a node's driver writes its
+/// own: where it serves, the certificate it pins (if any), and `sid` held
+/// sealed; renewed now, for an hour.
+fn peer_lease(api: &ApiServer, driver: &str, node: &str, addr: &str, pin: Option<&str>, sid: &str) {
+    let mut ann = serde_json::json!({
+        "modelcache.csi.io/peer-address": addr,
+        "modelcache.csi.io/models": sid,
+    });
+    if let Some(pin) = pin {
+        ann["modelcache.csi.io/peer-certificate-sha256"] = pin.into();
+    }
+    let now = chrono::Utc::now()
+        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
+        .to_string();
+    let lease = serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": format!("modelcache-peer-{node}"),
+            "labels": {"modelcache.csi.io/peer-of": driver},
+            "annotations": ann,
+        },
+        "spec": {"holderIdentity": node, "leaseDurationSeconds": 3600, "renewTime": now},
+    });
+    let out = api.kubectl_stdin(&["apply", "-f", "-"], &lease.to_string());
+    assert!(out.status.success(), "{out:?}");
+}
+
 /// Peers talk TLS, each accepting only the certificate the other's Lease
 /// pins (review M-2): a relay on the path between two nodes carries a
 /// whole fill and sees neither the token, nor a request, nor a byte of
@@ -1681,49 +1725,12 @@ async fn peers_send_the_token_and_bytes_only_encrypted_to_the_key_their_lease_pi
     // Only impostors hold the model now: one pins a certificate it does
     // not have, one pins none.
     drop((a, b));
-    let driver = String::from_utf8_lossy(
-        &api.kubectl(&[
-            "get",
-            "lease",
-            "modelcache-peer-node-a",
-            "-o",
-            "jsonpath={.metadata.labels.modelcache\\.csi\\.io/peer-of}",
-        ])
-        .stdout,
-    )
-    .into_owned();
-    assert!(!driver.is_empty(), "node-a's Lease names no driver");
+    let driver = driver_of(&api, "node-a");
     let pinned = Tap::start(None).await;
     let unpinned = Tap::start(None).await;
-    let now = chrono::Utc::now()
-        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
-        .to_string();
-    for (node, at, pin) in [
-        ("impostor", &pinned.addr, Some("ab".repeat(32))),
-        ("unpinned", &unpinned.addr, None),
-    ] {
-        let mut ann = serde_json::json!({
-            "modelcache.csi.io/peer-address": at,
-            "modelcache.csi.io/models": sid,
-        });
-        if let Some(pin) = pin {
-            ann["modelcache.csi.io/peer-certificate-sha256"] = pin.into();
-        }
-        let lease = serde_json::json!({
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": format!("modelcache-peer-{node}"),
-                "labels": {"modelcache.csi.io/peer-of": driver},
-                "annotations": ann,
-            },
-            "spec": {"holderIdentity": node, "leaseDurationSeconds": 3600, "renewTime": now},
-        });
-        let file = work.path().join(format!("{node}.json"));
-        fs::write(&file, lease.to_string()).unwrap();
-        let out = api.kubectl(&["apply", "-f", file.to_str().unwrap()]);
-        assert!(out.status.success(), "{out:?}");
-    }
+    let pin = "ab".repeat(32);
+    peer_lease(&api, &driver, "impostor", &pinned.addr, Some(&pin), &sid);
+    peer_lease(&api, &driver, "unpinned", &unpinned.addr, None, &sid);
     let (c, _) = node_with("node-c", &api, &token_arg).await;
     pull(&c, "pvc-c", &uri).await;
     assert_exact(&c, &sid, &model).await;
@@ -1812,40 +1819,12 @@ async fn a_peer_that_answers_busy_for_ever_costs_a_pull_a_few_waits() {
     let sid = va.volume_context["source"].clone();
     assert_exact(&a, &sid, &model).await;
     let seal = fs::read(a.source_dir("local", &sid).join("seal.json")).unwrap();
-    let driver = String::from_utf8_lossy(
-        &api.kubectl(&[
-            "get",
-            "lease",
-            "modelcache-peer-node-a",
-            "-o",
-            "jsonpath={.metadata.labels.modelcache\\.csi\\.io/peer-of}",
-        ])
-        .stdout,
-    )
-    .into_owned();
+    let driver = driver_of(&api, "node-a");
     drop(a);
     api.kubectl(&["delete", "lease", "modelcache-peer-node-a"]);
 
     let (addr, pin) = busybody(seal).await;
-    let now = chrono::Utc::now()
-        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
-        .to_string();
-    let lease = serde_json::json!({
-        "apiVersion": "coordination.k8s.io/v1",
-        "kind": "Lease",
-        "metadata": {
-            "name": "modelcache-peer-busybody",
-            "labels": {"modelcache.csi.io/peer-of": driver},
-            "annotations": {
-                "modelcache.csi.io/peer-address": addr,
-                "modelcache.csi.io/peer-certificate-sha256": pin,
-                "modelcache.csi.io/models": sid,
-            },
-        },
-        "spec": {"holderIdentity": "busybody", "leaseDurationSeconds": 3600, "renewTime": now},
-    });
-    let out = api.kubectl_stdin(&["apply", "-f", "-"], &lease.to_string());
-    assert!(out.status.success(), "{out:?}");
+    peer_lease(&api, &driver, "busybody", &addr, Some(&pin), &sid);
 
     let (b, _) = node("node-b", &api, &tokens).await;
     let before = origin_bytes_under(&origin, &model);

@@ -86,6 +86,20 @@ fn wait_for(api: &ApiServer, jsonpath: &str, value: &str) {
     );
 }
 
+/// The Ready condition's message.
+fn ready_message(api: &ApiServer) -> String {
+    ok(
+        api,
+        &[
+            "get",
+            "modelprefetch",
+            "warm",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Ready\")].message}",
+        ],
+    )
+}
+
 const READY_REASON: &str = "{.status.conditions[?(@.type==\"Ready\")].reason}";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -132,16 +146,7 @@ async fn kubectl_waits_for_a_prefetch_to_be_ready_on_every_selected_node() {
     line(&api, "gpu-1", "Ready", "");
     line(&api, "gpu-2", "Pulling", "");
     wait_for(&api, "{.status.readyNodes}", "1");
-    let message = ok(
-        &api,
-        &[
-            "get",
-            "modelprefetch",
-            "warm",
-            "-o",
-            "jsonpath={.status.conditions[0].message}",
-        ],
-    );
+    let message = ready_message(&api);
     assert!(message.contains("waiting for gpu-2"), "{message}");
 
     // A failed node is named with its reason.
@@ -152,16 +157,7 @@ async fn kubectl_waits_for_a_prefetch_to_be_ready_on_every_selected_node() {
         "not enough free storage on /var/lib",
     );
     wait_for(&api, READY_REASON, "Failed");
-    let message = ok(
-        &api,
-        &[
-            "get",
-            "modelprefetch",
-            "warm",
-            "-o",
-            "jsonpath={.status.conditions[0].message}",
-        ],
-    );
+    let message = ready_message(&api);
     assert!(
         message.contains("gpu-2: not enough free storage"),
         "{message}"
