@@ -1,6 +1,7 @@
 //! The node's peer endpoint: other nodes' drivers read the seals and the
-//! file ranges of models this node holds sealed. Nothing else is served,
-//! and nothing without the cluster's peer token (401, no byte).
+//! file ranges of models this node holds sealed, over TLS with the
+//! certificate this node's Lease pins (`tls`). Nothing else is served, and
+//! nothing without the cluster's peer token (401, no byte).
 //!
 //! - `GET /v1/models/<sid>/seal`: the seal (files, sha256s, chunk tables).
 //! - `GET /v1/models/<sid>/file?path=<path>` with `Range: bytes=a-b`: bytes
