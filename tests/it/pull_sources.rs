@@ -1015,6 +1015,16 @@ async fn a_class_secret_pull_is_resumed_only_when_the_secret_read_again_is_the_o
         !sent.is_empty() && sent.iter().all(|a| a == "Bearer GOODTOKEN"),
         "the origin saw {sent:?}"
     );
+    // The resumed pull's record goes after its seal, not with it: wait for
+    // that before counting the records the next create leaves.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while wanted(&d) != 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the resumed pull's record was still there 10 s after its seal"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // Changed since the create: nothing recorded, nothing resumed.
     apply(&secret("NEWTOKEN"));
