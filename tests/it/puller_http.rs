@@ -659,11 +659,16 @@ async fn a_cache_hit_of_a_gated_repo_needs_the_requesters_own_access() {
         );
     }
     // The token holder's own hit costs the origin nothing: its pull proved
-    // its access.
+    // its access. Only its own reads are counted: a refused requester's
+    // second probe, dropped when the first was refused, may still reach
+    // the Hub after its refusal was answered.
     let resolves = |h: &HubServer| {
         h.requests()
             .iter()
-            .filter(|r| r.raw_path.contains("/resolve/"))
+            .filter(|r| {
+                r.raw_path.contains("/resolve/")
+                    && r.header("authorization") == Some("Bearer team-a-token")
+            })
             .count()
     };
     let before = resolves(&hub);
