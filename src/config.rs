@@ -52,6 +52,8 @@ pub struct Config {
     pub prefetch: bool,
     /// Keep each ModelPrefetch's summary and Ready condition (`prefetch::summary`).
     pub summarize_prefetches: bool,
+    /// Label this node warm for the classes whose model it holds (`prefetch::labels`).
+    pub label_warm_nodes: bool,
     /// Serve sealed models to other nodes and fill from them (`peer`).
     pub peer: Option<PeerConfig>,
 }
@@ -137,6 +139,7 @@ impl Default for Config {
             fuse_keeper: None,
             prefetch: false,
             summarize_prefetches: false,
+            label_warm_nodes: false,
             peer: None,
         }
     }

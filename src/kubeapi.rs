@@ -334,6 +334,31 @@ impl KubeApi {
     }
 }
 
+/// A store of what `events` says (a reflector) and a stream telling of
+/// each change to it: every informer of the driver's agents is one.
+pub fn informer<K>(
+    events: impl futures::Stream<
+        Item = kube::runtime::watcher::Result<kube::runtime::watcher::Event<K>>,
+    > + Send
+    + 'static,
+) -> (
+    kube::runtime::reflector::Store<K>,
+    impl futures::Stream<Item = ()>,
+)
+where
+    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    use futures::StreamExt;
+    use kube::runtime::WatchStreamExt;
+    let (reader, writer) = kube::runtime::reflector::store();
+    let stream = kube::runtime::reflector::reflector(writer, events)
+        .default_backoff()
+        .touched_objects()
+        .map(|_| ());
+    (reader, stream)
+}
+
 pub struct PvcEvents {
     client: Client,
     reporter: Reporter,

@@ -306,6 +306,13 @@ struct ServeArgs {
     /// service and Kubernetes API access (on in deploy/'s controller).
     #[arg(long)]
     summarize_prefetches: bool,
+    /// Label this node's Node `warm.<driver name>/<class>: "true"` for each
+    /// StorageClass of this driver whose model it holds sealed (added at
+    /// the seal, removed at eviction), for a preferred node affinity; needs
+    /// --node-id, the controller service, Kubernetes API access and
+    /// `patch` on nodes (on in deploy/'s node plugin).
+    #[arg(long)]
+    label_warm_nodes: bool,
     /// Peer fill: serve this node's sealed models to other nodes' drivers
     /// here, and fill models from them before the origin (e.g.
     /// 0.0.0.0:7420); needs --node-id, the controller service, Kubernetes
@@ -521,6 +528,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         fuse_keeper: a.fuse_keeper_socket.clone(),
         prefetch: a.prefetch,
         summarize_prefetches: a.summarize_prefetches,
+        label_warm_nodes: a.label_warm_nodes,
         peer: peer_config(a)?,
         evict_idle: a
             .evict_idle_minutes

@@ -122,6 +122,11 @@ pub async fn serve_on(
             cfg.driver_name.clone(),
         ));
     }
+    if cfg.label_warm_nodes {
+        let agent = Agent::new("--label-warm-nodes", &ctx, provisioner.as_ref())
+            .map_err(anyhow::Error::msg)?;
+        tokio::spawn(crate::prefetch::labels::run(agent));
+    }
     if cfg.prefetch {
         let agent =
             Agent::new("--prefetch", &ctx, provisioner.as_ref()).map_err(anyhow::Error::msg)?;

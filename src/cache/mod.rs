@@ -24,6 +24,7 @@ pub mod partial;
 pub mod pull;
 pub mod record;
 pub mod store;
+pub mod warm;
 pub mod xfs;
 
 use std::fs;

@@ -122,6 +122,7 @@ impl ControllerService {
                 budget,
                 inline: None,
                 progress: None,
+                class: None,
             }))
             .await?;
         tracing::info!(volume.id = %rec.id, role = rec.role.as_str(), "volume ready");

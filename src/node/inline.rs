@@ -228,6 +228,7 @@ impl Inline {
                     pod: wanted.pod.clone(),
                 }),
                 progress: None,
+                class: None,
             })
             .await?;
         // Recorded before anything is mounted: whatever happens next,

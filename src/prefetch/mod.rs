@@ -6,12 +6,14 @@
 //! revision, Failed with why.
 //!
 //! In the controller, `summary` counts the nodes each object selects and
-//! those Ready, for `kubectl get` and `kubectl wait`.
+//! those Ready, for `kubectl get` and `kubectl wait`. On each node,
+//! `labels` tells the scheduler which classes' models it holds.
 //!
 //! What is pulled is what a PVC of the named StorageClass would pull (its
 //! `source`, parameters and provisioner secret), so such a PVC on a warm
 //! node finds the model sealed and binds at once.
 
+pub mod labels;
 pub mod resource;
 pub mod summary;
 
@@ -313,6 +315,7 @@ async fn pull(
             budget: None,
             inline: None,
             progress: Some(sink),
+            class: Some(class.clone()),
         })
         .await?;
     Ok(rec)

@@ -19,7 +19,7 @@ use kube::api::{Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use tracing::{info, warn};
 
@@ -251,30 +251,15 @@ fn error_policy(_mp: Arc<ModelPrefetch>, err: &WriteFailed, _ctx: Arc<Ctx>) -> A
     Action::requeue(Duration::from_secs(5))
 }
 
-/// A store of what `events` says, and a stream telling of each change.
-fn store<K>(
-    events: impl futures::Stream<Item = watcher::Result<watcher::Event<K>>> + Send + 'static,
-) -> (Store<K>, impl futures::Stream<Item = ()>)
-where
-    K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
-{
-    let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(writer, events)
-        .default_backoff()
-        .touched_objects()
-        .map(|_| ());
-    (reader, stream)
-}
-
 /// Runs until the process ends.
 pub async fn run(client: Client, driver: String) {
     let all = watcher::Config::default();
-    let (nodes, nodes_changed) = store(watcher(
+    let (nodes, nodes_changed) = crate::kubeapi::informer(watcher(
         Api::<PartialObjectMeta<Node>>::all(client.clone()),
         all.clone(),
     ));
-    let (csinodes, csinodes_changed) = store(watcher(Api::<CSINode>::all(client.clone()), all));
+    let (csinodes, csinodes_changed) =
+        crate::kubeapi::informer(watcher(Api::<CSINode>::all(client.clone()), all));
     let ctx = Arc::new(Ctx {
         client: client.clone(),
         driver,

@@ -102,23 +102,28 @@ impl Provisioner {
         let params = Params::parse(&req.params)?;
         let mutable = params::parse_mutable(&req.mutable)?;
         let (resolved, pull) = self.resolve(&req, params).await?;
+        let class = pull.class.clone();
         let plan = plan::plan(&self.cfg, &self.roots, &req, resolved)?;
+        let root = plan.root.clone();
         if let Some(existing) = self.existing(&plan).await? {
             // A progressive volume exists before its model: until the seal,
             // a repeat (a restart resuming wanted pulls) sees its pull run.
             if existing.0.progressive && !self.is_pulling(&req.name) {
-                let (root, sid) = (plan.root.clone(), existing.0.source.clone());
-                if blocking(move || cache::read_seal(&root, &sid))
+                let (at, sid) = (plan.root.clone(), existing.0.source.clone());
+                if blocking(move || cache::read_seal(&at, &sid))
                     .await?
                     .is_none()
                 {
-                    return Ok((self.execute(&req, plan, pull, deadline).await?, existing.1));
+                    let rec = self.execute(&req, plan, pull, deadline).await?;
+                    remember_class(&root, class, &rec).await;
+                    return Ok((rec, existing.1));
                 }
             }
+            remember_class(&root, class, &existing.0).await;
             return Ok(existing);
         }
-        let root = plan.root.clone();
         let rec = self.execute(&req, plan, pull, deadline).await?;
+        remember_class(&root, class, &rec).await;
         if mutable.pinned.is_some() && rec.role == Role::Cache && rec.model.is_some() {
             let (r, sid, pin) = (
                 root.clone(),
@@ -132,6 +137,29 @@ impl Provisioner {
             self.seal(&rec.id).await?;
         }
         Ok((rec, plan::topology_of(&self.cfg, &root)))
+    }
+}
+
+/// Notes on a node-local root that `class`'s model is `rec`'s, so the node
+/// can say it is warm for the class (`prefetch::labels`). Only a pulled
+/// model of a class's own `source` counts; a miss costs a label, never
+/// the volume.
+async fn remember_class(root: &Root, class: Option<(String, String)>, rec: &VolumeRecord) {
+    let (Some((class, source)), true, true) = (
+        class,
+        rec.role == Role::Cache && rec.source.is_model(),
+        root.node.is_some(),
+    ) else {
+        return;
+    };
+    let model = cache::warm::ClassModel {
+        source,
+        sid: rec.source.clone(),
+    };
+    let root = root.clone();
+    let name = class.clone();
+    if let Err(e) = blocking(move || cache::warm::remember(&root, &name, &model)).await {
+        tracing::warn!(%class, error = %e, "could not note which model this class pulled");
     }
 }
 

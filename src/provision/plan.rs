@@ -41,6 +41,9 @@ pub struct CreateRequest {
     pub inline: Option<InlineSource>,
     /// Who hears of a pull when no PVC or pod does (`prefetch`).
     pub progress: Option<Arc<dyn ProgressSink>>,
+    /// The StorageClass whose parameters these are, when no PVC names it
+    /// (`prefetch`).
+    pub class: Option<String>,
 }
 
 /// A tenant's source from a pod spec: admitted exactly like a PVC's
@@ -485,6 +488,7 @@ mod tests {
             budget: None,
             inline: None,
             progress: None,
+            class: None,
         }
     }
 

@@ -24,6 +24,10 @@ pub(super) struct PullInputs {
     pub(super) signature: Option<Arc<crate::signing::Policy>>,
     pub(super) sink: Arc<dyn ProgressSink>,
     pub(super) owner: Option<jobs::Owner>,
+    /// The StorageClass whose own `source` this pull is (neither the PVC
+    /// nor a pod named one), and that source: the class a node holding
+    /// the model is warm for.
+    pub(super) class: Option<(String, String)>,
 }
 
 /// What a `pvc://` source turned out to be.
@@ -149,6 +153,17 @@ impl Provisioner {
             (None, Some(p)) => p.clone(),
             (None, None) => Arc::new(NoProgress),
         };
+        let class = match (&tenant, &content, &external, &params.source) {
+            (None, None, None, Some(source)) => req
+                .class
+                .clone()
+                .or_else(|| {
+                    pvc.as_ref()
+                        .and_then(|(_, c)| c.spec.as_ref()?.storage_class_name.clone())
+                })
+                .map(|name| (name, source.clone())),
+            _ => None,
+        };
         let pull = PullInputs {
             options: SourceOptions {
                 params: params.source_options.clone(),
@@ -174,6 +189,7 @@ impl Provisioner {
                 }),
                 (None, None) => None,
             },
+            class,
         };
         Ok((
             Resolved {

@@ -156,6 +156,7 @@ fn decode(r: Record) -> std::io::Result<Wanted> {
             pod: i.pod,
         }),
         progress: None,
+        class: None,
     };
     Ok(Wanted {
         req,
@@ -190,6 +191,7 @@ mod tests {
             budget: Some(std::time::Duration::from_secs(3)),
             inline: None,
             progress: None,
+            class: None,
         };
         save(&dir, &req, true).unwrap();
         let on_disk = std::fs::read_dir(&dir).unwrap().count();

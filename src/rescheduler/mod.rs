@@ -22,8 +22,8 @@ use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 use tracing::{Instrument, info, warn};
 
@@ -80,12 +80,7 @@ where
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
 {
-    let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()))
-        .default_backoff()
-        .touched_objects()
-        .map(|_| ());
-    (reader, stream)
+    crate::kubeapi::informer(watcher(api, watcher::Config::default()))
 }
 
 /// Runs until the process ends, counting what it does into `metrics`.
@@ -388,11 +383,11 @@ mod mock_tests {
                 resync: Duration::from_secs(60),
                 instance: None,
             },
-            nodes: reflector::store().0,
-            csinodes: reflector::store().0,
-            classes: reflector::store().0,
-            pvs: reflector::store().0,
-            pvcs: reflector::store().0,
+            nodes: kube::runtime::reflector::store().0,
+            csinodes: kube::runtime::reflector::store().0,
+            classes: kube::runtime::reflector::store().0,
+            pvs: kube::runtime::reflector::store().0,
+            pvcs: kube::runtime::reflector::store().0,
             first_seen: Mutex::new(HashMap::new()),
             metrics: Arc::default(),
         })

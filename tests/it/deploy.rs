@@ -296,6 +296,13 @@ const BASE_PROMISES: &[(&str, &str, &str, &str, bool)] = &[
     (CONTROLLER, "create", "secrets", "team-a", false),
     (CONTROLLER, "update", "secrets", NS, false),
     (RESCHEDULER, "update", "nodes", ALL, false),
+    // Warm labels: the node patches Nodes (the admission policy narrows
+    // that to its own, and to those labels), never updates or deletes one.
+    (NODE, "patch", "nodes", ALL, true),
+    (NODE, "update", "nodes", ALL, false),
+    (NODE, "delete", "nodes", ALL, false),
+    (NODE, "patch", "nodes/status", ALL, false),
+    (CONTROLLER, "patch", "nodes", ALL, false),
     // A tenant with `edit` in team-a reads its own Secrets and claims,
     // nothing of the driver's and nothing of the cluster's.
     (TENANT, "get", "secrets", "team-a", true),
@@ -1247,4 +1254,125 @@ fn a_renamed_namespace_keeps_every_admission_policy_in_force() {
         !out.status.success() && err.contains("may only create the peer token"),
         "{err}"
     );
+}
+
+/// RBAC lets the node plugin patch any Node (it labels its own warm); the
+/// shipped admission policy narrows that to its own Node's
+/// `warm.modelcache.csi.io/` labels, set to "true" or removed.
+#[test]
+fn the_node_plugin_labels_only_its_own_node_and_only_warm() {
+    let api = apiserver::ApiServer::start().expect("start apiserver");
+    let base = format!("{}/deploy/csi-driver/base", env!("CARGO_MANIFEST_DIR"));
+    kubectl_ok(&api, &["apply", "-f", &format!("{base}/namespace.yaml")]);
+    kubectl_ok(&api, &["apply", "-k", &base]);
+    for n in ["node-a", "node-b"] {
+        let out = api.kubectl_stdin(
+            &["create", "-f", "-"],
+            &format!(
+                "apiVersion: v1\nkind: Node\nmetadata:\n  name: {n}\n  labels: {{pool: gpu, warm.modelcache.csi.io/old: 'true'}}\n  annotations: {{note: admin}}\n"
+            ),
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // As the node plugin on node-a (or with a token naming no node).
+    let patch = |node: &str, as_node: Option<&str>, p: &str| {
+        let who = format!("--as=system:serviceaccount:{NS}:{NODE}");
+        let extra =
+            as_node.map(|n| format!("--as-user-extra=authentication.kubernetes.io/node-name={n}"));
+        let mut args = vec![
+            "patch",
+            "node",
+            node,
+            "--dry-run=server",
+            "--type=merge",
+            "-p",
+            p,
+            who.as_str(),
+        ];
+        args.extend(extra.as_deref());
+        let out = api.kubectl(&args);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let warm = r#"{"metadata":{"labels":{"warm.modelcache.csi.io/llama":"true"}}}"#;
+    // A policy takes a moment to be enforced after it is created.
+    let start = std::time::Instant::now();
+    while patch("node-b", Some("node-a"), warm).0 {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the admission policy never took effect"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    for (node, as_node, p, ok, why) in [
+        ("node-a", Some("node-a"), warm, true, ""),
+        (
+            "node-a",
+            Some("node-a"),
+            r#"{"metadata":{"labels":{"warm.modelcache.csi.io/old":null}}}"#,
+            true,
+            "",
+        ),
+        ("node-b", Some("node-a"), warm, false, "its own Node"),
+        ("node-a", None, warm, false, "bound token"),
+        (
+            "node-a",
+            Some("node-a"),
+            r#"{"metadata":{"labels":{"warm.modelcache.csi.io/llama":"false"}}}"#,
+            false,
+            "warm labels",
+        ),
+        (
+            "node-a",
+            Some("node-a"),
+            r#"{"metadata":{"labels":{"pool":"cpu"}}}"#,
+            false,
+            "never change another label",
+        ),
+        (
+            "node-a",
+            Some("node-a"),
+            r#"{"metadata":{"labels":{"pool":null}}}"#,
+            false,
+            "never change another label",
+        ),
+        (
+            "node-a",
+            Some("node-a"),
+            r#"{"metadata":{"labels":{"node-role.kubernetes.io/control-plane":""}}}"#,
+            false,
+            "never change another label",
+        ),
+        (
+            "node-a",
+            Some("node-a"),
+            r#"{"metadata":{"annotations":{"note":"mine"}}}"#,
+            false,
+            "annotations",
+        ),
+        (
+            "node-a",
+            Some("node-a"),
+            r#"{"spec":{"unschedulable":true}}"#,
+            false,
+            "spec",
+        ),
+        (
+            "node-a",
+            Some("node-a"),
+            r#"{"spec":{"taints":[{"key":"k","effect":"NoSchedule"}]}}"#,
+            false,
+            "spec",
+        ),
+    ] {
+        let (done, err) = patch(node, as_node, p);
+        assert_eq!(done, ok, "{node} as {as_node:?}: {p}: {err}");
+        assert!(err.contains(why), "{p}: {err}");
+    }
 }

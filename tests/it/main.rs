@@ -45,4 +45,5 @@ mod signatures;
 mod source_lifecycle;
 mod sub_path;
 mod tenant;
+mod warm_labels;
 mod xfs;

@@ -1,0 +1,179 @@
+//! On each node: labels its Node `warm.<driver>/<class>: "true"` for each
+//! StorageClass of this driver whose model the node holds sealed, so that
+//! a Deployment's preferred node affinity lands pods where their model
+//! already is. The labels follow the cache: added once a class's model is
+//! sealed here, removed once it is evicted, the class deleted, or its
+//! `source` changed. The node writes only its own Node and only these
+//! labels (deploy/'s admission policy holds it to that).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Api, ResourceExt};
+use tracing::{info, warn};
+
+use crate::cache::warm::{self, ClassModel};
+use crate::error::{Error, Result};
+use crate::provision::Agent;
+use crate::provision::params::SOURCE;
+
+/// How often the cache is looked at: a seal or an eviction shows within
+/// this.
+const EVERY: Duration = Duration::from_secs(5);
+/// How often the Node's labels are read again, in case someone else
+/// changed them.
+const REREAD: Duration = Duration::from_secs(300);
+
+/// The label prefix of `driver`'s warm labels.
+pub fn prefix(driver: &str) -> String {
+    format!("warm.{driver}/")
+}
+
+/// Whether `class` fits a label's name (at most 63 characters); a class
+/// name is otherwise already a valid one.
+fn labelable(class: &str) -> bool {
+    class.len() <= 63
+}
+
+/// Runs until the process ends.
+pub async fn run(agent: Agent) {
+    let client = agent.kube.client();
+    let (classes, changed) = crate::kubeapi::informer(watcher(
+        Api::<StorageClass>::all(client.clone()),
+        watcher::Config::default(),
+    ));
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let woken = wake.clone();
+    tokio::spawn(async move {
+        let mut changed = std::pin::pin!(changed);
+        while changed.next().await.is_some() {
+            woken.notify_one();
+        }
+    });
+    if classes.wait_until_ready().await.is_err() {
+        warn!("the StorageClass informer never became ready; nodes are not labelled warm");
+        return;
+    }
+    let prefix = prefix(agent.driver());
+    info!(node = %agent.node, %prefix, "labelling this node warm for the classes whose model it holds");
+    let nodes = Api::<Node>::all(client);
+    let mut shown: Option<(BTreeSet<String>, Instant)> = None;
+    let mut too_long = BTreeSet::new();
+    loop {
+        let step = async {
+            let held = held(&agent).await?;
+            let want = wanted(&held, &classes, agent.driver());
+            for class in want.iter().filter(|c| !labelable(c)) {
+                if too_long.insert(class.clone()) {
+                    warn!(%class, "a StorageClass name longer than 63 characters cannot be a label name; this class's warm nodes are not labelled");
+                }
+            }
+            let want: BTreeSet<String> = want.into_iter().filter(|c| labelable(c)).collect();
+            let have = match shown.take() {
+                Some((have, at)) if at.elapsed() < REREAD => have,
+                _ => on_node(&nodes, &agent.node, &prefix).await?,
+            };
+            if want != have {
+                relabel(&nodes, &agent.node, &prefix, &have, &want).await?;
+                info!(warm = ?want, "labelled this node warm");
+            }
+            shown = Some((want, Instant::now()));
+            Ok::<_, Error>(())
+        };
+        if let Err(e) = step.await {
+            warn!(error = %e, "could not label this node warm");
+            shown = None;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(EVERY) => {}
+            _ = wake.notified() => {}
+        }
+    }
+}
+
+/// The classes whose model this node holds sealed, read off the runtime.
+async fn held(agent: &Agent) -> Result<BTreeMap<String, ClassModel>> {
+    let roots: Vec<_> = agent
+        .provisioner
+        .roots()
+        .roots
+        .iter()
+        .filter(|r| r.node.is_some())
+        .cloned()
+        .collect();
+    crate::offload::blocking(move || Ok(warm::warm(&roots))).await
+}
+
+/// The classes held here that still exist, are `driver`'s and name the
+/// model that was pulled for them.
+fn wanted(
+    held: &BTreeMap<String, ClassModel>,
+    classes: &Store<StorageClass>,
+    driver: &str,
+) -> BTreeSet<String> {
+    held.iter()
+        .filter(|(class, model)| {
+            classes.get(&ObjectRef::new(class)).is_some_and(|sc| {
+                sc.provisioner == driver
+                    && sc.parameters.as_ref().and_then(|p| p.get(SOURCE)) == Some(&model.source)
+            })
+        })
+        .map(|(class, _)| class.clone())
+        .collect()
+}
+
+/// The classes the Node's warm labels name now.
+async fn on_node(nodes: &Api<Node>, node: &str, prefix: &str) -> Result<BTreeSet<String>> {
+    let n = nodes
+        .get(node)
+        .await
+        .map_err(|e| Error::Transient(format!("reading Node {node}: {e}")))?;
+    Ok(n.labels()
+        .keys()
+        .filter_map(|k| k.strip_prefix(prefix))
+        .map(str::to_string)
+        .collect())
+}
+
+/// Adds the labels of `want` not in `have`, and removes those of `have`
+/// not in `want`, in one merge patch that touches nothing else.
+async fn relabel(
+    nodes: &Api<Node>,
+    node: &str,
+    prefix: &str,
+    have: &BTreeSet<String>,
+    want: &BTreeSet<String>,
+) -> Result<()> {
+    let mut labels = serde_json::Map::new();
+    for c in want.difference(have) {
+        labels.insert(format!("{prefix}{c}"), "true".into());
+    }
+    for c in have.difference(want) {
+        labels.insert(format!("{prefix}{c}"), serde_json::Value::Null);
+    }
+    let patch = serde_json::json!({"metadata": {"labels": labels}});
+    nodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(drop)
+        .map_err(|e| Error::Transient(format!("labelling Node {node}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefix_is_the_drivers() {
+        assert_eq!(prefix("modelcache.csi.io"), "warm.modelcache.csi.io/");
+        assert!(labelable(&"a".repeat(63)));
+        assert!(!labelable(&"a".repeat(64)));
+    }
+}
