@@ -331,9 +331,15 @@ qs_examples() {
         check "examples: ModelPrefetch $mpf warms $node2, labelled nvidia.com/gpu.present=true" \
             wait_until 240 "$mpf on $node2" warm || kctl get modelprefetch "$mpf" -o yaml | tail -n 15
         check "examples: ... and not $(node_name 1), unlabelled" test -z "$(line_of "$(node_name 1)")"
+        # The vLLM Deployment prefers nodes its driver labels warm for the class.
+        warm_on() { [[ $(kctl get nodes -l "warm.modelcache.csi.io/$sc=true" -o jsonpath='{.items[*].metadata.name}') == "$1" ]]; }
+        check "examples: ... $node2 alone is labelled warm.modelcache.csi.io/$sc, the key the vLLM Deployment prefers" \
+            bash -c "grep -q 'warm.modelcache.csi.io/$sc' '$QS_EXAMPLES/vllm/llama-3.1-8b-instruct.yaml'" \
+            && check "examples: ... (the label on the node)" wait_until 60 "the warm label" warm_on "$node2"
         kctl delete -f "$f" --wait=true >/dev/null 2>&1
         kctl label node "$node2" nvidia.com/gpu.present- >/dev/null
         kctl delete storageclass "$sc" --ignore-not-found >/dev/null
+        check "examples: ... deleting the class takes the label off" wait_until 60 "the label's removal" warm_on ""
     fi
     check "examples: ... the vLLM class fetched nothing under original/" \
         bash -c "! grep -E 'Llama-3\.1-8B-Instruct/resolve/[^ ]*/original/' '$QS/hub.log'"
