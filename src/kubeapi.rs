@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{
-    ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod, Secret,
+    Node, ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod, Secret,
 };
 use k8s_openapi::api::storage::v1::{StorageClass, VolumeAttributesClass};
 use kube::api::{ListParams, Patch, PatchParams};
@@ -331,6 +331,38 @@ impl KubeApi {
             .get(name)
             .await
             .map_err(|e| api_error(&format!("StorageClass {name}"), e))
+    }
+
+    /// Node `node`'s labels.
+    pub async fn node_labels(&self, node: &str) -> Result<BTreeMap<String, String>> {
+        let n = Api::<Node>::all(self.client.clone())
+            .get(node)
+            .await
+            .map_err(|e| api_error(&format!("Node {node}"), e))?;
+        Ok(n.metadata.labels.unwrap_or_default())
+    }
+
+    /// Sets (a value) or removes (`None`) each of `labels` on Node `node`,
+    /// in one merge patch that touches nothing else.
+    pub async fn label_node(
+        &self,
+        node: &str,
+        labels: &BTreeMap<String, Option<String>>,
+    ) -> Result<()> {
+        let patch = serde_json::json!({"metadata": {"labels": labels}});
+        Api::<Node>::all(self.client.clone())
+            .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(drop)
+            .map_err(|e| match e {
+                kube::Error::Api(s) if s.code == 403 || s.code == 401 => Error::Precondition(format!(
+                    "the driver may not label Node {node}: {}; its account needs `patch` on nodes, \
+                     and the admission policy modelcache-csi-node-labels lets it change only its own \
+                     Node's warm labels, with its pod's bound token",
+                    s.message
+                )),
+                e => Error::Transient(format!("labelling Node {node}: {e}")),
+            })
     }
 }
 

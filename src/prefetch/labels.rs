@@ -11,12 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::StorageClass;
-use kube::api::{Patch, PatchParams};
+use kube::Api;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
-use kube::{Api, ResourceExt};
 use tracing::{info, warn};
 
 use crate::cache::warm::{self, ClassModel};
@@ -44,9 +42,8 @@ fn labelable(class: &str) -> bool {
 
 /// Runs until the process ends.
 pub async fn run(agent: Agent) {
-    let client = agent.kube.client();
     let (classes, changed) = crate::kubeapi::informer(watcher(
-        Api::<StorageClass>::all(client.clone()),
+        Api::<StorageClass>::all(agent.kube.client()),
         watcher::Config::default(),
     ));
     let wake = Arc::new(tokio::sync::Notify::new());
@@ -63,7 +60,6 @@ pub async fn run(agent: Agent) {
     }
     let prefix = prefix(agent.driver());
     info!(node = %agent.node, %prefix, "labelling this node warm for the classes whose model it holds");
-    let nodes = Api::<Node>::all(client);
     let mut shown: Option<(BTreeSet<String>, Instant)> = None;
     let mut too_long = BTreeSet::new();
     loop {
@@ -78,18 +74,27 @@ pub async fn run(agent: Agent) {
             let want: BTreeSet<String> = want.into_iter().filter(|c| labelable(c)).collect();
             let have = match shown.take() {
                 Some((have, at)) if at.elapsed() < REREAD => have,
-                _ => on_node(&nodes, &agent.node, &prefix).await?,
+                _ => on_node(&agent, &prefix).await?,
             };
             if want != have {
-                relabel(&nodes, &agent.node, &prefix, &have, &want).await?;
+                relabel(&agent, &prefix, &have, &want).await?;
                 info!(warm = ?want, "labelled this node warm");
             }
             shown = Some((want, Instant::now()));
             Ok::<_, Error>(())
         };
-        if let Err(e) = step.await {
-            warn!(error = %e, "could not label this node warm");
-            shown = None;
+        match step.await {
+            Ok(()) => {}
+            // Refused: nothing changes until an admin grants it and the
+            // driver restarts; asking again would only repeat the refusal.
+            Err(e @ Error::Precondition(_)) => {
+                warn!(error = %e, "this node is not labelled warm");
+                return;
+            }
+            Err(e) => {
+                warn!(error = %e, "could not label this node warm; trying again");
+                shown = None;
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(EVERY) => {}
@@ -130,12 +135,11 @@ fn wanted(
 }
 
 /// The classes the Node's warm labels name now.
-async fn on_node(nodes: &Api<Node>, node: &str, prefix: &str) -> Result<BTreeSet<String>> {
-    let n = nodes
-        .get(node)
-        .await
-        .map_err(|e| Error::Transient(format!("reading Node {node}: {e}")))?;
-    Ok(n.labels()
+async fn on_node(agent: &Agent, prefix: &str) -> Result<BTreeSet<String>> {
+    Ok(agent
+        .kube
+        .node_labels(&agent.node)
+        .await?
         .keys()
         .filter_map(|k| k.strip_prefix(prefix))
         .map(str::to_string)
@@ -143,27 +147,20 @@ async fn on_node(nodes: &Api<Node>, node: &str, prefix: &str) -> Result<BTreeSet
 }
 
 /// Adds the labels of `want` not in `have`, and removes those of `have`
-/// not in `want`, in one merge patch that touches nothing else.
+/// not in `want`.
 async fn relabel(
-    nodes: &Api<Node>,
-    node: &str,
+    agent: &Agent,
     prefix: &str,
     have: &BTreeSet<String>,
     want: &BTreeSet<String>,
 ) -> Result<()> {
-    let mut labels = serde_json::Map::new();
-    for c in want.difference(have) {
-        labels.insert(format!("{prefix}{c}"), "true".into());
-    }
-    for c in have.difference(want) {
-        labels.insert(format!("{prefix}{c}"), serde_json::Value::Null);
-    }
-    let patch = serde_json::json!({"metadata": {"labels": labels}});
-    nodes
-        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .map(drop)
-        .map_err(|e| Error::Transient(format!("labelling Node {node}: {e}")))
+    let added = want.difference(have).map(|c| (c, Some("true".to_string())));
+    let removed = have.difference(want).map(|c| (c, None));
+    let labels = added
+        .chain(removed)
+        .map(|(c, v)| (format!("{prefix}{c}"), v))
+        .collect();
+    agent.kube.label_node(&agent.node, &labels).await
 }
 
 #[cfg(test)]

@@ -121,11 +121,7 @@ fn mine<'a>(mp: &'a ModelPrefetch, node: &str) -> Option<&'a NodeStatus> {
 }
 
 async fn node_labels(ctx: &Ctx) -> Result<std::collections::BTreeMap<String, String>> {
-    let node = Api::<k8s_openapi::api::core::v1::Node>::all(ctx.kube.client())
-        .get(&ctx.node)
-        .await
-        .map_err(|e| Error::Transient(format!("reading Node {}: {e}", ctx.node)))?;
-    Ok(node.labels().clone())
+    ctx.kube.node_labels(&ctx.node).await
 }
 
 /// This node's volume records, read off the async runtime's threads.

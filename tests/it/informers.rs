@@ -60,15 +60,7 @@ fn fat_pvc(i: usize) -> PersistentVolumeClaim {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fat_pending_pvcs_stay_out_of_the_drivers_memory() {
     let api = apiserver::ApiServer::start().expect("start apiserver");
-    let kubeconfig = api.kubeconfig_path();
-    let d = Driver::start_with(&[
-        "--kube-api",
-        "on",
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-        "--modify-node-local-volumes",
-    ])
-    .await;
+    let d = Driver::start_against(&api, &["--modify-node-local-volumes"]).await;
     let idle = rss_of(d.pid());
     let c = client(&api).await;
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(c, "default");

@@ -98,14 +98,7 @@ async fn read_through(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_pvc_sources_and_pvc_claims() {
     let api = apiserver::ApiServer::start().expect("start apiserver");
-    let kubeconfig = api.kubeconfig_path();
-    let d = Driver::start_with(&[
-        "--kube-api",
-        "on",
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-    ])
-    .await;
+    let d = Driver::start_against(&api, &[]).await;
     apply(
         &api,
         "apiVersion: v1\nkind: Namespace\nmetadata: {name: team}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: other}\n",

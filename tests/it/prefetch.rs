@@ -128,15 +128,7 @@ async fn kubectl_waits_for_a_prefetch_to_be_ready_on_every_selected_node() {
             "spec": {"storageClassName": "llama", "nodeSelector": {"matchLabels": {"pool": "gpu"}}},
         }),
     );
-    let kubeconfig = api.kubeconfig_path();
-    let d = Driver::start_with(&[
-        "--kube-api",
-        "on",
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-        "--summarize-prefetches",
-    ])
-    .await;
+    let d = Driver::start_against(&api, &["--summarize-prefetches"]).await;
 
     // Nobody has written a line yet: two selected nodes, none Ready.
     wait_for(&api, READY_REASON, "Pulling");

@@ -936,14 +936,7 @@ async fn a_class_secret_pull_is_resumed_only_when_the_secret_read_again_is_the_o
             "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: {pvc}, namespace: team}}\nspec:\n  storageClassName: tokened\n  accessModes: [ReadOnlyMany]\n  resources: {{requests: {{storage: 1Gi}}}}\n"
         ));
     }
-    let kubeconfig = api.kubeconfig_path();
-    let mut d = Driver::start_with(&[
-        "--kube-api",
-        "on",
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-    ])
-    .await;
+    let mut d = Driver::start_against(&api, &[]).await;
     let dir = tempfile::tempdir().unwrap();
     let size: usize = 16 << 20;
     for (i, name) in ["same.bin", "changed.bin"].iter().enumerate() {

@@ -743,14 +743,7 @@ async fn a_model_sealed_in_an_xfs_image_is_judged_through_a_read_only_view() {
 async fn a_tenant_named_model_meets_the_class_policy_and_its_pvc_says_who_signed() {
     use crate::kube_sources::{apply, events_until};
     let api = crate::support::apiserver::ApiServer::start().expect("start apiserver");
-    let kubeconfig = api.kubeconfig_path();
-    let d = Driver::start_with(&[
-        "--kube-api",
-        "on",
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-    ])
-    .await;
+    let d = Driver::start_against(&api, &[]).await;
     apply(
         &api,
         "apiVersion: v1\nkind: Namespace\nmetadata: {name: team}\n",

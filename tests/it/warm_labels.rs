@@ -82,15 +82,7 @@ fn request(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_is_labelled_warm_while_it_holds_a_class_model() {
     let api = ApiServer::start().expect("start apiserver");
-    let kubeconfig = api.kubeconfig_path();
-    let d = Driver::start_with(&[
-        "--kube-api",
-        "on",
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-        "--label-warm-nodes",
-    ])
-    .await;
+    let d = Driver::start_against(&api, &["--label-warm-nodes"]).await;
     apply(
         &api,
         &format!(

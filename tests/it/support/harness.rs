@@ -52,6 +52,20 @@ impl Driver {
         Driver::start_with_env(extra_args, &[]).await
     }
 
+    /// Starts the driver with Kubernetes API access to `api` (as its
+    /// admin), and extra command-line arguments.
+    pub async fn start_against(api: &super::apiserver::ApiServer, extra_args: &[&str]) -> Driver {
+        let kubeconfig = api.kubeconfig_path();
+        let mut args = vec![
+            "--kube-api",
+            "on",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra_args);
+        Driver::start_with(&args).await
+    }
+
     /// Starts the driver with extra arguments and environment variables
     /// (the credentials an admin gives the driver's pod, say).
     pub async fn start_with_env(extra_args: &[&str], env: &[(&str, &str)]) -> Driver {
