@@ -59,7 +59,6 @@ pub fn remember(root: &Root, class: &str, model: &ClassModel) -> Result<()> {
 }
 
 /// The classes whose model is sealed on one of `roots`, with that model.
-/// A record whose model was evicted is removed.
 pub fn warm(roots: &[Root]) -> BTreeMap<String, ClassModel> {
     let mut out = BTreeMap::new();
     for root in roots {
@@ -74,14 +73,10 @@ pub fn warm(roots: &[Root]) -> BTreeMap<String, ClassModel> {
             let Ok(Some(model)) = state::read_json::<ClassModel>(&e.path()) else {
                 continue;
             };
+            // An evicted model's record stays (one small file per class):
+            // eviction may put a model back when a reference appears.
             if root.source(&model.sid).seal().is_file() {
                 out.insert(class.to_string(), model);
-            } else if !root.source(&model.sid).dir.exists()
-                && !root.pull_area(&model.sid).dir.exists()
-            {
-                // Evicted (or never sealed, and its pull gone): the class
-                // is cold here until a volume of it pulls again.
-                let _ = std::fs::remove_file(e.path());
             }
         }
     }
@@ -122,10 +117,12 @@ mod tests {
             warm(std::slice::from_ref(&r)),
             BTreeMap::from([("llama".to_string(), model)])
         );
-        // Evicted: cold, and forgotten.
+        // Evicted: cold until it is sealed here again.
         std::fs::remove_dir_all(r.source(SID).dir).unwrap();
         assert!(warm(std::slice::from_ref(&r)).is_empty());
-        assert!(std::fs::read_dir(dir(&r)).unwrap().next().is_none());
+        std::fs::create_dir_all(r.source(SID).dir).unwrap();
+        std::fs::write(r.source(SID).seal(), "{}").unwrap();
+        assert_eq!(warm(std::slice::from_ref(&r)).len(), 1);
     }
 
     #[test]

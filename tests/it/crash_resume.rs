@@ -42,27 +42,6 @@ async fn origin(per_connection: u64) -> (FileServer, tempfile::TempDir, String) 
     (o, dir, uri)
 }
 
-/// CreateVolume as external-provisioner calls it: again while the driver
-/// says the operation is in progress or not ready yet.
-async fn create_until_done(
-    d: &Driver,
-    req: &modelcache_csi::csi::CreateVolumeRequest,
-) -> modelcache_csi::csi::Volume {
-    let until = Instant::now() + Duration::from_secs(120);
-    loop {
-        match d.create(req.clone()).await {
-            Ok(v) => return v,
-            Err(s)
-                if matches!(s.code(), tonic::Code::Aborted | tonic::Code::Unavailable)
-                    && Instant::now() < until =>
-            {
-                tokio::time::sleep(Duration::from_millis(200)).await
-            }
-            Err(s) => panic!("CreateVolume: {:?}: {}", s.code(), s.message()),
-        }
-    }
-}
-
 async fn driver() -> Driver {
     Driver::start_with(&["--pull-chunk-mib", "8", "--pull-connections", "2"]).await
 }
@@ -95,7 +74,10 @@ async fn a_crash_of_the_driver_costs_at_most_two_chunks_a_file() {
     let _ = first.await;
     let before = asked(&o, dir.path());
     d.restart().await;
-    let v = create_until_done(&d, &req).await;
+    let v = d
+        .create_until_done(&req, None, Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
     let again = asked(&o, dir.path()) - before;
     let refetched = (before + again).saturating_sub(total);
     eprintln!(
@@ -119,7 +101,10 @@ async fn a_crash_of_the_driver_costs_at_most_two_chunks_a_file() {
     d.kill_9();
     let before = asked(&o, dir.path());
     d.restart().await;
-    let v = create_until_done(&d, &req).await;
+    let v = d
+        .create_until_done(&req, None, Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume: {:?}: {}", s.code(), s.message()));
     let again = asked(&o, dir.path()) - before;
     eprintln!("kill at the answer: {before} bytes asked before, {again} after");
     assert!(

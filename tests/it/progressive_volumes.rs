@@ -643,7 +643,10 @@ async fn a_record_written_before_the_seal_and_cut_short_by_a_crash_is_written_ag
     let again: serde_json::Value = serde_json::from_slice(&fs::read(&record).unwrap())
         .unwrap_or_else(|e| panic!("the record is still unreadable: {e}"));
     assert_eq!(again["id"], v.volume_id.as_str(), "{again}");
-    let same = d.create(req()).await.expect("the create's retry");
+    let same = d
+        .create_until_done(&req(), None, Duration::from_secs(10))
+        .await
+        .expect("the create's retry");
     assert_eq!(same.volume_id, v.volume_id);
     let (staging, target) = (d.staging("torn"), d.target("torn"));
     d.stage(&v.volume_id, &staging, READER).await.unwrap();

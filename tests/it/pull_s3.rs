@@ -281,7 +281,11 @@ async fn a_pull_killed_mid_download_resumes_and_never_shows_a_partial_model() {
 
     d.restart().await;
     let v = d
-        .create(s3_request("pvc-big", &s3, "s3://big/m"))
+        .create_until_done(
+            &s3_request("pvc-big", &s3, "s3://big/m"),
+            None,
+            Duration::from_secs(60),
+        )
         .await
         .expect("retried CreateVolume");
     let resumed = s3.sent_bytes() - sent_before;

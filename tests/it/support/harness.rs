@@ -207,6 +207,40 @@ impl Driver {
     // Thin wrappers over the RPCs. Each clones the client (cheap: one
     // shared channel), so they take `&self` and can run concurrently.
 
+    /// CreateVolume as external-provisioner sends it: tried again while
+    /// the answer is Aborted (another operation holds the volume, such as
+    /// a restarted driver's own resume of its pull) or Unavailable, for up
+    /// to `bound`; each call with `deadline`, when given. The last answer.
+    pub async fn create_until_done(
+        &self,
+        req: &CreateVolumeRequest,
+        deadline: Option<Duration>,
+        bound: Duration,
+    ) -> Result<Volume, Status> {
+        let until = Instant::now() + bound;
+        loop {
+            let mut call = tonic::Request::new(req.clone());
+            if let Some(d) = deadline {
+                call.set_timeout(d);
+            }
+            match self.client.clone().controller.create_volume(call).await {
+                Err(s)
+                    if matches!(s.code(), tonic::Code::Aborted | tonic::Code::Unavailable)
+                        && Instant::now() < until =>
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                r => {
+                    return r.map(|v| {
+                        v.into_inner()
+                            .volume
+                            .expect("CreateVolume returned no volume")
+                    });
+                }
+            }
+        }
+    }
+
     pub async fn create(&self, req: CreateVolumeRequest) -> Result<Volume, Status> {
         let resp = self.client.clone().controller.create_volume(req).await?;
         Ok(resp
