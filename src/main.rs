@@ -316,7 +316,8 @@ struct ServeArgs {
     /// Peer fill: serve this node's sealed models to other nodes' drivers
     /// here, and fill models from them before the origin (e.g.
     /// 0.0.0.0:7420); needs --node-id, the controller service, Kubernetes
-    /// API access and --peer-token-file.
+    /// API access and the peer token (--peer-token-secret or
+    /// --peer-token-file).
     #[arg(long)]
     peer_listen: Option<std::net::SocketAddr>,
     /// The address other nodes dial [default: $POD_IP, else --peer-listen's
