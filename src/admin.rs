@@ -5,6 +5,7 @@
 //! driver: every change goes through the same cache functions the driver
 //! uses, which are safe across processes.
 
+use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -17,6 +18,7 @@ use crate::cache::{self, Root, Roots, evict};
 use crate::config::Config;
 use crate::error::{Error, IoContext, Result};
 use crate::offload::blocking;
+use crate::provision::params::Params;
 use crate::puller::engine::{Engine, Progress, ProgressSink};
 use crate::puller::{self, SourceOptions};
 use crate::state;
@@ -56,7 +58,7 @@ pub enum CacheCommand {
     /// Pull a model URI into the cache before any pod asks for it.
     Prefetch {
         uri: String,
-        /// A source parameter, as a StorageClass gives it (e.g. s3Endpoint=http://minio:9000); repeatable.
+        /// A source parameter, as a StorageClass gives it and checked as a class's is (e.g. s3Endpoint=http://minio:9000, hfIgnorePatterns=original/*); repeatable.
         #[arg(long = "param", value_name = "KEY=VALUE")]
         params: Vec<String>,
         /// A file of credentials, one KEY=VALUE per line, as a provisioner
@@ -642,6 +644,46 @@ struct Prefetched<'a> {
     seconds: f64,
 }
 
+/// `--param KEY=VALUE`s, checked as a StorageClass's parameters are
+/// (`Params::parse`, with `uri` as its `source`): only what a class says of
+/// its source is taken, and each refusal names `--param KEY`.
+fn source_params(uri: &str, params: &[String]) -> Result<Params> {
+    use crate::provision::params::{SOURCE, SOURCE_OPTIONS};
+    let mut map = HashMap::new();
+    for p in params {
+        let (k, v) = p
+            .split_once('=')
+            .ok_or_else(|| Error::invalid("--param", format!("{p:?} must look like KEY=VALUE")))?;
+        let source_key = SOURCE_OPTIONS.contains(&k)
+            || k == crate::trust::ALLOWED_SOURCES
+            || k == crate::trust::ARTIFACT_CREDENTIALS;
+        if !source_key {
+            return Err(Error::invalid(
+                format!("--param {k}"),
+                format!(
+                    "not a parameter of a model's source: --param takes what a StorageClass says of \
+                     its source ({}, {}, {}); the model is the URI, the backend --backend",
+                    SOURCE_OPTIONS.join(", "),
+                    crate::trust::ALLOWED_SOURCES,
+                    crate::trust::ARTIFACT_CREDENTIALS
+                ),
+            ));
+        }
+        map.insert(k.to_string(), v.to_string());
+    }
+    map.insert(SOURCE.to_string(), uri.to_string());
+    Params::parse(&map).map_err(|e| match e {
+        Error::Invalid { field, message } => Error::Invalid {
+            field: match field.strip_prefix("parameters.") {
+                Some(k) => format!("--param {k}"),
+                None => field,
+            },
+            message,
+        },
+        e => e,
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn prefetch(
     cfg: &Config,
@@ -655,30 +697,14 @@ async fn prefetch(
 ) -> Result<()> {
     puller::validate_uri(uri).map_err(|m| Error::invalid("URI", m))?;
     let mut opts = SourceOptions::default();
-    for p in params {
-        let (k, v) = p
-            .split_once('=')
-            .ok_or_else(|| Error::invalid("--param", format!("{p:?} must look like KEY=VALUE")))?;
-        if matches!(k, puller::hf::ALLOW_PARAM | puller::hf::IGNORE_PARAM) {
-            puller::hf::patterns(k, v)?;
-        }
-        opts.params.insert(k.to_string(), v.to_string());
-    }
+    let params = source_params(uri, params)?;
+    opts.params = params.source_options;
     // What a registry's answer may reach, as a StorageClass would say it.
-    opts.bounds.ranges = cfg.tenant_ranges.clone();
-    for key in [
-        crate::trust::ALLOWED_SOURCES,
-        crate::trust::ARTIFACT_CREDENTIALS,
-    ] {
-        if let Some(v) = opts.params.remove(key) {
-            let parsed = crate::trust::AllowedSources::parse(&v)
-                .map_err(|m| Error::invalid(format!("--param {key}"), m))?;
-            match key {
-                crate::trust::ALLOWED_SOURCES => opts.bounds.allowed = Some(parsed),
-                _ => opts.bounds.credentialed = Some(parsed),
-            }
-        }
-    }
+    opts.bounds = crate::trust::Bounds {
+        allowed: params.allowed_sources,
+        credentialed: params.artifact_credentials,
+        ranges: cfg.tenant_ranges.clone(),
+    };
     if let Some(f) = secrets_file {
         let text = std::fs::read_to_string(f).ctx("read", f)?;
         for line in text
@@ -899,5 +925,43 @@ mod tests {
             ),
             "pulling s3://b/m: 1.0 GiB of 4.0 GiB (25%) at 64.0 MiB/s, ETA 48s"
         );
+    }
+
+    /// `cache prefetch --param` takes a class's source parameters with the
+    /// class's own checks, and names `--param KEY` in each refusal.
+    #[test]
+    fn params_are_checked_as_a_class_checks_them() {
+        let uri = "hf://org/m";
+        let ok = source_params(
+            uri,
+            &[
+                "hfEndpoint=http://hub:8080".into(),
+                "hfIgnorePatterns=original/*,*.pth".into(),
+                "allowedSources=hf://org/".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            ok.source_options
+                .get("hfIgnorePatterns")
+                .map(String::as_str),
+            Some("original/*,*.pth")
+        );
+        assert!(ok.allowed_sources.is_some());
+        for (param, field) in [
+            ("s3PathStyle=maybe", "--param s3PathStyle"),
+            ("hfAllowPatterns=[a", "--param hfAllowPatterns"),
+            ("backend=local", "--param backend"),
+            ("role=source", "--param role"),
+            ("nonsense=1", "--param nonsense"),
+            ("novalue", "--param"),
+        ] {
+            match source_params(uri, &[param.into()]) {
+                Err(Error::Invalid { field: f, message }) => {
+                    assert_eq!(f, field, "{param}: {message}")
+                }
+                other => panic!("{param}: {other:?}"),
+            }
+        }
     }
 }

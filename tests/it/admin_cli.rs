@@ -105,6 +105,20 @@ async fn a_prefetched_model_is_ready_for_the_next_volume_at_no_cost() {
     let dir = d.dir.join("model");
     write_model(&dir, 8);
     let uri = format!("file://{}", dir.display());
+    // Parameters are checked as a class's are, before anything is pulled.
+    for (param, field) in [
+        ("s3PathStyle=maybe", "--param s3PathStyle"),
+        ("backend=xfs", "--param backend"),
+    ] {
+        let r = d.cli(&["prefetch", &uri, "--param", param]);
+        assert!(
+            !r.ok && r.stderr.contains(field),
+            "{param}: {}{}",
+            r.stdout,
+            r.stderr
+        );
+    }
+    assert!(d.models().is_empty(), "a refused prefetch pulled");
     // Not a terminal: plain progress lines on stderr, the outcome on stdout.
     let r = d.cli(&["prefetch", &uri, "--pin"]);
     assert!(r.ok, "{}{}", r.stdout, r.stderr);
