@@ -17,10 +17,9 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use tracing::{info, warn};
 
-use crate::cache::warm::{self, ClassModel};
 use crate::error::{Error, Result};
-use crate::provision::Agent;
 use crate::provision::params::SOURCE;
+use crate::provision::{Agent, ClassModel};
 
 /// How often the cache is looked at: a seal or an eviction shows within
 /// this.
@@ -64,7 +63,7 @@ pub async fn run(agent: Agent) {
     let mut too_long = BTreeSet::new();
     loop {
         let step = async {
-            let held = held(&agent).await?;
+            let held = agent.provisioner.warm_classes().await?;
             let want = wanted(&held, &classes, agent.driver());
             for class in want.iter().filter(|c| !labelable(c)) {
                 if too_long.insert(class.clone()) {
@@ -101,19 +100,6 @@ pub async fn run(agent: Agent) {
             _ = wake.notified() => {}
         }
     }
-}
-
-/// The classes whose model this node holds sealed, read off the runtime.
-async fn held(agent: &Agent) -> Result<BTreeMap<String, ClassModel>> {
-    let roots: Vec<_> = agent
-        .provisioner
-        .roots()
-        .roots
-        .iter()
-        .filter(|r| r.node.is_some())
-        .cloned()
-        .collect();
-    crate::offload::blocking(move || Ok(warm::warm(&roots))).await
 }
 
 /// The classes held here that still exist, are `driver`'s and name the

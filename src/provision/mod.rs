@@ -15,6 +15,7 @@ mod volumes;
 mod wanted;
 pub use wanted::Wanted;
 
+pub use crate::cache::warm::ClassModel;
 pub use plan::{CreateRequest, DEFAULT_CAPACITY, InlineSource};
 
 use std::sync::Arc;
@@ -88,6 +89,19 @@ impl Provisioner {
         &self.roots
     }
 
+    /// The classes whose own model one of this node's node-local roots
+    /// holds sealed, with that model (`cache::warm`), read off the runtime.
+    pub async fn warm_classes(&self) -> Result<std::collections::BTreeMap<String, ClassModel>> {
+        let roots: Vec<Root> = self
+            .roots
+            .roots
+            .iter()
+            .filter(|r| r.node.is_some())
+            .cloned()
+            .collect();
+        blocking(move || Ok(cache::warm::warm(&roots))).await
+    }
+
     /// A volume's root and record, read off the runtime.
     pub async fn lookup(&self, volume_id: &str) -> Result<(Root, VolumeRecord)> {
         cache::lookup_off_runtime(&self.roots, volume_id).await
@@ -152,7 +166,7 @@ async fn remember_class(root: &Root, class: Option<(String, String)>, rec: &Volu
     ) else {
         return;
     };
-    let model = cache::warm::ClassModel {
+    let model = ClassModel {
         source,
         sid: rec.source.clone(),
     };
