@@ -297,6 +297,11 @@ pub fn is_node_local(p: &Params) -> bool {
 }
 
 /// The root a new volume without a content source goes to.
+/// Where an installed driver's shared filesystem is switched on, since the
+/// chart and the kustomize base ship with none.
+const SHARED_OFF_HINT: &str = " (installed from deploy/: the Helm value shared.hostPath, \
+     or the kustomize component deploy/csi-driver/components/shared)";
+
 pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
     let backend = p.backend.unwrap_or(Backend::Local);
     let node_local = is_node_local(p);
@@ -321,12 +326,17 @@ pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
             "parameters.backend",
             format!(
                 "backend {backend} is not enabled on this driver (enabled: {}); \
-                 start it with --backends including {backend}",
+                 start it with --backends including {backend}{}",
                 cfg.backends
                     .iter()
                     .map(|b| b.as_str())
                     .collect::<Vec<_>>()
-                    .join(", ")
+                    .join(", "),
+                if backend == Backend::Shared {
+                    SHARED_OFF_HINT
+                } else {
+                    ""
+                }
             ),
         ));
     }
@@ -352,7 +362,8 @@ pub fn select_root(cfg: &Config, roots: &Roots, p: &Params) -> Result<Root> {
             Error::invalid(
                 "parameters.sharedPath",
                 format!(
-                    "backend {backend} needs a shared filesystem: start the driver with --shared-path"
+                    "backend {backend} needs a shared filesystem: start the driver with \
+                     --shared-path{SHARED_OFF_HINT}"
                 ),
             )
         })?,
@@ -816,6 +827,20 @@ mod tests {
                 if field == "parameters.backend" && message.contains("--backends")),
             "{e}"
         );
+        // The chart and the kustomize base ship without a shared
+        // filesystem: the refusal says where an installed driver gets one.
+        let e = run(
+            &node_local_only,
+            case("shared, not enabled", request(&[("backend", "shared")])),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, Error::Invalid { ref field, ref message }
+                if field == "parameters.backend"
+                    && message.contains("shared.hostPath")
+                    && message.contains("components/shared")),
+            "{e}"
+        );
         let shared_only = Config {
             backends: vec![Backend::Shared],
             ..central
@@ -826,7 +851,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            matches!(e, Error::Invalid { ref field, ref message } if field == "parameters.sharedPath" && message.contains("--shared-path")),
+            matches!(e, Error::Invalid { ref field, ref message } if field == "parameters.sharedPath"
+                && message.contains("--shared-path") && message.contains("shared.hostPath")),
             "{e}"
         );
     }

@@ -32,6 +32,21 @@ fn manifests_apply_to_a_real_apiserver() {
     let dry = kubectl_ok(&api, &["apply", "--dry-run=server", "-k", &base]);
     assert!(dry.contains("(server dry run)"), "{dry}");
     kubectl_ok(&api, &["apply", "-k", &base]);
+    // The shared filesystem's install (components/shared under an NFS
+    // overlay) is one the apiserver takes too.
+    let shared = kubectl_ok(
+        &api,
+        &[
+            "apply",
+            "--dry-run=server",
+            "-k",
+            &format!("{examples}/shared"),
+        ],
+    );
+    assert!(
+        shared.contains("daemonset.apps/modelcache-csi-node configured (server dry run)"),
+        "{shared}"
+    );
     // The examples include a ModelPrefetch: its CRD must serve first.
     kubectl_ok(
         &api,
@@ -135,23 +150,31 @@ fn manifests_apply_to_a_real_apiserver() {
 #[test]
 fn manifests_bound_disk_use() {
     let root = env!("CARGO_MANIFEST_DIR");
-    for (file, backends) in [
-        ("node.yaml", &["local", "xfs"][..]),
-        ("controller.yaml", &["shared", "xfs"][..]),
+    for (file, backends, reserve) in [
+        ("base/node.yaml", &["local", "xfs"][..], true),
+        ("base/controller.yaml", &["xfs"][..], true),
+        // The shared filesystem's cap comes with the filesystem; the
+        // controller's reserve above covers it.
+        (
+            "components/shared/kustomization.yaml",
+            &["shared"][..],
+            false,
+        ),
     ] {
-        let text =
-            std::fs::read_to_string(format!("{root}/deploy/csi-driver/base/{file}")).unwrap();
+        let text = std::fs::read_to_string(format!("{root}/deploy/csi-driver/{file}")).unwrap();
         for b in backends {
             assert!(
-                text.contains(&format!("- --cache-capacity={b}=")),
+                text.contains(&format!("--cache-capacity={b}=")),
                 "{file} sets no --cache-capacity for {b}"
             );
         }
-        assert!(text.contains("- --min-free="), "{file} sets no --min-free");
-        assert!(
-            text.contains("- --min-free-inodes="),
-            "{file} sets no --min-free-inodes"
-        );
+        if reserve {
+            assert!(text.contains("- --min-free="), "{file} sets no --min-free");
+            assert!(
+                text.contains("- --min-free-inodes="),
+                "{file} sets no --min-free-inodes"
+            );
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The Helm chart renders, with its default values, exactly the objects of the
-# kustomize base: deploy/helm/modelcache-csi against deploy/csi-driver/base,
-# compared object by object (kind, namespace, name; then the whole object,
+# The Helm chart renders exactly the objects of the kustomize install, both
+# ways it ships: default values against deploy/csi-driver/base, and
+# shared.hostPath=/mnt/models against the base with components/shared.
+# Compared object by object (kind, namespace, name; then the whole object,
 # parsed, so only YAML formatting may differ). Prints one line per object and
 # "helm-chart: N passed, M failed" for the suite's summary.
 #
@@ -16,7 +17,14 @@ trap 'rm -rf "$work"' EXIT
 "$helm" lint "$ROOT/deploy/helm/modelcache-csi" > "$work/lint.txt" 2>&1 || { cat "$work/lint.txt"; echo "helm-chart: 0 passed, 1 failed (helm lint)"; exit 1; }
 "$helm" template modelcache-csi "$ROOT/deploy/helm/modelcache-csi" > "$work/helm.yaml"
 "$kubectl" kustomize "$ROOT/deploy/csi-driver/base" > "$work/kustomize.yaml"
-"$python" - "$work/helm.yaml" "$work/kustomize.yaml" <<'PY'
+"$helm" template modelcache-csi "$ROOT/deploy/helm/modelcache-csi" --set shared.hostPath=/mnt/models > "$work/helm-shared.yaml"
+# A user's overlay, as components/shared says: relative paths, since
+# kustomize takes no absolute one.
+mkdir "$work/shared"
+rel=$(realpath --relative-to="$work/shared" "$ROOT/deploy/csi-driver")
+printf 'resources: [%s/base]\ncomponents: [%s/components/shared]\n' "$rel" "$rel" > "$work/shared/kustomization.yaml"
+"$kubectl" kustomize "$work/shared" > "$work/kustomize-shared.yaml"
+"$python" - defaults "$work/helm.yaml" "$work/kustomize.yaml" shared "$work/helm-shared.yaml" "$work/kustomize-shared.yaml" <<'PY'
 import sys, yaml
 
 def objects(path):
@@ -28,22 +36,23 @@ def objects(path):
         out[(doc["kind"], md.get("namespace", ""), md["name"])] = doc
     return out
 
-helm, kust = objects(sys.argv[1]), objects(sys.argv[2])
 passed = failed = 0
-for key in sorted(set(helm) | set(kust)):
-    name = "/".join(k for k in key if k)
-    if key not in helm:
-        print(f"FAIL {name}: in the kustomize base, not in the chart"); failed += 1
-    elif key not in kust:
-        print(f"FAIL {name}: in the chart, not in the kustomize base"); failed += 1
-    elif helm[key] != kust[key]:
-        print(f"FAIL {name}: differs"); failed += 1
-        a, b = yaml.safe_dump(helm[key]).splitlines(), yaml.safe_dump(kust[key]).splitlines()
-        import difflib
-        for line in difflib.unified_diff(b, a, "kustomize", "helm", lineterm="", n=1):
-            print("    " + line)
-    else:
-        print(f"PASS {name}"); passed += 1
+args = sys.argv[1:]
+for label, helm, kust in zip(args[0::3], map(objects, args[1::3]), map(objects, args[2::3])):
+    for key in sorted(set(helm) | set(kust)):
+        name = label + ": " + "/".join(k for k in key if k)
+        if key not in helm:
+            print(f"FAIL {name}: in the kustomize base, not in the chart"); failed += 1
+        elif key not in kust:
+            print(f"FAIL {name}: in the chart, not in the kustomize base"); failed += 1
+        elif helm[key] != kust[key]:
+            print(f"FAIL {name}: differs"); failed += 1
+            a, b = yaml.safe_dump(helm[key]).splitlines(), yaml.safe_dump(kust[key]).splitlines()
+            import difflib
+            for line in difflib.unified_diff(b, a, "kustomize", "helm", lineterm="", n=1):
+                print("    " + line)
+        else:
+            print(f"PASS {name}"); passed += 1
 print(f"helm-chart: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
 PY
