@@ -4,7 +4,8 @@
 # shared.hostPath=/mnt/models against the base with components/shared.
 # Compared object by object (kind, namespace, name; then the whole object,
 # parsed, so only YAML formatting may differ). Prints one line per object and
-# "helm-chart: N passed, M failed" for the suite's summary.
+# "helm-chart: N passed, M failed" for the suite's summary. First, values the
+# chart's schema must refuse.
 #
 #   tests/scripts/helm-chart.sh [KUBECTL]   (default: the e2e tools' kubectl)
 source "$(dirname "$0")/lib.sh"
@@ -15,6 +16,21 @@ python=$(pip_venv PyYAML 6.0.3 yaml)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$helm" lint "$ROOT/deploy/helm/modelcache-csi" > "$work/lint.txt" 2>&1 || { cat "$work/lint.txt"; echo "helm-chart: 0 passed, 1 failed (helm lint)"; exit 1; }
+# A value the chart does not know, or of the wrong shape, is refused by its
+# schema (values.schema.json) with the value's path, before anything renders.
+schema_passed=0 schema_failed=0
+for bad in sharedHostPath=/mnt/models:sharedHostPath logFormat=xml:/logFormat \
+    shared.hostPath=mnt/models:/shared/hostPath node.cacheCapacity.local=1.5T:/node/cacheCapacity/local \
+    node.minFree=110%:/node/minFree peer.enabled=maybe:/peer/enabled; do
+  value=${bad%:*} path=${bad##*:}
+  if ! "$helm" template modelcache-csi "$ROOT/deploy/helm/modelcache-csi" --set "$value" > /dev/null 2> "$work/refused.txt" \
+      && grep -qF "$path" "$work/refused.txt"; then
+    echo "PASS schema: --set $value is refused, naming $path"; schema_passed=$((schema_passed + 1))
+  else
+    echo "FAIL schema: --set $value is not refused naming $path"; cat "$work/refused.txt"; schema_failed=$((schema_failed + 1))
+  fi
+done
+export schema_passed schema_failed
 "$helm" template modelcache-csi "$ROOT/deploy/helm/modelcache-csi" > "$work/helm.yaml"
 "$kubectl" kustomize "$ROOT/deploy/csi-driver/base" > "$work/kustomize.yaml"
 "$helm" template modelcache-csi "$ROOT/deploy/helm/modelcache-csi" --set shared.hostPath=/mnt/models > "$work/helm-shared.yaml"
@@ -36,7 +52,8 @@ def objects(path):
         out[(doc["kind"], md.get("namespace", ""), md["name"])] = doc
     return out
 
-passed = failed = 0
+import os
+passed, failed = int(os.environ["schema_passed"]), int(os.environ["schema_failed"])
 args = sys.argv[1:]
 for label, helm, kust in zip(args[0::3], map(objects, args[1::3]), map(objects, args[2::3])):
     for key in sorted(set(helm) | set(kust)):
