@@ -47,6 +47,36 @@ fn manifests_apply_to_a_real_apiserver() {
         shared.contains("daemonset.apps/modelcache-csi-node configured (server dry run)"),
         "{shared}"
     );
+    // So is a user's overlay with the sigstore trust root's component
+    // (kustomize takes only relative paths).
+    let overlay = tempfile::tempdir().unwrap();
+    let rel = pathdiff(overlay.path(), std::path::Path::new(root)).join("deploy/csi-driver");
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "resources: [{0}/base]\ncomponents: [{0}/components/sigstore-trust-root]\n",
+            rel.display()
+        ),
+    )
+    .unwrap();
+    let trust = kubectl_ok(
+        &api,
+        &[
+            "apply",
+            "--dry-run=server",
+            "-k",
+            overlay.path().to_str().unwrap(),
+        ],
+    );
+    for workload in [
+        "daemonset.apps/modelcache-csi-node",
+        "deployment.apps/modelcache-csi-controller",
+    ] {
+        assert!(
+            trust.contains(&format!("{workload} configured (server dry run)")),
+            "{trust}"
+        );
+    }
     // The examples include a ModelPrefetch: its CRD must serve first.
     kubectl_ok(
         &api,
@@ -143,6 +173,44 @@ fn manifests_apply_to_a_real_apiserver() {
         .map(|c| c["name"].as_str().unwrap())
         .collect();
     assert_eq!(privileged, vec!["driver"]);
+}
+
+/// `to` as a path relative to `from` (both absolute, `from` a directory).
+fn pathdiff(from: &std::path::Path, to: &std::path::Path) -> std::path::PathBuf {
+    let (from, to): (Vec<_>, Vec<_>) = (from.components().collect(), to.components().collect());
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    let mut out = std::path::PathBuf::new();
+    for _ in common..from.len() {
+        out.push("..");
+    }
+    out.extend(&to[common..]);
+    out
+}
+
+/// The trust-root component names the variable the driver reads, in both
+/// workloads, mounted where it points.
+#[test]
+fn the_trust_root_component_names_what_the_driver_reads() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let text = std::fs::read_to_string(format!(
+        "{root}/deploy/csi-driver/components/sigstore-trust-root/kustomization.yaml"
+    ))
+    .unwrap();
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("--sigstore-trust-root")
+            && help.contains("env: MODELCACHE_SIGSTORE_TRUST_ROOT"),
+        "{help}"
+    );
+    let env =
+        "{name: MODELCACHE_SIGSTORE_TRUST_ROOT, value: /etc/modelcache/sigstore/trusted_root.json}";
+    let mount = "{name: sigstore, mountPath: /etc/modelcache/sigstore, readOnly: true}";
+    assert_eq!(text.matches(env).count(), 2, "{text}");
+    assert_eq!(text.matches(mount).count(), 2, "{text}");
 }
 
 /// The shipped manifests bound the driver's disk use: a cap on pulled
