@@ -8,7 +8,6 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, info_span};
 
-use crate::cache::VolumeId;
 use crate::capability;
 use crate::csi::controller_server::Controller;
 use crate::csi::controller_service_capability::{Rpc, rpc::Type as RpcType};
@@ -61,19 +60,11 @@ impl ControllerService {
         }
     }
 
-    fn to_volume(&self, rec: &crate::cache::VolumeRecord, topology: Vec<Topology>) -> Volume {
-        let root_dir = VolumeId::parse(&rec.id)
-            .and_then(|id| {
-                self.provisioner
-                    .roots()
-                    .by_key(id.backend, &id.root_key)
-                    .map(|r| r.dir.clone())
-            })
-            .unwrap_or_default();
+    fn to_volume(&self, rec: &provision::VolumeRecord, topology: Vec<Topology>) -> Volume {
         Volume {
             capacity_bytes: rec.capacity_bytes,
             volume_id: rec.id.clone(),
-            volume_context: self.provisioner.volume_context(rec, &root_dir),
+            volume_context: self.provisioner.volume_context(rec),
             content_source: rec.content_source.as_ref().map(|id| VolumeContentSource {
                 r#type: Some(ContentType::Volume(VolumeSource {
                     volume_id: id.clone(),
@@ -172,12 +163,6 @@ impl ControllerService {
     async fn list(&self, req: ListVolumesRequest) -> Result<ListVolumesResponse> {
         if req.max_entries < 0 {
             return Err(Error::invalid("max_entries", "must not be negative"));
-        }
-        if !req.starting_token.is_empty() && VolumeId::parse(&req.starting_token).is_none() {
-            return Err(Error::Busy(format!(
-                "starting_token {:?} was not issued by this driver; list again from the start",
-                req.starting_token
-            )));
         }
         let max = match req.max_entries {
             0 => usize::MAX,

@@ -15,12 +15,13 @@ mod volumes;
 mod wanted;
 pub use wanted::Wanted;
 
+pub use crate::cache::VolumeRecord;
 pub use crate::cache::warm::ClassModel;
 pub use plan::{CreateRequest, DEFAULT_CAPACITY, InlineSource};
 
 use std::sync::Arc;
 
-use crate::cache::{self, Role, Root, Roots, VolumeId, VolumeRecord};
+use crate::cache::{self, Role, Root, Roots, VolumeId};
 use crate::config::Config;
 use crate::context::Context;
 use crate::csi::Topology;

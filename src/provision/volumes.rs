@@ -152,6 +152,11 @@ impl Provisioner {
     /// page's records are read: a page costs the same with 10 volumes as
     /// with 10,000, beyond listing the directories' names.
     pub fn list_page(&self, after: &str, max: usize) -> Result<(Vec<Listed>, String)> {
+        if !after.is_empty() && VolumeId::parse(after).is_none() {
+            return Err(Error::Busy(format!(
+                "starting_token {after:?} was not issued by this driver; list again from the start"
+            )));
+        }
         let mut ids = Vec::new();
         for r in &self.roots.roots {
             for uuid in cache::volume_uuids(r)? {
@@ -332,11 +337,11 @@ impl Provisioner {
         }
     }
 
-    pub fn volume_context(
-        &self,
-        rec: &VolumeRecord,
-        root_dir: &std::path::Path,
-    ) -> HashMap<String, String> {
+    pub fn volume_context(&self, rec: &VolumeRecord) -> HashMap<String, String> {
+        let root_dir = VolumeId::parse(&rec.id)
+            .and_then(|id| self.roots.by_key(id.backend, &id.root_key))
+            .map(|r| r.dir.clone())
+            .unwrap_or_default();
         let mut ctx = HashMap::from([
             ("backend".to_string(), rec.backend.to_string()),
             ("role".to_string(), rec.role.as_str().to_string()),
