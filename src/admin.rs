@@ -149,7 +149,7 @@ pub fn node_from_records(state_dir: &Path) -> Option<String> {
 
 /// Runs one command; what it prints goes to stdout, failures are errors.
 pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
-    let roots = cfg.roots();
+    let roots = crate::cache::Roots::of(&cfg);
     if roots.roots.is_empty() {
         return Err(Error::invalid(
             "--node-id",

@@ -4,8 +4,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::cache::layout::{Reserve, Root};
-use crate::cache::{Backend, Roots};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
 
 /// `Default` is for embedding (demo, tests): no node, local backend only.
 #[derive(Clone, Debug)]
@@ -76,43 +77,6 @@ impl Config {
 
     pub fn backend_enabled(&self, b: Backend) -> bool {
         self.backends.contains(&b)
-    }
-
-    /// Every root this process can serve, from its flags.
-    pub fn roots(&self) -> Roots {
-        let mut roots = Vec::new();
-        for b in &self.backends {
-            let place = b.store().placement();
-            if place.on_node
-                && let Some(node) = &self.node_id
-            {
-                let dir = self.state_dir.join(b.as_str());
-                roots.push(
-                    Root::with_anchor(
-                        *b,
-                        dir,
-                        Some(node.clone()),
-                        self.state_dir.clone(),
-                        self.min_free,
-                    )
-                    .with_inode_reserve(self.min_free_inodes),
-                );
-            }
-            if let Some(sub) = place.under_shared {
-                for p in &self.shared_paths {
-                    let dir = if sub.is_empty() {
-                        p.clone()
-                    } else {
-                        p.join(sub)
-                    };
-                    roots.push(
-                        Root::with_anchor(*b, dir, None, p.clone(), self.min_free)
-                            .with_inode_reserve(self.min_free_inodes),
-                    );
-                }
-            }
-        }
-        Roots { roots }
     }
 }
 
@@ -280,4 +244,106 @@ pub enum PeerToken {
     /// A Secret in the driver's namespace (`--peer-token-secret`), created
     /// with a random token by the first node that finds it missing.
     Secret(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Local,
+    Shared,
+    Xfs,
+}
+
+impl Backend {
+    pub const ALL: [Backend; 3] = [Backend::Local, Backend::Shared, Backend::Xfs];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Local => "local",
+            Backend::Shared => "shared",
+            Backend::Xfs => "xfs",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Backend> {
+        Backend::ALL.into_iter().find(|b| b.as_str() == s)
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Free space kept on a root's filesystem, below which pulls and new
+/// sources are refused: the smaller of a share of the filesystem and a
+/// number of bytes, so a small disk keeps a useful margin and a large one
+/// does not hold back terabytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reserve {
+    pub percent: u8,
+    pub bytes: u64,
+}
+
+impl Default for Reserve {
+    /// 5% of the filesystem, at most 10 GiB.
+    fn default() -> Self {
+        Reserve {
+            percent: 5,
+            bytes: 10 << 30,
+        }
+    }
+}
+
+impl Reserve {
+    /// The default inode reserve: 5% of the filesystem's inodes, at most
+    /// a million (`bytes` counts inodes here).
+    pub const INODES: Reserve = Reserve {
+        percent: 5,
+        bytes: 1_000_000,
+    };
+
+    /// No reserve (tests, embedding).
+    pub const NONE: Reserve = Reserve {
+        percent: 0,
+        bytes: 0,
+    };
+
+    /// The reserve, in bytes, on a filesystem of `total` bytes.
+    pub fn of(self, total: u64) -> u64 {
+        (total / 100)
+            .saturating_mul(self.percent as u64)
+            .min(self.bytes)
+    }
+
+    /// Parses `--min-free`: `5%`, `10G`, or both as `5%,10G` (the smaller
+    /// wins); a lone percentage or size leaves the other bound out.
+    pub fn parse(s: &str, parse_size: impl Fn(&str) -> Option<u64>) -> Option<Reserve> {
+        let mut r = Reserve {
+            percent: 100,
+            bytes: u64::MAX,
+        };
+        let mut any = false;
+        for part in s.split(',').map(str::trim) {
+            if let Some(p) = part.strip_suffix('%') {
+                r.percent = p.trim().parse().ok().filter(|p| *p <= 100)?;
+            } else {
+                r.bytes = parse_size(part)?;
+            }
+            any = true;
+        }
+        any.then_some(r)
+    }
+}
+
+impl fmt::Display for Reserve {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.percent, self.bytes) {
+            (100, u64::MAX) => f.write_str("none"),
+            (p, u64::MAX) => write!(f, "{p}%"),
+            (100, b) => write!(f, "{b} bytes"),
+            (p, b) => write!(f, "{p}% or {b} bytes, whichever is smaller"),
+        }
+    }
 }

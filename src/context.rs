@@ -24,7 +24,7 @@ impl Context {
     /// A context without API access, counting into `metrics`.
     pub fn new(cfg: Arc<Config>, metrics: Arc<Metrics>) -> Context {
         Context {
-            roots: cfg.roots(),
+            roots: crate::cache::Roots::of(&cfg),
             cfg,
             kube: None,
             metrics,

@@ -21,30 +21,6 @@ impl IdentityService {
     }
 }
 
-/// Reasons the enabled backends cannot work; empty when all can.
-pub fn problems(cfg: &Config) -> Vec<String> {
-    let mut out = Vec::new();
-    for root in cfg.roots().roots {
-        // A name of this check's own: two checks at once (a liveness probe
-        // beside Probe) must not remove each other's file and fail.
-        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if let Err(e) = std::fs::create_dir_all(&root.dir).and_then(|_| {
-            let probe = root.dir.join(format!(".probe-{}-{n}", std::process::id()));
-            std::fs::write(&probe, b"")?;
-            std::fs::remove_file(&probe)
-        }) {
-            out.push(format!("{} is not writable: {e}", root.describe()));
-        }
-    }
-    out.extend(
-        cfg.backends
-            .iter()
-            .filter_map(|b| b.store().unusable(&cfg.shared_paths)),
-    );
-    out
-}
-
 #[tonic::async_trait]
 impl Identity for IdentityService {
     async fn get_plugin_info(
@@ -89,37 +65,13 @@ impl Identity for IdentityService {
 
     async fn probe(&self, _: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
         let cfg = self.cfg.clone();
-        let problems = crate::offload::blocking(move || Ok(problems(&cfg))).await?;
+        let problems =
+            crate::offload::blocking(move || Ok(crate::provision::health::problems(&cfg))).await?;
         for p in &problems {
             tracing::warn!(problem = %p, "not ready");
         }
         Ok(Response::new(ProbeResponse {
             ready: Some(problems.is_empty()),
         }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Forty checks at once, as a burst of liveness probes and Probe calls
-    /// makes them: none sees another's probe file vanish.
-    #[test]
-    fn concurrent_checks_do_not_race() {
-        let d = tempfile::tempdir().unwrap();
-        let cfg = Config::for_node("n", d.path());
-        let failed: Vec<String> = std::thread::scope(|s| {
-            let all: Vec<_> = (0..40)
-                .map(|_| s.spawn(|| (0..20).flat_map(|_| problems(&cfg)).collect::<Vec<_>>()))
-                .collect();
-            all.into_iter().flat_map(|h| h.join().unwrap()).collect()
-        });
-        assert!(
-            failed.is_empty(),
-            "{} failures, first: {:?}",
-            failed.len(),
-            failed.first()
-        );
     }
 }

@@ -661,7 +661,7 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
         let caps = cfg.pull.capacity.clone();
         let (health_cfg, health_reg) = (cfg.clone(), reg_state.clone());
         let health = move || {
-            let mut p = modelcache_csi::identity::problems(&health_cfg);
+            let mut p = modelcache_csi::provision::health::problems(&health_cfg);
             if let Outcome::Rejected(e) = health_reg.get() {
                 p.push(format!("kubelet refused the plugin registration: {e}"));
             }
@@ -679,7 +679,7 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
             }
         });
     }
-    for p in modelcache_csi::identity::problems(&cfg) {
+    for p in modelcache_csi::provision::health::problems(&cfg) {
         tracing::warn!(problem = %p, "a backend is not usable; Probe will report not ready");
     }
     if let Some(name) = a.create_peer_token_secret.clone().filter(|n| !n.is_empty()) {

@@ -20,7 +20,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::cache::{self, Roots};
+use crate::config::Backend;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Scheme {
@@ -66,6 +66,19 @@ pub struct State {
     pub state: String,
 }
 
+/// A root as the gauges see it: where it is and how full. The store
+/// implements it, so the gauges read a root without knowing the store.
+pub trait GaugedRoot: Send + Sync {
+    fn backend(&self) -> Backend;
+    fn dir(&self) -> &std::path::Path;
+    /// Where its sources live: a mount of something below it is ours.
+    fn sources_dir(&self) -> std::path::PathBuf;
+    /// Bytes its pulled models take.
+    fn used(&self) -> crate::error::Result<u64>;
+    /// Bytes a pull may still take, under `capacity` and the reserve.
+    fn free(&self, capacity: Option<u64>) -> crate::error::Result<u64>;
+}
+
 pub struct Metrics {
     pub pulls: Family<PullOutcome, Counter>,
     pub pull_bytes: Family<Scheme, Counter>,
@@ -90,7 +103,7 @@ pub struct Metrics {
     pub peer_refused: Family<Reason, Counter>,
     registry: Mutex<Registry>,
     /// Roots whose disk and mount gauges `refresh_gauges` computes.
-    roots: Mutex<Vec<Roots>>,
+    roots: Mutex<Vec<Arc<dyn GaugedRoot>>>,
     /// Bumped by every CSI call that may change a gauge; the gauges are
     /// recomputed only when it moved (or they are old), so they cost the
     /// disk nothing while nothing happens.
@@ -264,11 +277,11 @@ impl Metrics {
     }
 
     /// Includes these roots in the scrape-time gauges.
-    pub fn watch_roots(&self, roots: Roots) {
+    pub fn watch_roots(&self, roots: impl IntoIterator<Item = Arc<dyn GaugedRoot>>) {
         self.roots
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(roots);
+            .extend(roots);
     }
 
     pub fn rpc(&self, method: &str, started: Instant, code: Option<tonic::Code>) {
@@ -293,17 +306,16 @@ impl Metrics {
         }
     }
 
-    fn refresh_gauges(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) {
+    fn refresh_gauges(&self, capacity: &dyn Fn(Backend) -> Option<u64>) {
         let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let roots: Vec<&cache::Root> = roots.iter().flat_map(|rs| &rs.roots).collect();
         for root in &roots {
             let label = BackendLabel {
-                backend: root.backend.to_string(),
+                backend: root.backend().to_string(),
             };
-            if let Ok(used) = cache::evict::usage(root) {
+            if let Ok(used) = root.used() {
                 self.cache_used.get_or_create(&label).set(used as i64);
             }
-            if let Ok(free) = cache::evict::available(root, capacity(root.backend)) {
+            if let Ok(free) = root.free(capacity(root.backend())) {
                 self.cache_free
                     .get_or_create(&label)
                     .set(free.min(i64::MAX as u64) as i64);
@@ -334,7 +346,7 @@ impl Metrics {
                 let sources = root.sources_dir();
                 (m.root.starts_with(&sources)
                     || file.as_ref().is_some_and(|b| b.starts_with(&sources)))
-                    && !m.mount_point.starts_with(root.dir.as_path())
+                    && !m.mount_point.starts_with(root.dir())
             });
             if !ours {
                 continue;
@@ -377,7 +389,7 @@ impl Metrics {
 
     /// Computes the gauges if stale. Blocking (it reads seals and the mount
     /// table); callers serialise it, so a burst of scrapes costs one.
-    fn refresh_if_stale(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) {
+    fn refresh_if_stale(&self, capacity: &dyn Fn(Backend) -> Option<u64>) {
         if !self.gauges_stale() {
             return;
         }
@@ -407,7 +419,7 @@ impl Metrics {
 
     /// The text exposition. The gauges are as `keep_gauges_fresh` last
     /// left them, or computed now if nothing has computed them yet.
-    pub fn render(&self, capacity: &dyn Fn(cache::Backend) -> Option<u64>) -> String {
+    pub fn render(&self, capacity: &dyn Fn(Backend) -> Option<u64>) -> String {
         let never = self
             .computed
             .lock()
@@ -455,7 +467,7 @@ const OPEN: usize = 1024;
 /// the answer may wait for it to read.
 const SLOW_CLIENT: std::time::Duration = std::time::Duration::from_secs(2);
 
-type Capacity = Arc<dyn Fn(cache::Backend) -> Option<u64> + Send + Sync>;
+type Capacity = Arc<dyn Fn(Backend) -> Option<u64> + Send + Sync>;
 type Health = Arc<dyn Fn() -> Vec<String> + Send + Sync>;
 type Shared<T> = futures::future::Shared<futures::future::BoxFuture<'static, T>>;
 

@@ -156,7 +156,12 @@ pub async fn serve_on(
             }
         });
     }
-    metrics.watch_roots(ctx.roots.clone());
+    metrics.watch_roots(
+        ctx.roots
+            .roots
+            .iter()
+            .map(|r| Arc::new(r.clone()) as Arc<dyn crate::metrics::GaugedRoot>),
+    );
     let router = tonic::transport::Server::builder()
         .layer(tower::layer::layer_fn(move |inner| Observe {
             inner,

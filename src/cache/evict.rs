@@ -220,6 +220,25 @@ pub fn available(root: &Root, capacity: Option<u64>) -> Result<u64> {
     })
 }
 
+/// What the metrics' gauges read of a root.
+impl crate::metrics::GaugedRoot for Root {
+    fn backend(&self) -> super::Backend {
+        self.backend
+    }
+    fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+    fn sources_dir(&self) -> std::path::PathBuf {
+        Root::sources_dir(self)
+    }
+    fn used(&self) -> Result<u64> {
+        usage(self)
+    }
+    fn free(&self, capacity: Option<u64>) -> Result<u64> {
+        available(self, capacity)
+    }
+}
+
 /// Evicts one model unless a reference appeared meanwhile. Returns whether
 /// it was removed.
 pub fn evict(root: &Root, sid: &str) -> Result<bool> {
@@ -381,8 +400,7 @@ mod tests {
     #[test]
     fn a_volume_unpins_only_its_own_pin() {
         let d = tempfile::tempdir().unwrap();
-        let root = crate::config::Config::for_node("n", d.path())
-            .roots()
+        let root = crate::cache::Roots::of(&crate::config::Config::for_node("n", d.path()))
             .roots
             .remove(0);
         let sid = format!("m{}", "c".repeat(31));
@@ -416,8 +434,7 @@ mod tests {
     #[test]
     fn a_reference_removed_while_eviction_looks_is_gone_when_the_model_is_back() {
         let d = tempfile::tempdir().unwrap();
-        let root = crate::config::Config::for_node("n", d.path())
-            .roots()
+        let root = crate::cache::Roots::of(&crate::config::Config::for_node("n", d.path()))
             .roots
             .remove(0);
         let sid = format!("m{}", "e".repeat(31));
@@ -450,8 +467,7 @@ mod tests {
     #[test]
     fn an_unreadable_seal_costs_only_its_own_model() {
         let d = tempfile::tempdir().unwrap();
-        let root = crate::config::Config::for_node("n", d.path())
-            .roots()
+        let root = crate::cache::Roots::of(&crate::config::Config::for_node("n", d.path()))
             .roots
             .remove(0);
         let good = format!("m{}", "1".repeat(31));
@@ -504,8 +520,7 @@ mod tests {
     #[test]
     fn touch_writes_at_most_once_a_minute() {
         let d = tempfile::tempdir().unwrap();
-        let root = crate::config::Config::for_node("n", d.path())
-            .roots()
+        let root = crate::cache::Roots::of(&crate::config::Config::for_node("n", d.path()))
             .roots
             .remove(0);
         let sid = format!("m{}", "d".repeat(31));

@@ -297,7 +297,7 @@ mod tests {
             backends: vec![backend],
             ..Config::default()
         };
-        let root = cfg.roots().roots[0].clone();
+        let root = crate::cache::Roots::of(&cfg).roots[0].clone();
         fs::create_dir_all(root.source(SID).data()).unwrap();
         (tmp, root)
     }

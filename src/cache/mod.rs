@@ -543,7 +543,7 @@ mod tests {
             state_dir: d.path().to_path_buf(),
             ..Config::default()
         };
-        let root = cfg.roots().roots.remove(0);
+        let root = Roots::of(&cfg).roots.remove(0);
         let sid = format!("m{}", "a".repeat(31));
         let dir = root.sources_dir().join(&sid);
         for sub in ["data", "state", "blobs", "partial"] {

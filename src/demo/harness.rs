@@ -232,7 +232,7 @@ impl InProcessDriver {
         let client = Client::connect(socket).await?;
         Ok(InProcessDriver {
             client: Some(client),
-            roots: cfg.roots(),
+            roots: crate::cache::Roots::of(&cfg),
             cfg,
             metrics,
             stop: Some(stop),

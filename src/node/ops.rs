@@ -122,7 +122,7 @@ impl NodeOps {
     }
 
     pub fn with_mounter(cfg: Arc<Config>, mounter: Arc<dyn Mounter>) -> NodeOps {
-        let roots = cfg.roots();
+        let roots = crate::cache::Roots::of(&cfg);
         let views = Arc::new(super::progressive::Views::new(
             &cfg.state_dir,
             cfg.fuse_keeper.as_deref(),

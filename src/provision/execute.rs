@@ -624,7 +624,7 @@ mod tests {
     fn a_namespace_holds_at_most_its_share_of_models() {
         let d = tempfile::tempdir().unwrap();
         let cfg = crate::config::Config::for_node("n", d.path());
-        let root = cfg.roots().roots.remove(0);
+        let root = crate::cache::Roots::of(&cfg).roots.remove(0);
         let volume = |i: u32, ns: &str, model: &str| {
             let uuid = format!("{i:032x}");
             let rec = VolumeRecord {

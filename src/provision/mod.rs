@@ -7,6 +7,7 @@
 //! through the same calls and the same locks.
 
 mod execute;
+pub mod health;
 pub mod node_report;
 pub mod params;
 pub mod plan;

@@ -535,7 +535,7 @@ mod tests {
     }
 
     fn run(cfg: &Config, c: Case) -> Result<Plan> {
-        let roots = cfg.roots();
+        let roots = crate::cache::Roots::of(cfg);
         let params = super::super::params::Params::parse(&c.req.params)?;
         plan(
             cfg,
@@ -562,7 +562,7 @@ mod tests {
     fn each_request_gets_one_kind_of_work_on_the_right_root() {
         let d = tempfile::tempdir().unwrap();
         let cfg = config(d.path());
-        let roots = cfg.roots();
+        let roots = crate::cache::Roots::of(&cfg);
         let local = roots.node_local(Backend::Local).unwrap().clone();
         let from = source_volume(&local, 5 << 30);
         let mut sized = request(&[("backend", "xfs")]);
@@ -688,7 +688,10 @@ mod tests {
     fn a_bad_request_names_its_field_before_anything_is_written() {
         let d = tempfile::tempdir().unwrap();
         let cfg = config(d.path());
-        let local = cfg.roots().node_local(Backend::Local).unwrap().clone();
+        let local = crate::cache::Roots::of(&cfg)
+            .node_local(Backend::Local)
+            .unwrap()
+            .clone();
         let from = source_volume(&local, 1 << 30);
         let with_capacity = |required, limit| {
             let mut r = request(&[]);

@@ -398,7 +398,7 @@ mod tests {
             state_dir: dir.to_path_buf(),
             ..Config::default()
         };
-        cfg.roots().roots.remove(0)
+        crate::cache::Roots::of(&cfg).roots.remove(0)
     }
 
     /// One file of `len` bytes, served slowly, counting resolves.

@@ -471,8 +471,7 @@ async fn paced_pull_with(faults: impl FnOnce(&crate::support::fixtures::FileServ
         .map(|f| (f.path.clone(), f.size.unwrap()))
         .collect();
     assert_eq!(listing[0].0, "config.json");
-    let root = Config::for_node("n", &t.path().join("state"))
-        .roots()
+    let root = modelcache_csi::cache::Roots::of(&Config::for_node("n", &t.path().join("state")))
         .roots
         .remove(0);
     let engine = Engine::new(
@@ -821,10 +820,10 @@ fn a_crash_once_every_file_is_verified_but_before_it_is_durable_loses_nothing() 
         let server = origin_rt.block_on(FileServer::start(&model));
         server.put("m.json", fixtures::manifest_for(&model, true));
         let uri = format!("{}#manifest", server.url("m.json"));
-        let root = Config::for_node("n", &t.path().join("state"))
-            .roots()
-            .roots
-            .remove(0);
+        let root =
+            modelcache_csi::cache::Roots::of(&Config::for_node("n", &t.path().join("state")))
+                .roots
+                .remove(0);
 
         // The first process: pulls for a volume usable once verified.
         let first = runtime();

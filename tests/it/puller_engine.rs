@@ -145,7 +145,7 @@ fn root_at(dir: &Path) -> Root {
         backends: vec![Backend::Local],
         ..Config::default()
     };
-    cfg.roots().roots.remove(0)
+    modelcache_csi::cache::Roots::of(&cfg).roots.remove(0)
 }
 
 fn fast(cfg: EngineConfig) -> EngineConfig {

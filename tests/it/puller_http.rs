@@ -625,7 +625,9 @@ async fn a_cache_hit_of_a_gated_repo_needs_the_requesters_own_access() {
     let hub = HubServer::start(&model).await;
     hub.gate("team-a-token");
     let state = tempfile::tempdir().unwrap();
-    let root = Config::for_node("n", state.path()).roots().roots.remove(0);
+    let root = modelcache_csi::cache::Roots::of(&Config::for_node("n", state.path()))
+        .roots
+        .remove(0);
     let engine = Engine::new(
         EngineConfig::default(),
         modelcache_csi::puller::extract_layer,
@@ -699,7 +701,9 @@ async fn a_hub_token_is_found_under_the_keys_other_tools_use() {
     let endpoint = hub.endpoint();
     for key in ["hfToken", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "token"] {
         let state = tempfile::tempdir().unwrap();
-        let root = Config::for_node("n", state.path()).roots().roots.remove(0);
+        let root = modelcache_csi::cache::Roots::of(&Config::for_node("n", state.path()))
+            .roots
+            .remove(0);
         let engine = Engine::new(
             EngineConfig::default(),
             modelcache_csi::puller::extract_layer,
@@ -714,7 +718,9 @@ async fn a_hub_token_is_found_under_the_keys_other_tools_use() {
             .unwrap_or_else(|e| panic!("{key}: {e}"));
     }
     let state = tempfile::tempdir().unwrap();
-    let root = Config::for_node("n", state.path()).roots().roots.remove(0);
+    let root = modelcache_csi::cache::Roots::of(&Config::for_node("n", state.path()))
+        .roots
+        .remove(0);
     let engine = Engine::new(
         EngineConfig::default(),
         modelcache_csi::puller::extract_layer,

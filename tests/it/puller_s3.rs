@@ -332,7 +332,9 @@ async fn a_listable_but_unreadable_bucket_gives_no_cache_hit() {
         }),
     );
     let state = tempfile::tempdir().unwrap();
-    let root = Config::for_node("n", state.path()).roots().roots.remove(0);
+    let root = modelcache_csi::cache::Roots::of(&Config::for_node("n", state.path()))
+        .roots
+        .remove(0);
     let engine = Engine::new(
         EngineConfig::default(),
         modelcache_csi::puller::extract_layer,

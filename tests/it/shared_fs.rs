@@ -30,7 +30,7 @@ fn root_at(shared: &Path) -> Root {
         backends: vec![Backend::Shared],
         ..Config::default()
     };
-    cfg.roots().roots.remove(0)
+    modelcache_csi::cache::Roots::of(&cfg).roots.remove(0)
 }
 
 fn take(root: &Root, node: &str, staging: &str) -> modelcache_csi::error::Result<bool> {
