@@ -530,74 +530,96 @@ fn forget_cached(path: &Path) {
 /// The Gluster server goes away while a source volume is being sealed:
 /// the seal fails with a retryable code, nothing is sealed on the server
 /// (its brick holds no seal.json), and the seal goes through once the
-/// server is back, over exactly the bytes the writer wrote.
+/// server is back, over exactly the bytes the writer wrote. The bricks are
+/// killed the moment the seal has begun; a seal that still finished first
+/// (its seal.json on the brick before the kill: a loaded machine can delay
+/// the kill past the hashing) proves nothing either way, so the scenario
+/// runs again on a new source, a few times at most.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_going_away_mid_seal_seals_nothing_and_the_seal_completes_after() {
     let mut g = Gluster::volume();
     let a = g.mount("");
     let na = Driver::start_node("node-a", Some(&a), &[]).await;
-    let src = na.create_source("pvc-src", "shared").await;
-    let sid = src.volume_context["source"].clone();
-    let staging = na.staging("src");
-    na.stage(&src.volume_id, &staging, WRITER).await.unwrap();
-    let files = write_files(&content(&staging), &[96 << 20; 3]);
-    na.unstage(&src.volume_id, &staging).await.unwrap();
-    // The seal must read its bytes from the server, not from pages the
-    // writer left cached on either side: from cache it could hash all of
-    // them before the server goes away.
-    let on_server = g.on_server(&sid).expect("the source is on the server");
-    for (name, _) in &files {
-        for dir in [on_server.clone(), g.on_client(&a, &on_server)] {
-            forget_cached(&dir.join("data").join(name));
+    for attempt in 0..3 {
+        let src = na
+            .create_source(&format!("pvc-src-{attempt}"), "shared")
+            .await;
+        let sid = src.volume_context["source"].clone();
+        let staging = na.staging(&format!("src-{attempt}"));
+        na.stage(&src.volume_id, &staging, WRITER).await.unwrap();
+        let files = write_files(&content(&staging), &[96 << 20; 3]);
+        na.unstage(&src.volume_id, &staging).await.unwrap();
+        // The seal must read its bytes from the server, not from pages the
+        // writer left cached on either side: from cache it could hash all of
+        // them before the server goes away.
+        let on_server = g.on_server(&sid).expect("the source is on the server");
+        for (name, _) in &files {
+            for dir in [on_server.clone(), g.on_client(&a, &on_server)] {
+                forget_cached(&dir.join("data").join(name));
+            }
         }
-    }
+        // Found now: the kill below must not wait on a process listing.
+        let bricks = g.brick_pids();
 
-    let seal = {
-        let req = ControllerModifyVolumeRequest {
-            volume_id: src.volume_id.clone(),
-            mutable_parameters: map(&[("sealed", "true")]),
-            ..Default::default()
+        let seal = {
+            let req = ControllerModifyVolumeRequest {
+                volume_id: src.volume_id.clone(),
+                mutable_parameters: map(&[("sealed", "true")]),
+                ..Default::default()
+            };
+            let mut controller = na.client.controller.clone();
+            tokio::spawn(async move { controller.controller_modify_volume(req).await })
         };
-        let mut controller = na.client.controller.clone();
-        tokio::spawn(async move { controller.controller_modify_volume(req).await })
-    };
-    // Hashing 288 MiB read from the server takes seconds: the server goes
-    // away as soon as the seal has begun (its intent marker is there).
-    let begun = Instant::now();
-    while !on_server.join("sealing").exists() {
+        // Hashing 288 MiB read from the server takes a second or more: the
+        // server goes away as soon as the seal has begun (its intent marker
+        // is there).
+        let begun = Instant::now();
+        while !on_server.join("sealing").exists() {
+            assert!(
+                begun.elapsed() < Duration::from_secs(30),
+                "the seal never began"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        g.kill_bricks(&bricks);
+        let beaten = on_server.join("seal.json").exists();
+        // And stopped as glusterd knows it, so that starting it again
+        // brings the clients back.
+        g.stop_server();
+        let answer = tokio::time::timeout(Duration::from_secs(60), seal)
+            .await
+            .expect("the seal answers with the server gone")
+            .unwrap()
+            .map(|r| r.into_inner());
+        if beaten {
+            eprintln!("attempt {attempt}: the seal finished before the bricks were killed; again");
+            g.start_server();
+            continue;
+        }
+        let st = answer.expect_err("a seal whose filesystem went away mid-way cannot succeed");
+        assert_retryable(&st);
+        let on_server = g.on_server(&sid).expect("the source is on the server");
+        assert!(on_server.join("data").is_dir(), "{}", on_server.display());
         assert!(
-            begun.elapsed() < Duration::from_secs(30),
-            "the seal never began"
+            !on_server.join("seal.json").exists(),
+            "a seal cut short is on the server"
         );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    g.stop_server();
-    let st = tokio::time::timeout(Duration::from_secs(60), seal)
-        .await
-        .expect("the seal answers with the server gone")
-        .unwrap()
-        .map(|r| r.into_inner())
-        .expect_err("a seal whose filesystem went away mid-way cannot succeed");
-    assert_retryable(&st);
-    let on_server = g.on_server(&sid).expect("the source is on the server");
-    assert!(on_server.join("data").is_dir(), "{}", on_server.display());
-    assert!(
-        !on_server.join("seal.json").exists(),
-        "a seal cut short is on the server"
-    );
 
-    g.start_server();
-    once_back(|| na.seal(&src.volume_id)).await;
-    let clone = na
-        .create_cache("pvc-clone", &src.volume_id, &[])
-        .await
-        .unwrap();
-    let s = na.staging("clone");
-    na.stage(&clone.volume_id, &s, READER).await.unwrap();
-    assert!(
-        exact(&content(&s), &files),
-        "the clone holds the writer's bytes"
-    );
+        g.start_server();
+        once_back(|| na.seal(&src.volume_id)).await;
+        let clone = na
+            .create_cache(&format!("pvc-clone-{attempt}"), &src.volume_id, &[])
+            .await
+            .unwrap();
+        let s = na.staging(&format!("clone-{attempt}"));
+        na.stage(&clone.volume_id, &s, READER).await.unwrap();
+        assert!(
+            exact(&content(&s), &files),
+            "the clone holds the writer's bytes"
+        );
+        return;
+    }
+    panic!("every seal finished before its server was killed: nothing was tested");
 }
 
 /// A server that stops answering (its brick process frozen: the network

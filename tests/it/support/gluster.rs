@@ -213,7 +213,7 @@ impl Gluster {
 
     /// The brick processes' pids, from their command lines (they name the
     /// brick's directory).
-    fn brick_pids(&self) -> Vec<i32> {
+    pub fn brick_pids(&self) -> Vec<i32> {
         let brick = self.dir.path().join("brick");
         let out = Command::new("pgrep")
             .args(["-f", &format!("glusterfsd.*{}", brick.display())])
@@ -223,6 +223,17 @@ impl Gluster {
             .split_whitespace()
             .filter_map(|p| p.parse().ok())
             .collect()
+    }
+
+    /// Kills the bricks `pids` (SIGKILL), as when the server crashes:
+    /// clients see their connections reset at once, where `stop_server`
+    /// goes through glusterd first. `start_server` brings them back.
+    pub fn kill_bricks(&self, pids: &[i32]) {
+        assert!(!pids.is_empty(), "no brick process to kill");
+        for &p in pids {
+            // SAFETY: a signal to a brick process of this test's volume.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
     }
 
     /// Freezes the bricks (SIGSTOP): connections stay open and nothing
