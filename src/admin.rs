@@ -318,7 +318,7 @@ fn entry(root: &Root, sid: &str) -> Result<Entry> {
         Err(Error::Precondition(why)) => (None, Some(why)),
         Err(e) => return Err(e),
     };
-    let model = cache::SourceId::parse(sid).is_some_and(|s| s.is_model());
+    let model = cache::SourceId::parse_model(sid).is_some();
     let uuids = evict::live_refs(root, sid)?;
     let volumes = uuids.iter().map(|uuid| root.volume_id(uuid)).collect();
     let mut signed_by: Vec<String> = seal.iter().filter_map(|s| s.signed_by.clone()).collect();
@@ -573,7 +573,7 @@ struct Changed {
 
 async fn set_pinned(roots: &Roots, id: &str, pinned: bool, output: Output) -> Result<()> {
     let root = find(roots, id)?;
-    if !cache::SourceId::parse(id).is_some_and(|s| s.is_model()) {
+    if !cache::SourceId::parse_model(id).is_some() {
         return Err(Error::Precondition(format!(
             "{id} is a source volume, never evicted: only pulled models are pinned"
         )));
@@ -603,7 +603,7 @@ struct Evicted {
 }
 
 fn do_evict(root: &Root, sid: &str) -> Result<Evicted> {
-    if !cache::SourceId::parse(sid).is_some_and(|s| s.is_model()) {
+    if !cache::SourceId::parse_model(sid).is_some() {
         return Err(Error::Precondition(format!(
             "{sid} is a source volume: it goes with its volume (delete the PVC), never by eviction"
         )));

@@ -166,7 +166,7 @@ fn accounted(root: &Root, sid: &str) -> Result<Accounted> {
 /// The models of a root, by id.
 fn models(root: &Root) -> Result<Vec<String>> {
     let mut ids = state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())?;
-    ids.retain(|sid| SourceId::parse(sid).is_some_and(|s| s.is_model()));
+    ids.retain(|sid| SourceId::parse_model(sid).is_some());
     Ok(ids)
 }
 

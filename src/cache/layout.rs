@@ -116,6 +116,11 @@ impl SourceId {
         self.kind() == SourceKind::Model
     }
 
+    /// `sid` as a pulled model's id; `None` for anything else.
+    pub fn parse_model(sid: &str) -> Option<SourceId> {
+        SourceId::parse(sid).filter(SourceId::is_model)
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -312,7 +312,7 @@ pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
             Err(e) => return Err(Error::io("remove reference", &path, e)),
         }
     }
-    if let Some(sid) = SourceId::parse(sid).filter(|s| s.is_model()) {
+    if let Some(sid) = SourceId::parse_model(sid) {
         let path = root.pull_area(&sid).refs().join(uuid);
         state::remove_file(&path).ctx("remove reference", &path)?;
     }

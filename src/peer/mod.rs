@@ -58,7 +58,7 @@ pub fn fillable(root: &Root) -> bool {
 
 /// Whether `sid` names a pulled model (only those are shared).
 pub fn is_model(sid: &str) -> bool {
-    SourceId::parse(sid).is_some_and(|s| s.kind() == crate::cache::layout::SourceKind::Model)
+    SourceId::parse_model(sid).is_some()
 }
 
 /// The cluster's peer credential, read again now and then so that a
