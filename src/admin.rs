@@ -573,7 +573,7 @@ struct Changed {
 
 async fn set_pinned(roots: &Roots, id: &str, pinned: bool, output: Output) -> Result<()> {
     let root = find(roots, id)?;
-    if !cache::SourceId::parse_model(id).is_some() {
+    if cache::SourceId::parse_model(id).is_none() {
         return Err(Error::Precondition(format!(
             "{id} is a source volume, never evicted: only pulled models are pinned"
         )));
@@ -603,7 +603,7 @@ struct Evicted {
 }
 
 fn do_evict(root: &Root, sid: &str) -> Result<Evicted> {
-    if !cache::SourceId::parse_model(sid).is_some() {
+    if cache::SourceId::parse_model(sid).is_none() {
         return Err(Error::Precondition(format!(
             "{sid} is a source volume: it goes with its volume (delete the PVC), never by eviction"
         )));

@@ -295,7 +295,7 @@ pub fn tidy_sealed(root: &Root) {
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if !SourceId::parse_model(&name).is_some() {
+        if SourceId::parse_model(&name).is_none() {
             continue;
         }
         let dir = entry.path();
