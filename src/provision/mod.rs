@@ -86,11 +86,6 @@ impl Provisioner {
         self.jobs.is_working(name)
     }
 
-    /// The roots this provisioner serves.
-    pub fn roots(&self) -> &crate::cache::Roots {
-        &self.roots
-    }
-
     /// The classes whose own model one of this node's node-local roots
     /// holds sealed, with that model (`cache::warm`), read off the runtime.
     pub async fn warm_classes(&self) -> Result<std::collections::BTreeMap<String, ClassModel>> {
