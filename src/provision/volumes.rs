@@ -230,7 +230,7 @@ impl Provisioner {
         }
         let cap = self.cfg.pull.capacity.get(&root.backend).copied();
         let free = cache::evict::available(&root, cap)?;
-        Ok(free.min(i64::MAX as u64) as i64)
+        Ok(in_steps(free).min(i64::MAX as u64) as i64)
     }
 
     /// Cancels pull jobs whose PVC, or whose inline volume's pod, is gone
@@ -420,9 +420,52 @@ pub fn node_of(pv: &k8s_openapi::api::core::v1::PersistentVolume, key: &str) -> 
         .and_then(|e| e.values.as_ref()?.first().cloned())
 }
 
+/// The room a capacity answer reports: rounded down to a power-of-two step
+/// of at most 1/64 of itself. external-provisioner writes a node's
+/// CSIStorageCapacity object for each class whenever its answer changes,
+/// at every poll; exact free bytes change with every write to the disk, so
+/// each poll rewrote every class's object on every node, and at the
+/// provisioner's client rate a new class's capacity queued behind them for
+/// tens of seconds. Rounding down never offers room that is not there.
+fn in_steps(free: u64) -> u64 {
+    match free / 64 {
+        0 => free,
+        part => {
+            let step = 1u64 << (63 - part.leading_zeros());
+            free - free % step
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capacity_is_answered_in_steps_that_never_offer_more() {
+        for free in [
+            0,
+            1,
+            63,
+            64,
+            65,
+            1000,
+            4095,
+            1 << 20,
+            27_852_779_112,
+            u64::MAX,
+        ] {
+            let r = in_steps(free);
+            assert!(r <= free, "{free} -> {r}");
+            assert!(free - r <= free / 64, "{free} -> {r}: more than 1/64 lost");
+        }
+        // Writes that move the free space within a step change nothing.
+        let base = 27_852_779_112u64;
+        let step = in_steps(base);
+        assert_eq!(in_steps(base - 4096), step);
+        assert_eq!(in_steps(base - 100 * 1024), step);
+        assert_ne!(in_steps(base - (1 << 29)), step);
+    }
 
     #[test]
     fn a_node_local_pv_names_its_node_by_the_topology_key() {
