@@ -57,6 +57,8 @@ pub struct Config {
     pub label_warm_nodes: bool,
     /// Serve sealed models to other nodes and fill from them (`peer`).
     pub peer: Option<PeerConfig>,
+    /// What whoever deployed the driver put in its environment for pulls.
+    pub admin_env: std::sync::Arc<crate::trust::AdminEnv>,
 }
 
 impl Config {
@@ -105,6 +107,7 @@ impl Default for Config {
             summarize_prefetches: false,
             label_warm_nodes: false,
             peer: None,
+            admin_env: Default::default(),
         }
     }
 }

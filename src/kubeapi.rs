@@ -54,6 +54,8 @@ fn is_object_name(s: &str) -> bool {
 pub struct KubeApi {
     client: Client,
     driver: String,
+    /// The node this process serves, if any: the instance its events name.
+    node: Option<String>,
 }
 
 fn api_error(what: &str, e: kube::Error) -> Error {
@@ -132,10 +134,11 @@ fn secret_error(namespace: &str, name: &str, e: kube::Error) -> Error {
 }
 
 impl KubeApi {
-    pub fn new(client: Client, driver: &str) -> KubeApi {
+    pub fn new(client: Client, driver: &str, node: Option<&str>) -> KubeApi {
         KubeApi {
             client,
             driver: driver.to_string(),
+            node: node.map(str::to_owned),
         }
     }
 
@@ -174,7 +177,7 @@ impl KubeApi {
     fn reporter(&self) -> Reporter {
         Reporter {
             controller: self.driver.clone(),
-            instance: std::env::var("NODE_NAME").ok(),
+            instance: self.node.clone(),
         }
     }
 

@@ -531,6 +531,7 @@ fn config(a: &ServeArgs) -> anyhow::Result<Config> {
         summarize_prefetches: a.summarize_prefetches,
         label_warm_nodes: a.label_warm_nodes,
         peer: peer_config(a)?,
+        admin_env: Arc::new(modelcache_csi::trust::AdminEnv::from_process()),
         evict_idle: a
             .evict_idle_minutes
             .map(|m| std::time::Duration::from_secs(m * 60)),

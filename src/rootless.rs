@@ -62,7 +62,11 @@ impl Driver {
         std::fs::create_dir_all(dir.path().join("shared")).unwrap();
         let mut ctx = Context::standalone(cfg.clone());
         if let Some(client) = kube {
-            ctx = ctx.with_kube(KubeApi::new(client, &cfg.driver_name));
+            ctx = ctx.with_kube(KubeApi::new(
+                client,
+                &cfg.driver_name,
+                cfg.node_id.as_deref(),
+            ));
         }
         let fake = Arc::new(FakeMounter::default());
         let ops = Arc::new(NodeOps::with_mounter(cfg, fake.clone()));

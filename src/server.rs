@@ -83,6 +83,7 @@ pub async fn serve_on(
         ctx = ctx.with_kube(crate::kubeapi::KubeApi::new(
             client.clone(),
             &cfg.driver_name,
+            cfg.node_id.as_deref(),
         ));
         tracing::info!("using the Kubernetes API for per-PVC sources, pvc:// and events");
     }

@@ -175,6 +175,7 @@ impl Provisioner {
                     ranges: self.cfg.tenant_ranges.clone(),
                 },
                 admin_guard: None,
+                env: self.cfg.admin_env.clone(),
             },
             signature: params.signature.clone(),
             sink,
@@ -219,6 +220,7 @@ impl Provisioner {
                     params.allowed_sources.as_ref(),
                     &params.source_options,
                     &self.cfg.tenant_ranges,
+                    &self.cfg.admin_env,
                 )
                 .await
             }

@@ -208,7 +208,7 @@ impl HfSource {
             .params
             .get(ENDPOINT_PARAM)
             .cloned()
-            .or_else(|| std::env::var("HF_ENDPOINT").ok())
+            .or_else(|| opts.env.get("HF_ENDPOINT").map(str::to_owned))
             .filter(|e| !e.trim().is_empty())
             .unwrap_or_else(|| DEFAULT_ENDPOINT.to_string());
         let endpoint =

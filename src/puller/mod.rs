@@ -57,6 +57,8 @@ pub struct SourceOptions {
     /// ours (s3, oci): it closes only metadata addresses. `open` sets it;
     /// public only so that callers can build options with `..Default`.
     pub admin_guard: Option<Arc<egress::Guard>>,
+    /// The driver's environment (`Config::admin_env`).
+    pub env: Arc<crate::trust::AdminEnv>,
 }
 
 impl SourceOptions {
@@ -84,7 +86,7 @@ impl SourceOptions {
         if self.own_credentials_only() {
             return None;
         }
-        std::env::var(key).ok()
+        self.env.get(key).map(str::to_owned)
     }
 }
 
@@ -140,9 +142,14 @@ pub async fn open(uri: &str, opts: &SourceOptions) -> Result<Arc<dyn Source>> {
         match &opts.tenant {
             Some(t) => t.recheck("the model registry's artifact URI", &artifact)?,
             None => {
-                let scope =
-                    Tenant::registry_answer(&artifact, &registry, &opts.params, &opts.bounds)
-                        .await?;
+                let scope = Tenant::registry_answer(
+                    &artifact,
+                    &registry,
+                    &opts.params,
+                    &opts.bounds,
+                    &opts.env,
+                )
+                .await?;
                 if !scope.credentials {
                     opts.secrets.clear();
                 }

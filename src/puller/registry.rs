@@ -176,7 +176,7 @@ pub async fn resolve_artifact_uri(uri: &str, opts: &SourceOptions) -> Result<(St
         .params
         .get(URL_PARAM)
         .cloned()
-        .or_else(|| std::env::var("MODEL_REGISTRY_URL").ok())
+        .or_else(|| opts.env.get("MODEL_REGISTRY_URL").map(str::to_owned))
         .filter(|u| !u.trim().is_empty())
         .ok_or_else(|| {
             Error::invalid(

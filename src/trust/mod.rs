@@ -22,14 +22,65 @@ pub const ALLOWED_SOURCES: &str = "allowedSources";
 /// Parameters whose URL hosts the admin chose, so a tenant's pull may reach
 /// them wherever they are (a MinIO on a cluster address, for one).
 const ENDPOINT_PARAMS: [&str; 3] = ["s3Endpoint", "hfEndpoint", "modelRegistryURL"];
-/// The same, from the driver's environment (set by whoever deploys it).
-const ENDPOINT_ENV: [&str; 5] = [
-    "HF_ENDPOINT",
-    "MODEL_REGISTRY_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT",
-];
+
+/// The driver's own environment, as far as pulls read it: default
+/// endpoints and credentials an admin set on the driver's container. Read
+/// once at start-up, so that library code never consults the process's
+/// environment and tests give each driver its own.
+#[derive(Clone, Debug, Default)]
+pub struct AdminEnv {
+    vars: std::collections::BTreeMap<&'static str, String>,
+}
+
+impl AdminEnv {
+    /// Endpoints an admin's environment names: tenants' pulls may reach
+    /// their hosts, as the class's own endpoint parameters.
+    pub const ENDPOINTS: [&'static str; 5] = [
+        "HF_ENDPOINT",
+        "MODEL_REGISTRY_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT",
+    ];
+    /// Credentials, used only by pulls the admin vouches for.
+    pub const CREDENTIALS: [&'static str; 1] = ["HF_TOKEN"];
+
+    /// The variables above, from this process's environment.
+    pub fn from_process() -> AdminEnv {
+        Self::from_pairs(
+            Self::ENDPOINTS
+                .into_iter()
+                .chain(Self::CREDENTIALS)
+                .filter_map(|k| Some((k, std::env::var(k).ok()?))),
+        )
+    }
+
+    /// Only the variables above are kept; an empty value counts as unset.
+    pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, String)>) -> AdminEnv {
+        let known = |k: &str| {
+            Self::ENDPOINTS
+                .into_iter()
+                .chain(Self::CREDENTIALS)
+                .find(|&n| n == k)
+        };
+        AdminEnv {
+            vars: pairs
+                .into_iter()
+                .filter(|(_, v)| !v.trim().is_empty())
+                .filter_map(|(k, v)| Some((known(k)?, v)))
+                .collect(),
+        }
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.vars.get(key).map(String::as_str)
+    }
+
+    /// The endpoints set, in [`AdminEnv::ENDPOINTS`] order.
+    pub fn endpoints(&self) -> impl Iterator<Item = &str> {
+        Self::ENDPOINTS.into_iter().filter_map(|k| self.get(k))
+    }
+}
 
 /// StorageClass parameter: the URI prefixes a model registry's answer may
 /// carry the class's credentials to (its provisioner secret and the
@@ -72,6 +123,7 @@ impl Tenant {
         allowed: Option<&AllowedSources>,
         params: &std::collections::BTreeMap<String, String>,
         ranges: &egress::Ranges,
+        env: &AdminEnv,
     ) -> Result<Arc<Tenant>> {
         let allowed = allowed.ok_or_else(|| {
             Error::invalid(
@@ -86,7 +138,7 @@ impl Tenant {
         allowed
             .permits(uri)
             .map_err(|m| Error::NotAllowed(format!("{field}: {m}")))?;
-        Tenant::scope(allowed, params, ranges, false).await
+        Tenant::scope(allowed, params, ranges, env, false).await
     }
 
     /// The scope for a model registry's answer to a `model-registry://`
@@ -100,6 +152,7 @@ impl Tenant {
         registry: &url::Url,
         params: &std::collections::BTreeMap<String, String>,
         bounds: &Bounds,
+        env: &AdminEnv,
     ) -> Result<Arc<Tenant>> {
         const WHAT: &str = "the model registry's artifact URI";
         let own_host;
@@ -137,7 +190,7 @@ impl Tenant {
             .credentialed
             .as_ref()
             .is_some_and(|c| c.permits(artifact).is_ok());
-        Tenant::scope(allowed, params, &bounds.ranges, credentials).await
+        Tenant::scope(allowed, params, &bounds.ranges, env, credentials).await
     }
 
     /// A pull within `allowed`, behind a guard of its own that admits the
@@ -146,9 +199,10 @@ impl Tenant {
         allowed: &AllowedSources,
         params: &std::collections::BTreeMap<String, String>,
         ranges: &egress::Ranges,
+        env: &AdminEnv,
         credentials: bool,
     ) -> Result<Arc<Tenant>> {
-        let policy = egress::Policy::tenant(admitted_hosts(allowed, params), ranges.clone());
+        let policy = egress::Policy::tenant(admitted_hosts(allowed, params, env), ranges.clone());
         Ok(Arc::new(Tenant {
             allowed: allowed.clone(),
             guard: Arc::new(egress::Guard::new(policy).await?),
@@ -171,16 +225,13 @@ impl Tenant {
 fn admitted_hosts(
     allowed: &AllowedSources,
     params: &std::collections::BTreeMap<String, String>,
+    env: &AdminEnv,
 ) -> Vec<String> {
     let mut admitted = allowed.named_hosts();
-    let env: Vec<String> = ENDPOINT_ENV
-        .iter()
-        .filter_map(|k| std::env::var(k).ok())
-        .collect();
     for url in ENDPOINT_PARAMS
         .iter()
-        .filter_map(|k| params.get(*k))
-        .chain(env.iter())
+        .filter_map(|k| params.get(*k).map(String::as_str))
+        .chain(env.endpoints())
     {
         if let Ok(u) = url::Url::parse(url)
             && let (Some(host), Some(port)) = (u.host_str(), u.port_or_known_default())
@@ -189,4 +240,42 @@ fn admitted_hosts(
         }
     }
     admitted
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_driver_environment_endpoints_are_admitted_like_the_class_parameters() {
+        let allowed = AllowedSources::parse("hf://").unwrap();
+        let params = [("s3Endpoint".to_string(), "http://10.0.0.5:9000".to_string())].into();
+        let env = AdminEnv::from_pairs([
+            ("HF_ENDPOINT", "http://10.0.0.7:8080".to_string()),
+            ("AWS_ENDPOINT", String::new()),
+            ("PATH", "/bin".to_string()),
+        ]);
+        let hosts = admitted_hosts(&allowed, &params, &env);
+        assert!(hosts.contains(&"10.0.0.5:9000".to_string()), "{hosts:?}");
+        assert!(hosts.contains(&"10.0.0.7:8080".to_string()), "{hosts:?}");
+        let without = admitted_hosts(&allowed, &params, &AdminEnv::default());
+        assert!(
+            !without.contains(&"10.0.0.7:8080".to_string()),
+            "{without:?}"
+        );
+    }
+
+    #[test]
+    fn the_admin_environment_keeps_only_what_pulls_read() {
+        let env = AdminEnv::from_pairs([
+            ("HF_TOKEN", "t".to_string()),
+            ("AWS_ENDPOINT_URL", "http://s3.local".to_string()),
+            ("HF_ENDPOINT", " ".to_string()),
+            ("HOME", "/root".to_string()),
+        ]);
+        assert_eq!(env.get("HF_TOKEN"), Some("t"));
+        assert_eq!(env.get("HF_ENDPOINT"), None, "blank is unset");
+        assert_eq!(env.get("HOME"), None, "not a variable pulls read");
+        assert_eq!(env.endpoints().collect::<Vec<_>>(), ["http://s3.local"]);
+    }
 }

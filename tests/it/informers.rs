@@ -108,7 +108,7 @@ async fn an_inline_volumes_pod_is_found_by_listing() {
     use modelcache_csi::error::Error;
     let api = apiserver::ApiServer::start().expect("start apiserver");
     let c = client(&api).await;
-    let kube = modelcache_csi::kubeapi::KubeApi::new(c.clone(), "modelcache.csi.io");
+    let kube = modelcache_csi::kubeapi::KubeApi::new(c.clone(), "modelcache.csi.io", None);
     let pods: Api<Pod> = Api::namespaced(c, "default");
     let pod: Pod = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "reader", "finalizers": ["example.com/hold"]},

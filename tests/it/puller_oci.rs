@@ -357,6 +357,7 @@ async fn a_tenant_reaches_a_registry_only_when_the_class_names_it() {
             Some(&named),
             &opts.params,
             &Default::default(),
+            &Default::default(),
         )
         .await
         .unwrap(),
@@ -386,6 +387,7 @@ async fn a_tenant_reaches_a_registry_only_when_the_class_names_it() {
             &uri,
             Some(&any),
             &opts.params,
+            &Default::default(),
             &Default::default(),
         )
         .await

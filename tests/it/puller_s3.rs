@@ -272,6 +272,7 @@ async fn a_tenant_pulls_through_the_guard_with_its_own_keys_only() {
                 Some(&allowed),
                 &params,
                 &Default::default(),
+                &Default::default(),
             )
             .await
             .unwrap();
@@ -356,6 +357,7 @@ async fn a_listable_but_unreadable_bucket_gives_no_cache_hit() {
         uri,
         Some(&allowed),
         &params,
+        &Default::default(),
         &Default::default(),
     )
     .await
