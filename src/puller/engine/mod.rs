@@ -163,6 +163,10 @@ struct Pull<'a> {
     listing_order: bool,
     /// Pods read the files as they are verified (`Ask::readers`).
     readers: bool,
+    /// Who pulls (`Source::requester`): once every byte is verified it
+    /// has read them with its own credentials, or proved its access
+    /// before peers served them.
+    requester: Option<String>,
 }
 
 /// Who asks for a pull, and how.
@@ -479,12 +483,12 @@ impl Engine {
                 signature,
                 listing_order: self.cfg.listing_order || ask.listing_order,
                 readers: ask.readers || ask.listing_order,
+                requester: source.requester(),
             };
             let counted = Counted {
                 inner: sink,
                 bytes: AtomicU64::new(0),
             };
-            let requester = source.requester();
             let source = self.filled(root, &sid, &resolved, source, outage).await;
             let fetched = async {
                 self.fetch_within_deadline(root, &pull, source?, &counted)
@@ -498,12 +502,6 @@ impl Engine {
             }
             match fetched {
                 Ok((seal, fetched, from)) => {
-                    // It read every byte with its own credentials, or proved
-                    // its access before peers served them.
-                    if let Some(r) = requester {
-                        self.access.remember(sid.as_str(), r);
-                    }
-
                     m.pull_bytes
                         .get_or_create(&crate::metrics::Scheme {
                             scheme: scheme.clone(),
@@ -970,6 +968,12 @@ impl Engine {
         );
         let peers = ctx.source.provenance().map(|p| p.peers).unwrap_or_default();
         let policy = pull.signature.cloned();
+        // Remembered before the seal is visible: a requester that finds it
+        // sealed (a join that waited for this pull) is then not asked to
+        // prove at the origin what this pull just read there.
+        if let Some(r) = &pull.requester {
+            self.access.remember(pull.sid.as_str(), r.clone());
+        }
         let seal = blocking(move || {
             let vouch = |tree: &cache::manifest::Tree, data: &Path| match &policy {
                 Some(p) => p.check_dir(&tree.files, &tree.symlinks, data),
