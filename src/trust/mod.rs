@@ -45,24 +45,18 @@ impl AdminEnv {
     /// Credentials, used only by pulls the admin vouches for.
     pub const CREDENTIALS: [&'static str; 1] = ["HF_TOKEN"];
 
+    fn names() -> impl Iterator<Item = &'static str> {
+        Self::ENDPOINTS.into_iter().chain(Self::CREDENTIALS)
+    }
+
     /// The variables above, from this process's environment.
     pub fn from_process() -> AdminEnv {
-        Self::from_pairs(
-            Self::ENDPOINTS
-                .into_iter()
-                .chain(Self::CREDENTIALS)
-                .filter_map(|k| Some((k, std::env::var(k).ok()?))),
-        )
+        Self::from_pairs(Self::names().filter_map(|k| Some((k, std::env::var(k).ok()?))))
     }
 
     /// Only the variables above are kept; an empty value counts as unset.
     pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, String)>) -> AdminEnv {
-        let known = |k: &str| {
-            Self::ENDPOINTS
-                .into_iter()
-                .chain(Self::CREDENTIALS)
-                .find(|&n| n == k)
-        };
+        let known = |k: &str| Self::names().find(|&n| n == k);
         AdminEnv {
             vars: pairs
                 .into_iter()
