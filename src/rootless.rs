@@ -69,7 +69,7 @@ impl Driver {
             ));
         }
         let fake = Arc::new(FakeMounter::default());
-        let ops = Arc::new(NodeOps::with_mounter(cfg, fake.clone()));
+        let ops = Arc::new(NodeOps::with_mounter(&ctx, fake.clone()));
         let provisioner = Arc::new(Provisioner::new(&ctx));
         let mut node = NodeService::new(ops.clone());
         if ctx.kube.is_some() {

@@ -179,7 +179,7 @@ pub async fn serve_on(
             ControllerServer::new(svc)
         }))
         .add_optional_service(node.then(|| {
-            let ops = Arc::new(NodeOps::new(cfg.clone()));
+            let ops = Arc::new(NodeOps::new(&ctx));
             let o = ops.clone();
             tokio::spawn(async move { o.take_over_views().await });
             let mut svc = NodeService::new(ops.clone());

@@ -53,6 +53,9 @@ pub struct Root {
     /// Free inodes likewise (`--min-free-inodes`): kubelet and the
     /// container runtime share the filesystem and fail without them.
     pub inode_reserve: Reserve,
+    /// The pulls running in it in this process: one registry per process
+    /// and root, so `Roots` is built once (in the `Context`) and cloned.
+    pub pulls: super::partial::Pulls,
 }
 
 /// A source's id, and the one place that knows its forms: 32 lowercase
@@ -235,6 +238,7 @@ impl Root {
             anchor,
             reserve,
             inode_reserve: Reserve::INODES,
+            pulls: Default::default(),
         }
     }
 

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use super::manifest::CHUNK_BYTES;
@@ -102,6 +102,19 @@ pub struct Partial {
     listing: std::sync::OnceLock<Vec<(String, u64)>>,
     /// A create answered on this pull's verdicts has recorded its volume.
     answered: tokio::sync::watch::Sender<bool>,
+    stage: tokio::sync::watch::Sender<Stage>,
+}
+
+/// How far a pull has come before its seal, in the order it gets there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// Its area is open; what it will hold is not known yet.
+    #[default]
+    Opened,
+    /// Its listing is known: every file and final size.
+    Listed,
+    /// Every listed file is whole and verified.
+    Verified,
 }
 
 impl Partial {
@@ -115,7 +128,24 @@ impl Partial {
     pub fn listed(&self, files: Option<Vec<(String, u64)>>) {
         if let Some(files) = files {
             let _ = self.listing.set(files);
+            self.reached(Stage::Listed);
+            if self.all_verified() {
+                self.reached(Stage::Verified);
+            }
         }
+    }
+
+    fn reached(&self, stage: Stage) {
+        self.stage.send_if_modified(|s| {
+            let later = stage > *s;
+            *s = (*s).max(stage);
+            later
+        });
+    }
+
+    /// Changes as the pull reaches each [`Stage`].
+    pub fn stage(&self) -> tokio::sync::watch::Receiver<Stage> {
+        self.stage.subscribe()
     }
 
     /// The model's files and sizes, once the pull listed them.
@@ -257,6 +287,10 @@ impl Partial {
                 l(path, &Verdict::Verified);
             }
         }
+        drop(told);
+        if self.all_verified() {
+            self.reached(Stage::Verified);
+        }
     }
 
     /// A create answered before the seal has recorded its volume: the
@@ -275,7 +309,8 @@ impl Partial {
     /// queued behind the slots, the answer, which needs their verdicts,
     /// would only come at `bound`, one wave of files at a time.)
     pub async fn until_answered(&self, bound: Duration) {
-        /// The create polls its pull every 20 ms, then records its volume.
+        /// How long a create told of the last verdict takes to record its
+        /// volume and say so.
         const GRACE: Duration = Duration::from_secs(1);
         if !self.all_begun() {
             return;
@@ -286,20 +321,24 @@ impl Partial {
             return;
         }
         let mut rx = self.answered.subscribe();
+        let mut stage = self.stage.subscribe();
         let deadline = tokio::time::Instant::now() + bound;
         let mut verified_at = None;
         loop {
             if *rx.borrow_and_update() {
                 return;
             }
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                return;
+            let until = if *stage.borrow_and_update() == Stage::Verified {
+                let at = *verified_at.get_or_insert_with(tokio::time::Instant::now);
+                (at + GRACE).min(deadline)
+            } else {
+                deadline
+            };
+            tokio::select! {
+                _ = rx.changed() => {}
+                _ = stage.changed() => {}
+                () = tokio::time::sleep_until(until) => return,
             }
-            if self.all_verified() && now.duration_since(*verified_at.get_or_insert(now)) >= GRACE {
-                return;
-            }
-            let _ = tokio::time::timeout(Duration::from_millis(50), rx.changed()).await;
         }
     }
 
@@ -409,25 +448,62 @@ impl Partial {
     }
 }
 
-static PULLS: LazyLock<Mutex<HashMap<String, Weak<Partial>>>> = LazyLock::new(Default::default);
+/// The views of the pulls running in one root in this process: how the
+/// node's progressive volumes, its peer server and an early create find a
+/// pull they did not start. Cloned with its root; the views are weak, so
+/// a pull that ended is never found.
+#[derive(Clone, Default)]
+pub struct Pulls(Arc<PullsInner>);
 
-/// A new view for the pull of `sid` in this process, findable by
-/// [`lookup`] for as long as it lives.
-pub fn register(sid: &str) -> Arc<Partial> {
-    let view = Arc::new(Partial::default());
-    let mut pulls = PULLS.lock().unwrap_or_else(|p| p.into_inner());
-    pulls.retain(|_, w| w.strong_count() > 0);
-    pulls.insert(sid.to_string(), Arc::downgrade(&view));
-    view
+#[derive(Default)]
+struct PullsInner {
+    views: Mutex<HashMap<String, Weak<Partial>>>,
+    /// Counts the pulls started: a waiter for a pull not yet begun is
+    /// told when one is.
+    started: tokio::sync::watch::Sender<u64>,
 }
 
-/// The view of `sid`'s pull, while one runs in this process.
-pub fn lookup(sid: &str) -> Option<Arc<Partial>> {
-    PULLS
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(sid)
-        .and_then(Weak::upgrade)
+impl Pulls {
+    /// A new view for the pull of `sid`, found by [`Pulls::get`] for as
+    /// long as it lives.
+    pub fn register(&self, sid: &str) -> Arc<Partial> {
+        let view = Arc::new(Partial::default());
+        let mut views = self.0.views.lock().unwrap_or_else(|p| p.into_inner());
+        views.retain(|_, w| w.strong_count() > 0);
+        views.insert(sid.to_string(), Arc::downgrade(&view));
+        drop(views);
+        self.0.started.send_modify(|n| *n += 1);
+        view
+    }
+
+    /// The view of `sid`'s pull, while one runs.
+    pub fn get(&self, sid: &str) -> Option<Arc<Partial>> {
+        self.0
+            .views
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(sid)
+            .and_then(Weak::upgrade)
+    }
+
+    /// Changes each time a pull starts.
+    pub fn starts(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.0.started.subscribe()
+    }
+}
+
+impl std::fmt::Debug for Pulls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let views = self.0.views.lock().unwrap_or_else(|p| p.into_inner());
+        f.debug_set()
+            .entries(
+                views
+                    .iter()
+                    .filter(|(_, w)| w.strong_count() > 0)
+                    .map(|(k, _)| k),
+            )
+            .finish()
+    }
 }
 
 #[cfg(test)]
@@ -489,7 +565,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_reader_waits_for_a_chunk_while_the_pull_moves() {
-        let view = register("m0123456789abcdef0123456789abcd1");
+        let pulls = Pulls::default();
+        let view = pulls.register("m0123456789abcdef0123456789abcd1");
         view.begin("w", 3 * CHUNK_BYTES, "/nowhere".into());
         let v = view.clone();
         let writer = tokio::spawn(async move {
@@ -525,9 +602,9 @@ mod tests {
             .await;
         assert!(none.is_none());
         assert!(started.elapsed() < Duration::from_secs(1));
-        assert!(lookup("m0123456789abcdef0123456789abcd1").is_some());
+        assert!(pulls.get("m0123456789abcdef0123456789abcd1").is_some());
         drop(view);
-        assert!(lookup("m0123456789abcdef0123456789abcd1").is_none());
+        assert!(pulls.get("m0123456789abcdef0123456789abcd1").is_none());
     }
 
     /// A file that ends while another waits to begin does not wait for
@@ -556,5 +633,31 @@ mod tests {
             .await
             .expect("answered: it goes on")
             .unwrap();
+    }
+
+    /// The stages come in order, each told once; a registry is told of
+    /// each pull that starts and finds only the live ones.
+    #[tokio::test]
+    async fn a_pull_is_listed_then_verified_and_its_registry_hears_it_start() {
+        let pulls = Pulls::default();
+        let mut starts = pulls.starts();
+        let view = pulls.register("m0123456789abcdef0123456789abcd2");
+        assert!(starts.has_changed().unwrap(), "a start is told");
+        starts.borrow_and_update();
+        let mut stage = view.stage();
+        assert_eq!(*stage.borrow_and_update(), Stage::Opened);
+        view.listed(None);
+        assert!(!stage.has_changed().unwrap(), "no listing, no stage");
+        view.listed(Some(vec![("a".into(), 3), ("b".into(), 4)]));
+        assert_eq!(*stage.borrow_and_update(), Stage::Listed);
+        view.finished("a", 3, "/area/a".into(), vec![]);
+        assert!(!stage.has_changed().unwrap(), "b is still to come");
+        view.finished("b", 4, "/area/b".into(), vec![]);
+        assert_eq!(*stage.borrow_and_update(), Stage::Verified);
+        view.finished("b", 4, "/area/b".into(), vec![]);
+        assert!(!stage.has_changed().unwrap(), "told once");
+        assert!(!starts.has_changed().unwrap());
+        drop(view);
+        assert!(pulls.get("m0123456789abcdef0123456789abcd2").is_none());
     }
 }

@@ -22,6 +22,7 @@ use crate::cache::store::identity;
 use crate::cache::{self, External, Role, Root, Roots, Seal, Verify, VolumeRecord};
 use crate::capability::MountRequest;
 use crate::config::Config;
+use crate::context::Context;
 use crate::csi::volume_capability::access_mode::Mode;
 use crate::error::{Error, IoContext, Result};
 use crate::lock::KeyedMutex;
@@ -117,12 +118,14 @@ fn unmount_staging(m: &dyn Mounter, staging: &Path) -> Result<()> {
 }
 
 impl NodeOps {
-    pub fn new(cfg: Arc<Config>) -> NodeOps {
-        NodeOps::with_mounter(cfg, Arc::new(mount::Kernel))
+    /// The node side of `ctx`'s process: its roots, and so the pulls
+    /// running in them, are the provisioner's.
+    pub fn new(ctx: &Context) -> NodeOps {
+        NodeOps::with_mounter(ctx, Arc::new(mount::Kernel))
     }
 
-    pub fn with_mounter(cfg: Arc<Config>, mounter: Arc<dyn Mounter>) -> NodeOps {
-        let roots = crate::cache::Roots::of(&cfg);
+    pub fn with_mounter(ctx: &Context, mounter: Arc<dyn Mounter>) -> NodeOps {
+        let (cfg, roots) = (ctx.cfg.clone(), ctx.roots.clone());
         let views = Arc::new(super::progressive::Views::new(
             &cfg.state_dir,
             cfg.fuse_keeper.as_deref(),
@@ -684,7 +687,7 @@ mod tests {
             ..Config::default()
         });
         let fake = Arc::new(FakeMounter::default());
-        let ops = NodeOps::with_mounter(cfg, fake.clone());
+        let ops = NodeOps::with_mounter(&Context::standalone(cfg), fake.clone());
         let root = ops.roots.roots[0].clone();
         Node {
             dir,

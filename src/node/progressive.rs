@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::cache::partial::{self, Partial};
+use crate::cache::partial::Partial;
 use crate::cache::{self, Root, Roots};
 use crate::error::{Error, IoContext, Result};
 use crate::mount::Mounter;
@@ -92,7 +92,7 @@ impl Views {
         sid: &str,
         content: &Path,
     ) -> Result<()> {
-        let Some(pull) = partial::lookup(sid).filter(|p| p.listing().is_some()) else {
+        let Some(pull) = root.pulls.get(sid).filter(|p| p.listing().is_some()) else {
             return Err(Error::Transient(format!(
                 "model {sid} of progressive volume {volume_id} is neither sealed nor being \
                  pulled on this node yet; its pull is started again by the provisioner, retry"
@@ -333,7 +333,7 @@ impl Follower {
                 tracing::info!("the model is sealed; every file of the view is readable");
                 return;
             }
-            if let Some(pull) = partial::lookup(&self.sid)
+            if let Some(pull) = self.root.pulls.get(&self.sid)
                 && !Weak::ptr_eq(&self.following, &Arc::downgrade(&pull))
             {
                 progressive::follow(&pull, &self.tree, &self.gates);

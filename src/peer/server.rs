@@ -238,7 +238,7 @@ impl PeerServer {
             if matches!(found, Ok(Some(_))) || what != "file" {
                 break found;
             }
-            if let Some(view) = cache::partial::lookup(&sid) {
+            if let Some(view) = self.roots.iter().find_map(|r| r.pulls.get(&sid)) {
                 return match self.clone().partial(view, &req).await {
                     Ok(r) => r,
                     Err((reason, status, msg)) => refused(reason, status, msg),

@@ -18,7 +18,7 @@ use crate::cache::partial::{Partial, Verdict};
 /// the pull which files readers wait for, so it fetches them next.
 pub fn follow(pull: &Arc<Partial>, tree: &Arc<tree::Tree>, gates: &Arc<gate::Gates>) {
     // Weak: the pull's listeners hold the gates, and the view must end
-    // with its pull (`partial::lookup` finds only live pulls).
+    // with its pull (`Pulls::get` finds only live pulls).
     let (t, p) = (tree.clone(), Arc::downgrade(pull));
     gates.set_asker(Box::new(move |index| {
         if let (Some(path), Some(pull)) = (t.path_of(index), p.upgrade()) {

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use super::engine::{Ask, Engine, Progress, ProgressSink, Pulled};
 use super::source::Source;
 use crate::cache::Root;
+use crate::cache::partial::Stage;
 use crate::error::{Error, Result};
 
 type Outcome = crate::outcome::Outcome<Arc<Pulled>>;
@@ -46,7 +47,7 @@ struct Job {
     started: Instant,
     last: Arc<Mutex<Option<Progress>>>,
     /// The model the origin resolved the request to, once it has.
-    sid: Arc<Mutex<Option<Resolved>>>,
+    resolved: Arc<watch::Sender<Option<Resolved>>>,
     done: watch::Receiver<Outcome>,
     task: tokio::task::AbortHandle,
 }
@@ -62,7 +63,7 @@ pub struct Jobs {
 struct Recording {
     inner: Arc<dyn ProgressSink>,
     last: Arc<Mutex<Option<Progress>>>,
-    sid: Arc<Mutex<Option<Resolved>>>,
+    resolved: Arc<watch::Sender<Option<Resolved>>>,
     /// Bytes counted into the in-flight gauge, taken out when the job ends.
     counted: std::sync::atomic::AtomicI64,
     metrics: Arc<crate::metrics::Metrics>,
@@ -79,11 +80,11 @@ impl Drop for Recording {
 
 impl ProgressSink for Recording {
     fn resolved(&self, sid: &str, uri: &str, revision: &str) {
-        *self.sid.lock().unwrap_or_else(|e| e.into_inner()) = Some(Resolved {
+        self.resolved.send_replace(Some(Resolved {
             sid: sid.to_string(),
             uri: uri.to_string(),
             revision: revision.to_string(),
-        });
+        }));
         self.inner.resolved(sid, uri, revision)
     }
     fn started(&self, uri: &str, total: Option<u64>) {
@@ -140,6 +141,17 @@ pub enum Until {
     Listed,
 }
 
+impl Until {
+    /// Whether a pull at `stage` lets the volume answer before the seal.
+    fn answers_at(self, stage: Stage) -> bool {
+        match self {
+            Until::Sealed => false,
+            Until::Verified => stage == Stage::Verified,
+            Until::Listed => stage >= Stage::Listed,
+        }
+    }
+}
+
 /// What an early create waits for: the model sealed, or its pull under
 /// way far enough (`Until`).
 pub enum Early {
@@ -191,38 +203,56 @@ impl Jobs {
         wait: Option<Duration>,
     ) -> Result<Early> {
         let until = req.until;
+        let pulls = req.root.pulls.clone();
         let job = self.join_or_start(engine, req);
         let deadline = wait.map(|w| tokio::time::Instant::now() + w);
         let mut done = job.done.clone();
+        let mut resolved = job.resolved.subscribe();
+        let mut starts = pulls.starts();
         loop {
             if let Some(outcome) = done.borrow_and_update().clone() {
                 self.forget(&job);
                 return outcome.map(Early::Sealed).map_err(|e| e.replay());
             }
-            let model = job.sid.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            starts.borrow_and_update();
+            let model = resolved.borrow_and_update().clone();
+            // The stage of the model's pull, once it runs here; the view
+            // itself is not held while waiting, so an ended pull's is freed.
+            let mut stage = None;
             if let Some(model) = model
-                && let Some(partial) = crate::cache::partial::lookup(&model.sid)
-                && match until {
-                    Until::Listed => partial.listing().is_some(),
-                    Until::Verified => partial.all_verified(),
-                    Until::Sealed => false,
-                }
+                && let Some(partial) = pulls.get(&model.sid)
             {
-                tracing::debug!(model = %model.sid, ?until, "answering before the seal");
-                return Ok(Early::Arriving { model, partial });
+                let mut rx = partial.stage();
+                if until.answers_at(*rx.borrow_and_update()) {
+                    tracing::debug!(model = %model.sid, ?until, "answering before the seal");
+                    return Ok(Early::Arriving { model, partial });
+                }
+                stage = Some(rx);
             }
-            // The sid and the view have no channel of their own; a short
-            // poll costs nothing beside a pull.
-            let tick = tokio::time::Instant::now() + Duration::from_millis(20);
-            let wake = deadline.map_or(tick, |d| d.min(tick));
-            if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+            let now = tokio::time::Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
                 return Err(Error::Transient(still_pulling(&job)));
             }
-            if let Ok(Err(_)) = tokio::time::timeout_at(wake, done.changed()).await {
-                self.forget(&job);
-                return Err(Error::Internal(
-                    "a pull job ended without an outcome".into(),
-                ));
+            let staged = async {
+                match stage.as_mut() {
+                    // An error is the pull's end: its view is gone, and the
+                    // next round finds the next pull or the outcome.
+                    Some(rx) => rx.changed().await.unwrap_or(()),
+                    None => std::future::pending().await,
+                }
+            };
+            let wake = deadline.unwrap_or(now + Duration::from_secs(3600));
+            tokio::select! {
+                changed = done.changed() => if changed.is_err() {
+                    self.forget(&job);
+                    return Err(Error::Internal(
+                        "a pull job ended without an outcome".into(),
+                    ));
+                },
+                _ = resolved.changed() => {}
+                _ = starts.changed() => {}
+                () = staged => {}
+                () = tokio::time::sleep_until(wake) => {}
             }
         }
     }
@@ -234,13 +264,13 @@ impl Jobs {
         }
         let (tx, rx) = watch::channel(None);
         let last = Arc::new(Mutex::new(None));
-        let sid = Arc::new(Mutex::new(None));
+        let resolved = Arc::new(watch::Sender::new(None));
         let metrics = engine.metrics().clone();
         metrics.pulls_in_flight.inc();
         let sink: Arc<dyn ProgressSink> = Arc::new(Recording {
             inner: req.sink,
             last: last.clone(),
-            sid: sid.clone(),
+            resolved: resolved.clone(),
             counted: Default::default(),
             metrics,
         });
@@ -278,7 +308,7 @@ impl Jobs {
             owner: req.owner,
             started: Instant::now(),
             last,
-            sid,
+            resolved,
             done: rx,
             task: task.abort_handle(),
         });

@@ -501,7 +501,7 @@ async fn paced_pull_with(faults: impl FnOnce(&crate::support::fixtures::FileServ
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     let partial = loop {
-        if let Some(p) = modelcache_csi::cache::partial::lookup(&sid) {
+        if let Some(p) = root.pulls.get(&sid) {
             break p;
         }
         assert!(
@@ -843,7 +843,7 @@ fn a_crash_once_every_file_is_verified_but_before_it_is_durable_loses_nothing() 
                     .find_map(|n| n.strip_prefix(".pull-").map(str::to_string))
             });
             if let Some(sid) = area
-                && modelcache_csi::cache::partial::lookup(&sid).is_some_and(|p| p.all_verified())
+                && root.pulls.get(&sid).is_some_and(|p| p.all_verified())
             {
                 break Some(sid);
             }
