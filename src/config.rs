@@ -155,6 +155,9 @@ pub struct EngineConfig {
     /// and 4 MiB: one per connection, and as many again to hold bytes that
     /// arrive ahead of the hashed frontier.
     pub buffer_budget: u64,
+    /// `--sigstore-trust-root`'s JSON, checked at the start; None:
+    /// sigstore's public-good instance.
+    pub sigstore_trust_root: Option<std::sync::Arc<str>>,
 }
 
 impl Default for EngineConfig {
@@ -177,6 +180,7 @@ impl Default for EngineConfig {
             capacity: BTreeMap::new(),
             listing_order: false,
             buffer_budget: 128 << 20,
+            sigstore_trust_root: None,
         }
     }
 }

@@ -648,13 +648,15 @@ async fn run_rescheduler(a: ReschedulerArgs) -> anyhow::Result<()> {
 
 async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
     init_logging(&a.log_format, "info");
+    let mut cfg = config(&a)?;
     if let Some(path) = &a.sigstore_trust_root {
         let json = std::fs::read_to_string(path)
             .map_err(|e| anyhow::anyhow!("--sigstore-trust-root {}: {e}", path.display()))?;
-        modelcache_csi::signing::set_sigstore_trust_root(&json)
+        modelcache_csi::signing::SigstoreRoot::check(&json)
             .map_err(|e| anyhow::anyhow!("--sigstore-trust-root {}: {e}", path.display()))?;
+        cfg.pull.sigstore_trust_root = Some(json.into());
     }
-    let cfg = Arc::new(config(&a)?);
+    let cfg = Arc::new(cfg);
     let registration = registrar(&a, &cfg)?;
     let reg_state = RegistrationState::default();
     let metrics = Arc::new(modelcache_csi::metrics::Metrics::new());

@@ -169,8 +169,9 @@ impl Policy {
     }
 
     /// Verifies the bundle `bytes` (the model's signature file) under this
-    /// policy, and returns what it signs.
-    pub fn verify(&self, bytes: &[u8]) -> Result<Signed> {
+    /// policy (a keyless signer against `sigstore`), and returns what it
+    /// signs.
+    pub fn verify(&self, sigstore: &SigstoreRoot, bytes: &[u8]) -> Result<Signed> {
         let file = self.file.as_str();
         let bundle = parse_bundle(file, bytes)?;
         let env = &bundle.dsse_envelope;
@@ -211,7 +212,7 @@ impl Policy {
                 leaf.identity
             }
             Trust::Sigstore { identity, issuer } => {
-                keyless(file, bytes, &payload, identity, issuer)?
+                keyless(sigstore, file, bytes, &payload, identity, issuer)?
             }
         };
         // Only a signed payload is parsed further: what it says is now the
@@ -227,6 +228,7 @@ impl Policy {
     /// model an optional policy lets through.
     pub fn check(
         &self,
+        sigstore: &SigstoreRoot,
         signature: Option<&[u8]>,
         sealed: &BTreeMap<String, String>,
         symlinks: &[String],
@@ -245,7 +247,7 @@ impl Policy {
                 )),
             };
         };
-        let signed = self.verify(bytes)?;
+        let signed = self.verify(sigstore, bytes)?;
         check_files(&signed, &self.file, sealed)?;
         if let Some(link) = symlinks.iter().find(|l| !ignored(&signed, &self.file, l)) {
             return Err(refused(
@@ -265,6 +267,7 @@ impl Policy {
     /// one (a regular file of the tree: never through a link).
     pub fn check_dir(
         &self,
+        sigstore: &SigstoreRoot,
         files: &[FileEntry],
         symlinks: &[LinkEntry],
         dir: &Path,
@@ -300,7 +303,7 @@ impl Policy {
                 Some(bytes)
             }
         };
-        self.check(signature.as_deref(), &sealed, &links)
+        self.check(sigstore, signature.as_deref(), &sealed, &links)
     }
 }
 
@@ -635,20 +638,52 @@ impl Leaf {
     }
 }
 
-/// The trusted root keyless signatures are checked against:
+/// The trusted root keyless signatures are checked against: an admin's
 /// `--sigstore-trust-root`, else sigstore's public-good instance as the
-/// crate ships it.
-static SIGSTORE: std::sync::OnceLock<std::result::Result<sigstore_verify::Verifier, String>> =
-    std::sync::OnceLock::new();
+/// crate ships it; built when a keyless signature is first checked.
+#[derive(Default)]
+pub struct SigstoreRoot {
+    json: Option<std::sync::Arc<str>>,
+    verifier: std::sync::OnceLock<std::result::Result<sigstore_verify::Verifier, String>>,
+}
 
-/// Sets the sigstore trusted root (a `trusted_root.json`) for this
-/// process; before any keyless signature is checked. An error names what
-/// is wrong with it.
-pub fn set_sigstore_trust_root(json: &str) -> Result<()> {
-    let verifier = sigstore_verifier(json)?;
-    SIGSTORE
-        .set(Ok(verifier))
-        .map_err(|_| Error::Internal("the sigstore trusted root was set twice".into()))
+impl SigstoreRoot {
+    /// The root in `json` (a `trusted_root.json`), or with None the
+    /// public-good instance's.
+    pub fn new(json: Option<std::sync::Arc<str>>) -> SigstoreRoot {
+        SigstoreRoot {
+            json,
+            verifier: Default::default(),
+        }
+    }
+
+    /// Whether `json` is a usable trusted root: an error names what is
+    /// wrong with it, so a driver given a bad one stops at its start.
+    pub fn check(json: &str) -> Result<()> {
+        sigstore_verifier(json).map(drop)
+    }
+
+    fn verifier(&self) -> Result<&sigstore_verify::Verifier> {
+        self.verifier
+            .get_or_init(|| {
+                let json = self.json.as_deref();
+                sigstore_verifier(
+                    json.unwrap_or(sigstore_verify::trust_root::SIGSTORE_PRODUCTION_TRUSTED_ROOT),
+                )
+                .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| Error::Internal(e.clone()))
+    }
+}
+
+impl std::fmt::Debug for SigstoreRoot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.json {
+            Some(_) => "SigstoreRoot(--sigstore-trust-root)",
+            None => "SigstoreRoot(public-good)",
+        })
+    }
 }
 
 fn sigstore_verifier(json: &str) -> Result<sigstore_verify::Verifier> {
@@ -671,6 +706,7 @@ fn sigstore_verifier(json: &str) -> Result<sigstore_verify::Verifier> {
 /// in `payload` by its subject (the digest of its files' digests, as
 /// model_signing computes it). Returns who signed.
 fn keyless(
+    sigstore: &SigstoreRoot,
     file: &str,
     bytes: &[u8],
     payload: &[u8],
@@ -678,13 +714,7 @@ fn keyless(
     issuer: &str,
 ) -> Result<String> {
     use sigstore_verify::types::{Artifact, ArtifactDigest, Sha256Hash};
-    let verifier = SIGSTORE
-        .get_or_init(|| {
-            sigstore_verifier(sigstore_verify::trust_root::SIGSTORE_PRODUCTION_TRUSTED_ROOT)
-                .map_err(|e| e.to_string())
-        })
-        .as_ref()
-        .map_err(|e| Error::Internal(e.clone()))?;
+    let verifier = sigstore.verifier()?;
     let text = std::str::from_utf8(bytes)
         .map_err(|e| refused(file, format_args!("is not UTF-8 JSON: {e}")))?;
     let bundle = sigstore_verify::types::Bundle::from_json(text)
@@ -895,6 +925,12 @@ pub fn check_files(signed: &Signed, file: &str, sealed: &BTreeMap<String, String
 mod tests {
     use super::*;
 
+    /// None of these policies is keyless; the root is never built.
+    static PUBLIC_GOOD: SigstoreRoot = SigstoreRoot {
+        json: None,
+        verifier: std::sync::OnceLock::new(),
+    };
+
     // Made by the real CLI (model-signing 1.1.1), see the fixtures' README:
     // `sign key` with P-256, P-384 and P-521 keys, `sign certificate` with
     // a code-signing certificate (and one for TLS only) under a private CA.
@@ -950,7 +986,7 @@ mod tests {
         for curve in ["p256", "p384", "p521"] {
             let policy = key(&format!("{curve}.pub.pem"));
             let signed = policy
-                .verify(&read(&format!("{curve}.sig")))
+                .verify(&PUBLIC_GOOD, &read(&format!("{curve}.sig")))
                 .unwrap_or_else(|e| panic!("{curve}: {e}"));
             assert!(
                 signed.signer.starts_with("key sha256:") && signed.signer.len() == 75,
@@ -966,6 +1002,7 @@ mod tests {
             check_files(&signed, "model.sig", &with_sig).unwrap();
             let who = policy
                 .check(
+                    &PUBLIC_GOOD,
                     Some(&read(&format!("{curve}.sig"))),
                     &with_sig,
                     &[".git/x".into()],
@@ -977,7 +1014,9 @@ mod tests {
 
     #[test]
     fn a_certificate_under_the_class_ca_verifies_and_names_its_holder() {
-        let signed = chain("ca.pem").verify(&read("cert.sig")).unwrap();
+        let signed = chain("ca.pem")
+            .verify(&PUBLIC_GOOD, &read("cert.sig"))
+            .unwrap();
         assert!(
             signed.signer.starts_with(
                 "certificate \"CN=release-bot,O=Example Models\" <models@example.com> \
@@ -988,19 +1027,19 @@ mod tests {
         );
         assert_eq!(signed.files, sealed());
 
-        let m = refusal(chain("other-ca.pem").verify(&read("cert.sig")));
+        let m = refusal(chain("other-ca.pem").verify(&PUBLIC_GOOD, &read("cert.sig")));
         assert!(m.contains("does not chain to the class's CAs"), "{m}");
         // A certificate for TLS servers only may not sign models.
-        let m = refusal(chain("ca.pem").verify(&read("tls.sig")));
+        let m = refusal(chain("ca.pem").verify(&PUBLIC_GOOD, &read("tls.sig")));
         assert!(m.contains("code signing"), "{m}");
         // A bare-key signature has no certificate to chain.
-        let m = refusal(chain("ca.pem").verify(&read("p256.sig")));
+        let m = refusal(chain("ca.pem").verify(&PUBLIC_GOOD, &read("p256.sig")));
         assert!(m.contains("no signing certificate"), "{m}");
         // The certificate's key did not sign an edited payload.
-        let m = refusal(chain("ca.pem").verify(&edited(&read("cert.sig"))));
+        let m = refusal(chain("ca.pem").verify(&PUBLIC_GOOD, &edited(&read("cert.sig"))));
         assert!(m.contains("payload was changed"), "{m}");
         // A key policy does not take a certificate's signature for its own.
-        let m = refusal(key("p256.pub.pem").verify(&read("cert.sig")));
+        let m = refusal(key("p256.pub.pem").verify(&PUBLIC_GOOD, &read("cert.sig")));
         assert!(m.contains("not signed by the class's key"), "{m}");
     }
 
@@ -1023,15 +1062,15 @@ mod tests {
     #[test]
     fn another_key_an_edited_payload_and_changed_files_are_refused() {
         let sig = read("p256.sig");
-        let m = refusal(key("other.pub.pem").verify(&sig));
+        let m = refusal(key("other.pub.pem").verify(&PUBLIC_GOOD, &sig));
         assert!(m.contains("not signed by the class's key"), "{m}");
-        let m = refusal(key("p384.pub.pem").verify(&sig));
+        let m = refusal(key("p384.pub.pem").verify(&PUBLIC_GOOD, &sig));
         assert!(m.contains("not signed"), "{m}");
-        let m = refusal(key("p256.pub.pem").verify(&edited(&sig)));
+        let m = refusal(key("p256.pub.pem").verify(&PUBLIC_GOOD, &edited(&sig)));
         assert!(m.contains("payload was changed"), "{m}");
 
         let policy = key("p256.pub.pem");
-        let signed = policy.verify(&sig).unwrap();
+        let signed = policy.verify(&PUBLIC_GOOD, &sig).unwrap();
         let mut changed = sealed();
         changed.insert("a.txt".into(), "f".repeat(64));
         let m = refusal(check_files(&signed, "model.sig", &changed));
@@ -1050,13 +1089,13 @@ mod tests {
         removed.remove("sub/w.bin");
         let m = refusal(check_files(&signed, "model.sig", &removed));
         assert!(m.contains("\"sub/w.bin\"") && m.contains("removed"), "{m}");
-        let m = refusal(policy.check(Some(&sig), &sealed(), &["config.json".into()]));
+        let m = refusal(policy.check(&PUBLIC_GOOD, Some(&sig), &sealed(), &["config.json".into()]));
         assert!(m.contains("symlink \"config.json\""), "{m}");
     }
 
     #[test]
     fn a_missing_signature_is_refused_or_recorded_as_unsigned() {
-        let m = refusal(key("p256.pub.pem").check(None, &sealed(), &[]));
+        let m = refusal(key("p256.pub.pem").check(&PUBLIC_GOOD, None, &sealed(), &[]));
         assert!(
             m.starts_with("signature model.sig: is not in the model") && m.contains("required"),
             "{m}"
@@ -1068,9 +1107,12 @@ mod tests {
             "signaturePublicKey",
         )
         .unwrap();
-        assert_eq!(optional.check(None, &sealed(), &[]).unwrap(), None);
+        assert_eq!(
+            optional.check(&PUBLIC_GOOD, None, &sealed(), &[]).unwrap(),
+            None
+        );
         // Optional never means "any signature will do".
-        let m = refusal(optional.check(Some(&read("p384.sig")), &sealed(), &[]));
+        let m = refusal(optional.check(&PUBLIC_GOOD, Some(&read("p384.sig")), &sealed(), &[]));
         assert!(
             m.contains("signature sigs/model.sig") && m.contains("not signed"),
             "{m}"
@@ -1101,14 +1143,15 @@ mod tests {
             ),
             (vec![b' '; MAX_SIGNATURE_BYTES + 1], "over the"),
         ] {
-            let m = refusal(policy.verify(&bytes));
+            let m = refusal(policy.verify(&PUBLIC_GOOD, &bytes));
             assert!(m.contains(want), "{want}: {m}");
         }
         // A certificate that is not one.
         let mut bundle: serde_json::Value = serde_json::from_slice(&read("cert.sig")).unwrap();
         bundle["verificationMaterial"]["x509CertificateChain"]["certificates"][0]["rawBytes"] =
             "AAAA".into();
-        let m = refusal(chain("ca.pem").verify(&serde_json::to_vec(&bundle).unwrap()));
+        let m =
+            refusal(chain("ca.pem").verify(&PUBLIC_GOOD, &serde_json::to_vec(&bundle).unwrap()));
         assert!(m.contains("not X.509 DER"), "{m}");
 
         for (trusted, field, want) in [

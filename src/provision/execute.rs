@@ -129,9 +129,10 @@ impl Provisioner {
                 if let Some(policy) = &pull.signature {
                     let (r, s) = (root.clone(), from.source.clone());
                     let seal = blocking(move || sealed(&r, &s, Some(&from.id))).await?;
-                    rec.signed_by =
-                        puller::engine::vouch_sealed(&root, &from.source, &seal, Some(policy))
-                            .await?;
+                    rec.signed_by = self
+                        .engine
+                        .vouch_sealed(&root, &from.source, &seal, Some(policy))
+                        .await?;
                 }
                 self.reference(root, from.source, rec, required, limit)
                     .await

@@ -110,6 +110,8 @@ pub struct Engine {
     fill: Option<Arc<dyn Fill>>,
     /// Where its pulls, hits and evictions are counted.
     metrics: Arc<crate::metrics::Metrics>,
+    /// What keyless signatures are checked against.
+    sigstore: Arc<crate::signing::SigstoreRoot>,
 }
 
 /// Transfers a node runs at once per pull slot (`--pull-parallel-models`),
@@ -260,6 +262,9 @@ impl Engine {
             cfg.models.max(1) * TRANSFERS_PER_SLOT / 2,
         );
         Engine {
+            sigstore: Arc::new(crate::signing::SigstoreRoot::new(
+                cfg.sigstore_trust_root.clone(),
+            )),
             cfg,
             extract,
             inflight: KeyedMutex::default(),
@@ -270,6 +275,37 @@ impl Engine {
             fill: None,
             metrics: Arc::new(crate::metrics::Metrics::new()),
         }
+    }
+
+    /// A sealed model judged by the asking class's policy: its signature
+    /// file is read from the seal, never fetched again with the weights.
+    /// Without a policy, what the seal recorded.
+    pub async fn vouch_sealed(
+        &self,
+        root: &Root,
+        sid: &SourceId,
+        seal: &Seal,
+        policy: Option<&Arc<Policy>>,
+    ) -> Result<Option<String>> {
+        let Some(policy) = policy.cloned() else {
+            return Ok(seal.signed_by.clone());
+        };
+        // No signature in the seal: nothing to read, so no view (an XFS
+        // image would be mounted for it) is opened.
+        if !seal.files.iter().any(|f| f.path == policy.file) {
+            return policy.check_dir(&self.sigstore, &seal.files, &seal.symlinks, Path::new(""));
+        }
+        let (r, s, seal) = (root.clone(), sid.clone(), seal.clone());
+        let sigstore = self.sigstore.clone();
+        blocking(move || {
+            let mut verdict = None;
+            r.backend.store().view_sealed(&r, &s, &mut |data| {
+                verdict = Some(policy.check_dir(&sigstore, &seal.files, &seal.symlinks, data));
+            })?;
+            verdict
+                .unwrap_or_else(|| Err(Error::Internal("the sealed view was never opened".into())))
+        })
+        .await
     }
 
     /// Counts into `metrics` instead of a handle nothing serves.
@@ -424,7 +460,7 @@ impl Engine {
         let limits = self.cfg.limits.lower(source.limits());
         let total = check_listing(&resolved, &limits)?;
         if let Some(policy) = signature {
-            unsigned_listing(policy, &resolved)?;
+            unsigned_listing(&self.sigstore, policy, &resolved)?;
         }
         let sid = source_id(source.as_ref(), &resolved.uri, &resolved.revision);
         let span =
@@ -582,7 +618,7 @@ impl Engine {
             return Ok(None);
         };
         self.access.prove(sid.as_str(), source, resolved).await?;
-        let signed = vouch_sealed(root, sid, &seal, signature).await?;
+        let signed = self.vouch_sealed(root, sid, &seal, signature).await?;
         Ok(Some(Pulled {
             sid: sid.clone(),
             seal,
@@ -967,7 +1003,7 @@ impl Engine {
             work.clone(),
         );
         let peers = ctx.source.provenance().map(|p| p.peers).unwrap_or_default();
-        let policy = pull.signature.cloned();
+        let (policy, sigstore) = (pull.signature.cloned(), self.sigstore.clone());
         // Remembered before the seal is visible: a requester that finds it
         // sealed (a join that waited for this pull) is then not asked to
         // prove at the origin what this pull just read there.
@@ -976,7 +1012,7 @@ impl Engine {
         }
         let seal = blocking(move || {
             let vouch = |tree: &cache::manifest::Tree, data: &Path| match &policy {
-                Some(p) => p.check_dir(&tree.files, &tree.symlinks, data),
+                Some(p) => p.check_dir(&sigstore, &tree.files, &tree.symlinks, data),
                 None => Ok(None),
             };
             w.commit(entries, &uri, &rev, peers, &vouch)
@@ -1001,7 +1037,11 @@ impl Engine {
 /// A listing that cannot pass a required signature policy: no signature
 /// file among plain files (layers may still unpack one), refused before
 /// a byte is fetched.
-fn unsigned_listing(policy: &Policy, resolved: &Resolved) -> Result<()> {
+fn unsigned_listing(
+    sigstore: &crate::signing::SigstoreRoot,
+    policy: &Policy,
+    resolved: &Resolved,
+) -> Result<()> {
     let layered = resolved
         .files
         .iter()
@@ -1012,35 +1052,9 @@ fn unsigned_listing(policy: &Policy, resolved: &Resolved) -> Result<()> {
     {
         return Ok(());
     }
-    policy.check(None, &Default::default(), &[]).map(drop)
-}
-
-/// A sealed model judged by the asking class's policy: its signature
-/// file is read from the seal, never fetched again with the weights.
-/// Without a policy, what the seal recorded.
-pub async fn vouch_sealed(
-    root: &Root,
-    sid: &SourceId,
-    seal: &Seal,
-    policy: Option<&Arc<Policy>>,
-) -> Result<Option<String>> {
-    let Some(policy) = policy.cloned() else {
-        return Ok(seal.signed_by.clone());
-    };
-    // No signature in the seal: nothing to read, so no view (an XFS
-    // image would be mounted for it) is opened.
-    if !seal.files.iter().any(|f| f.path == policy.file) {
-        return policy.check_dir(&seal.files, &seal.symlinks, Path::new(""));
-    }
-    let (r, s, seal) = (root.clone(), sid.clone(), seal.clone());
-    blocking(move || {
-        let mut verdict = None;
-        r.backend.store().view_sealed(&r, &s, &mut |data| {
-            verdict = Some(policy.check_dir(&seal.files, &seal.symlinks, data));
-        })?;
-        verdict.unwrap_or_else(|| Err(Error::Internal("the sealed view was never opened".into())))
-    })
-    .await
+    policy
+        .check(sigstore, None, &Default::default(), &[])
+        .map(drop)
 }
 
 /// Bytes of one buffer: the budget shared by every buffer that may exist,
