@@ -5,7 +5,6 @@
 //! restart of this process takes the view over instead of breaking it.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -19,6 +18,7 @@ use crate::mount::Mounter;
 use crate::progressive::keeper::Keeper;
 use crate::progressive::{self, fuse, gate::Gates, tree::Tree};
 use crate::state;
+use tracing::Instrument;
 
 /// The view's name in the mount table: `fuse.modelcache`.
 pub const FS_NAME: &str = "modelcache";
@@ -27,9 +27,6 @@ pub const FS_NAME: &str = "modelcache";
 /// EIO: long enough for a shard of a large model on a slow origin, short
 /// enough that a stalled fill fails a model load instead of hanging it.
 pub const WAIT_BOUND: Duration = Duration::from_secs(600);
-
-/// How often the follower looks for a new pull of the model, or its seal.
-const FOLLOW_EVERY: Duration = Duration::from_millis(100);
 
 /// Whether a mount found on a staging path's content is a progressive view.
 pub fn is_view(fs_type: &str) -> bool {
@@ -261,11 +258,13 @@ fn start(
         )
         .with_ids_file(ids),
     );
-    let serving = Arc::new(AtomicBool::new(true));
-    let (s, id) = (serving.clone(), rec.volume_id.clone());
+    // Dropped when the server ends, however it ends: the follower stops.
+    let (serving, stopped) = tokio::sync::watch::channel(());
+    let id = rec.volume_id.clone();
     std::thread::Builder::new()
         .name("progressive-fuse".into())
         .spawn(move || {
+            let _serving = serving;
             let served = match resumed {
                 true => fuse::serve_resumed(dev, vol),
                 false => fuse::serve(dev, vol),
@@ -273,7 +272,6 @@ fn start(
             if let Err(e) = served {
                 tracing::warn!(volume = %id, error = %e, "the progressive view stopped");
             }
-            s.store(false, Ordering::Relaxed);
         })
         .map_err(|e| Error::io("start the server of", &rec.content, e))?;
     let follower = Follower {
@@ -282,13 +280,15 @@ fn start(
         files: rec.listing.len(),
         tree,
         gates,
-        serving,
+        stopped,
         following: Weak::new(),
     };
-    let id = rec.volume_id.clone();
+    let span = tracing::info_span!("progressive", volume = %rec.volume_id);
+    // Its waits are on channels only, so a thread of its own runs it
+    // without a runtime.
     std::thread::Builder::new()
         .name("progressive-follow".into())
-        .spawn(move || follower.run(&id))
+        .spawn(move || futures::executor::block_on(follower.run().instrument(span)))
         .map_err(|e| Error::io("start the follower of", &rec.content, e))?;
     Ok(())
 }
@@ -305,21 +305,28 @@ struct Follower {
     files: usize,
     tree: Arc<Tree>,
     gates: Arc<Gates>,
-    serving: Arc<AtomicBool>,
-    /// The pull followed now; weak, so that a pull's end is seen.
+    /// Ends when the view's server does.
+    stopped: tokio::sync::watch::Receiver<()>,
+    /// The pull followed last.
     following: Weak<Partial>,
 }
 
 impl Follower {
-    fn run(mut self, volume: &str) {
-        let _span = tracing::info_span!("progressive", volume = %volume).entered();
-        while self.serving.load(Ordering::Relaxed) {
-            // While a pull runs, its verdicts open the gates; the seal is
-            // looked for only when none runs (before the first, after each).
-            if self.following.strong_count() > 0 {
-                std::thread::sleep(FOLLOW_EVERY);
-                continue;
+    async fn run(mut self) {
+        let mut starts = self.root.pulls.starts();
+        loop {
+            starts.borrow_and_update();
+            // While a pull runs, its verdicts open the gates until it ends.
+            if let Some(pull) = self.root.pulls.get(&self.sid) {
+                let mut stage = pull.stage();
+                self.follow(pull);
+                tokio::select! {
+                    _ = self.stopped.changed() => return,
+                    () = async { while stage.changed().await.is_ok() {} } => continue,
+                }
             }
+            // No pull runs: one that ended before the look above left its
+            // seal before it ended, and one that starts after it is heard.
             if cache::read_seal(&self.root, &self.sid)
                 .ok()
                 .flatten()
@@ -333,19 +340,25 @@ impl Follower {
                 tracing::info!("the model is sealed; every file of the view is readable");
                 return;
             }
-            if let Some(pull) = self.root.pulls.get(&self.sid)
-                && !Weak::ptr_eq(&self.following, &Arc::downgrade(&pull))
-            {
-                progressive::follow(&pull, &self.tree, &self.gates);
-                // Readers already waiting asked the pull that ended.
-                for i in self.gates.asked() {
-                    if let Some(path) = self.tree.path_of(i) {
-                        pull.want(path);
-                    }
-                }
-                self.following = Arc::downgrade(&pull);
+            tokio::select! {
+                _ = self.stopped.changed() => return,
+                _ = starts.changed() => {}
             }
-            std::thread::sleep(FOLLOW_EVERY);
         }
+    }
+
+    /// Opens gates on `pull`'s verdicts, once per pull.
+    fn follow(&mut self, pull: Arc<Partial>) {
+        if Weak::ptr_eq(&self.following, &Arc::downgrade(&pull)) {
+            return;
+        }
+        progressive::follow(&pull, &self.tree, &self.gates);
+        // Readers already waiting asked the pull that ended.
+        for i in self.gates.asked() {
+            if let Some(path) = self.tree.path_of(i) {
+                pull.want(path);
+            }
+        }
+        self.following = Arc::downgrade(&pull);
     }
 }
