@@ -21,6 +21,141 @@ pub(super) enum Fetched {
     },
 }
 
+/// Why the bytes at `dest`, hashing to `sha`, are not the file the
+/// source listed, if they are not.
+async fn mismatch(ctx: &Ctx, file: &RemoteFile, dest: &Path, sha: &str) -> Result<Option<String>> {
+    Ok(match (&file.sha256, ctx.source.content_md5(file)) {
+        (Some(expected), _) => (!expected.eq_ignore_ascii_case(sha))
+            .then(|| format!("the source promised sha256 {expected}, the bytes hash to {sha}")),
+        (None, Some(md5)) => {
+            let d = dest.to_path_buf();
+            let got = blocking(move || md5_of(&d)).await?;
+            (got != md5)
+                .then(|| format!("the source's ETag says MD5 {md5}, the bytes hash to {got}"))
+        }
+        (None, None) => None,
+    })
+}
+
+/// Whether a file that failed verification (`why`) is fetched again, and
+/// what happens next, after `refetches` refetches from the origin.
+///
+/// Bytes from a peer that add up to another file: the peers are dropped
+/// for it and the origin serves it anew. The origin's own bytes failing
+/// may be a transfer gone wrong on the way: the file is fetched anew a
+/// bounded number of times. Readers of a progressive volume wait on
+/// through either (an EIO now would fail a model load that the next fetch
+/// mends); only giving up tells them EIO.
+fn fetch_again(ctx: &Ctx, file: &RemoteFile, refetches: &mut u32, why: &str) -> Option<String> {
+    if ctx.source.distrust(file) {
+        warn!(file = %file.path_or_locator(), "bytes from peers failed the origin's sha256; fetching the file from the origin");
+        return Some("bytes from peers did not add up to it; fetching it from the origin".into());
+    }
+    if *refetches >= ORIGIN_REFETCHES {
+        return None;
+    }
+    *refetches += 1;
+    warn!(file = %file.path_or_locator(), %why, refetches = *refetches, "the origin's bytes failed verification; fetching the file again");
+    Some(format!(
+        "fetching it again (fetch {} of {})",
+        *refetches + 1,
+        ORIGIN_REFETCHES + 1
+    ))
+}
+
+/// A file whose `size` bytes failed verification (`why`): they and their
+/// record go, and it is fetched again (true), or it failed for good
+/// (false), and readers of a progressive volume are told either way.
+#[allow(clippy::too_many_arguments)]
+async fn rejected(
+    ctx: &Ctx,
+    work: &Arc<PullArea>,
+    file: &RemoteFile,
+    key: &str,
+    dest: &Path,
+    size: u64,
+    refetches: &mut u32,
+    why: &str,
+) -> bool {
+    let (d, w, k) = (dest.to_path_buf(), work.clone(), key.to_string());
+    let _ = blocking(move || {
+        let _ = fs::remove_file(&d);
+        state::remove_file(&state_path(&w, &k)).ctx("remove pull state", &w.progress_dir())
+    })
+    .await;
+    let Some(next) = fetch_again(ctx, file, refetches, why) else {
+        if file.unpack == Unpack::None {
+            work.partial().failed(&file.path, why);
+        }
+        return false;
+    };
+    if file.unpack == Unpack::None {
+        work.partial().refetching(&file.path, why);
+    }
+    let _ = ctx.refetched.send(Refetched {
+        file: file.path_or_locator().to_string(),
+        why: format!("{why}; {next}"),
+    });
+    ctx.bytes.fetch_sub(
+        size.min(ctx.bytes.load(Ordering::Relaxed)),
+        Ordering::Relaxed,
+    );
+    true
+}
+
+/// Records a file verified at `dest` as `st` says, and tells readers of a
+/// progressive volume that it is readable.
+async fn record_verified(
+    work: &Arc<PullArea>,
+    file: &RemoteFile,
+    dest: &Path,
+    st: &FileState,
+) -> Result<()> {
+    let (w, s) = (work.clone(), st.clone());
+    blocking(move || {
+        save_state(&w, &s)?;
+        forget_written(&w, &s.path);
+        Ok(())
+    })
+    .await?;
+    if file.unpack == Unpack::None {
+        let (size, chunks) = (st.size.unwrap_or(0), st.chunks.clone());
+        work.partial()
+            .finished(&file.path, size, dest.to_path_buf(), chunks);
+    }
+    Ok(())
+}
+
+/// Records a file written whole, hashed and put in place by a process of
+/// this boot that died before recording it: it is the file (see
+/// `Written`), and needs its record, not a second transfer.
+async fn record_written(
+    ctx: &Ctx,
+    work: &Arc<PullArea>,
+    key: &str,
+    dest: &Path,
+    file: &RemoteFile,
+    st: &mut FileState,
+) -> Result<()> {
+    let (w, k, d, f) = (
+        work.clone(),
+        key.to_string(),
+        dest.to_path_buf(),
+        file.clone(),
+    );
+    let vouches = ctx.source.content_md5(file).is_none();
+    let recovered = blocking(move || Ok(recover_in_place(&w, &k, &d, &f, vouches))).await?;
+    if let Some((size, sha, chunks)) = recovered {
+        info!(file = %file.path, "written whole and put in place before a crash of the driver; recorded, not fetched again");
+        st.size = Some(size);
+        st.sha256 = Some(sha);
+        st.chunks = chunks;
+        let (w, s2) = (work.clone(), st.clone());
+        blocking(move || save_state(&w, &s2)).await?;
+    }
+    Ok(())
+}
+
 /// Fetches and verifies one remote file (or layer blob).
 pub(super) async fn fetch_file(
     ctx: Arc<Ctx>,
@@ -66,21 +201,8 @@ pub(super) async fn fetch_file(
         ctx.bytes.fetch_add(st.size.unwrap_or(0), Ordering::Relaxed);
         return Ok(layer(st.extracted.clone(), c));
     }
-    // Written whole, hashed and put in place by a process of this boot
-    // that died before recording it: it is the file (see `Written`), and
-    // only needs its record, not a second transfer.
     if st.sha256.is_none() && file.unpack == Unpack::None && dest.exists() && !part.exists() {
-        let (w, k, d, f) = (work.clone(), key.clone(), dest.clone(), file.clone());
-        let vouches = ctx.source.content_md5(&file).is_none();
-        let recovered = blocking(move || Ok(recover_in_place(&w, &k, &d, &f, vouches))).await?;
-        if let Some((size, sha, chunks)) = recovered {
-            info!(file = %file.path, "written whole and put in place before a crash of the driver; recorded, not fetched again");
-            st.size = Some(size);
-            st.sha256 = Some(sha);
-            st.chunks = chunks;
-            let (w, s2) = (work.clone(), st.clone());
-            blocking(move || save_state(&w, &s2)).await?;
-        }
+        record_written(&ctx, &work, &key, &dest, &file, &mut st).await?;
     }
     // A finished file is kept only at the size the listing gives now.
     let same_size = file.size.is_none_or(|s| st.size == Some(s));
@@ -98,71 +220,14 @@ pub(super) async fn fetch_file(
         _ => loop {
             st.path = key.clone();
             let (size, sha, chunks) = download(&ctx, &work, &file, &dest, &part, &mut st).await?;
-            let wrong = match (&file.sha256, ctx.source.content_md5(&file)) {
-                (Some(expected), _) => (!expected.eq_ignore_ascii_case(&sha)).then(|| {
-                    format!("the source promised sha256 {expected}, the bytes hash to {sha}")
-                }),
-                (None, Some(md5)) => {
-                    let d = dest.clone();
-                    let got = blocking(move || md5_of(&d)).await?;
-                    (got != md5).then(|| {
-                        format!("the source's ETag says MD5 {md5}, the bytes hash to {got}")
-                    })
-                }
-                (None, None) => None,
-            };
-            if let Some(why) = wrong {
-                let (d, w, k) = (dest.clone(), work.clone(), key.clone());
-                let _ = blocking(move || {
-                    let _ = fs::remove_file(&d);
-                    state::remove_file(&state_path(&w, &k))
-                        .ctx("remove pull state", &w.progress_dir())
-                })
-                .await;
-                // Bytes from a peer that add up to another file: the
-                // peers are dropped for it and the origin serves it anew.
-                // The origin's own bytes failing may be a transfer gone
-                // wrong on the way: the file is fetched anew a bounded
-                // number of times. Readers of a progressive volume wait on
-                // through either (an EIO now would fail a model load that
-                // the next fetch mends); only giving up tells them EIO.
-                let again = if ctx.source.distrust(&file) {
-                    warn!(file = %file.path_or_locator(), "bytes from peers failed the origin's sha256; fetching the file from the origin");
-                    Some(
-                        "bytes from peers did not add up to it; fetching it from the origin"
-                            .to_string(),
-                    )
-                } else if refetches < ORIGIN_REFETCHES {
-                    refetches += 1;
-                    warn!(file = %file.path_or_locator(), %why, refetches, "the origin's bytes failed verification; fetching the file again");
-                    Some(format!(
-                        "fetching it again (fetch {} of {})",
-                        refetches + 1,
-                        ORIGIN_REFETCHES + 1
-                    ))
-                } else {
-                    None
-                };
-                if let Some(next) = again {
-                    if file.unpack == Unpack::None {
-                        work.partial().refetching(&file.path, &why);
-                    }
-                    let _ = ctx.refetched.send(Refetched {
-                        file: file.path_or_locator().to_string(),
-                        why: format!("{why}; {next}"),
-                    });
-                    ctx.bytes.fetch_sub(
-                        size.min(ctx.bytes.load(Ordering::Relaxed)),
-                        Ordering::Relaxed,
-                    );
+            if let Some(why) = mismatch(&ctx, &file, &dest, &sha).await? {
+                let key = key.as_str();
+                if rejected(&ctx, &work, &file, key, &dest, size, &mut refetches, &why).await {
                     st = FileState {
-                        path: key.clone(),
+                        path: key.to_string(),
                         ..FileState::default()
                     };
                     continue;
-                }
-                if file.unpack == Unpack::None {
-                    work.partial().failed(&file.path, &why);
                 }
                 return Ok(Fetched::Failed(Error::Precondition(format!(
                     "{} failed verification: {why} (fetched {} times); nothing was sealed",
@@ -173,17 +238,7 @@ pub(super) async fn fetch_file(
             st.sha256 = Some(sha.clone());
             st.size = Some(size);
             st.chunks = chunks.clone();
-            let (w, s) = (work.clone(), st.clone());
-            blocking(move || {
-                save_state(&w, &s)?;
-                forget_written(&w, &s.path);
-                Ok(())
-            })
-            .await?;
-            if file.unpack == Unpack::None {
-                work.partial()
-                    .finished(&file.path, size, dest.clone(), chunks.clone());
-            }
+            record_verified(&work, &file, &dest, &st).await?;
             break (size, sha, chunks);
         },
     };
@@ -431,21 +486,17 @@ impl Durable {
     }
 }
 
-/// Parallel ranges written with positioned writes and hashed by a
-/// [`Frontier`]. A finished range is handed to a committer, which makes
-/// every range finished so far durable with one fdatasync and only then
-/// records them in `state/`; connections never wait for the disk.
-/// Answers once every byte is written and hashed, with the committer
-/// still at work: `Durable::settle` waits for it.
-pub(super) async fn ranged_download(
-    ctx: &Arc<Ctx>,
-    work: &Arc<PullArea>,
+/// The ranges of a file of `size` bytes, and a frontier that holds what
+/// `st` says was written before; readers of a progressive volume and
+/// peers are told of the file.
+fn resume_frontier(
+    ctx: &Ctx,
+    work: &PullArea,
     file: &RemoteFile,
-    out: &Arc<PartFile>,
     part: &Path,
     size: u64,
     st: &mut FileState,
-) -> Result<(u64, (String, Vec<String>), Durable)> {
+) -> (Vec<(u64, u64)>, Arc<Frontier>) {
     let chunk = ctx.cfg.chunk_bytes.max(1);
     // Chunk indexes mean nothing under another chunk size, nor for a file
     // the server now lists at another size.
@@ -486,6 +537,25 @@ pub(super) async fn ranged_download(
         frontier.mark_written(start, start + b);
         ctx.bytes.fetch_add(*b, Ordering::Relaxed);
     }
+    (all, frontier)
+}
+
+/// Parallel ranges written with positioned writes and hashed by a
+/// [`Frontier`]. A finished range is handed to a committer, which makes
+/// every range finished so far durable with one fdatasync and only then
+/// records them in `state/`; connections never wait for the disk.
+/// Answers once every byte is written and hashed, with the committer
+/// still at work: `Durable::settle` waits for it.
+pub(super) async fn ranged_download(
+    ctx: &Arc<Ctx>,
+    work: &Arc<PullArea>,
+    file: &RemoteFile,
+    out: &Arc<PartFile>,
+    part: &Path,
+    size: u64,
+    st: &mut FileState,
+) -> Result<(u64, (String, Vec<String>), Durable)> {
+    let (all, frontier) = resume_frontier(ctx, work, file, part, size, st);
     let hasher = {
         let (f, out, part) = (frontier.clone(), out.clone(), part.to_path_buf());
         tokio::task::spawn_blocking(move || f.read_back(&out, &part, size))

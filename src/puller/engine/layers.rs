@@ -102,3 +102,51 @@ pub(super) fn extract_growing(
         grown += 1;
     }
 }
+
+impl Engine {
+    /// Unpacks `layers` within what is left: the model's limits less its
+    /// plain files `entries`, and never more than the cache has room for.
+    pub(super) async fn unpack_within(
+        &self,
+        root: &Root,
+        pull: &Pull<'_>,
+        work: &Arc<PullArea>,
+        capacity: Option<u64>,
+        entries: &[FileEntry],
+        layers: Vec<Fetched>,
+    ) -> Result<Vec<FileEntry>> {
+        let plain: u64 = entries
+            .iter()
+            .map(|e: &FileEntry| e.size)
+            .fold(0, u64::saturating_add);
+        let (w, x, r, limits) = (work.clone(), self.extract, root.clone(), pull.limits);
+        let plain_files = entries.len() as u64;
+        let mut seal = cache::manifest::SealMeter::default();
+        for e in entries {
+            seal.file(&e.path, e.size);
+        }
+        blocking(move || {
+                    let room = cache::evict::available(&r, capacity)?;
+                    let by_limit = limits.max_bytes.saturating_sub(plain);
+                    let budget = Budget {
+                        bytes: by_limit.min(room),
+                        bytes_limit: if by_limit <= room {
+                            format!(
+                                "the model's limit of {} bytes, --max-model-bytes or the class's maxModelBytes",
+                                limits.max_bytes
+                            )
+                        } else {
+                            format!("the room left in {}", r.describe())
+                        },
+                        entries: limits.max_files.saturating_sub(plain_files),
+                        entries_limit: format!(
+                            "the model's limit of {} files, --max-model-files or the class's maxModelFiles",
+                            limits.max_files
+                        ),
+                        seal: std::sync::Mutex::new(seal),
+                    };
+                    unpack_layers(&w, x, layers, budget)
+                })
+                .await
+    }
+}
