@@ -13,6 +13,10 @@ use modelcache_csi::signing;
 const KEY: &str = include_str!("../../tests/fixtures/signing/p256.pub.pem");
 const CA: &str = include_str!("../../tests/fixtures/signing/ca.pem");
 
+/// Sigstore's public-good trusted root, as the crate ships it.
+static PUBLIC_GOOD: std::sync::LazyLock<signing::SigstoreRoot> =
+    std::sync::LazyLock::new(|| signing::SigstoreRoot::new(None));
+
 fuzz_target!(|data: &[u8]| {
     let Some((&pick, rest)) = data.split_first() else {
         return;
@@ -22,13 +26,13 @@ fuzz_target!(|data: &[u8]| {
             .expect("fixture")
     };
     let signed = match pick % 4 {
-        0 => policy(signing::Trusted::PublicKey(KEY)).verify(rest),
-        1 => policy(signing::Trusted::CertificateChain(CA)).verify(rest),
+        0 => policy(signing::Trusted::PublicKey(KEY)).verify(&PUBLIC_GOOD, rest),
+        1 => policy(signing::Trusted::CertificateChain(CA)).verify(&PUBLIC_GOOD, rest),
         2 => policy(signing::Trusted::Sigstore {
             identity: "release@example.com",
             issuer: "https://issuer.example.com",
         })
-        .verify(rest),
+        .verify(&PUBLIC_GOOD, rest),
         _ => signing::parse_statement("model.sig", rest),
     };
     let Ok(signed) = signed else {
