@@ -338,8 +338,66 @@ fn unmount_with(dst: &Path, flags: MntFlags) -> io::Result<bool> {
     match umount2(dst, flags) {
         Ok(()) => Ok(true),
         Err(Errno::EINVAL | Errno::ENOENT) => Ok(false),
+        Err(Errno::EBUSY) => {
+            let held = holders(dst);
+            let by = match held.is_empty() {
+                true => String::new(),
+                false => format!(" (in use by {})", held.join(", ")),
+            };
+            Err(with_context(
+                Errno::EBUSY,
+                format_args!("unmount {}{by}", dst.display()),
+            ))
+        }
         Err(e) => Err(with_context(e, format_args!("unmount {}", dst.display()))),
     }
+}
+
+/// The processes of this mount namespace's view that keep `dir` busy:
+/// a working directory, a root, an open file or a mapping under it, as
+/// `pid N (comm)`, a few at most. Read only when an unmount is refused,
+/// so that the refusal says who holds it.
+fn holders(dir: &Path) -> Vec<String> {
+    const AT_MOST: usize = 5;
+    let under = |p: &Path| p.starts_with(dir);
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in procs.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let base = e.path();
+        let links = ["cwd", "root"].into_iter().map(|l| base.join(l)).chain(
+            std::fs::read_dir(base.join("fd"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|f| f.path()),
+        );
+        let mut holds = links
+            .filter_map(|l| std::fs::read_link(l).ok())
+            .any(|t| under(&t));
+        if !holds && let Ok(maps) = std::fs::read_to_string(base.join("maps")) {
+            holds = maps
+                .lines()
+                .filter_map(|l| l.split_once('/').map(|(_, p)| Path::new("/").join(p)))
+                .any(|p| under(&p));
+        }
+        if holds {
+            let comm = std::fs::read_to_string(base.join("comm")).unwrap_or_default();
+            out.push(format!("pid {pid} ({})", comm.trim()));
+            if out.len() == AT_MOST {
+                break;
+            }
+        }
+    }
+    out
 }
 
 /// Whether `path` is a mount point; a missing path is not.
@@ -411,6 +469,21 @@ mod tests {
         fs::create_dir(&dst).unwrap();
         fs::write(src.join("file"), b"model").unwrap();
         (tmp, src, dst)
+    }
+
+    /// A refused unmount names who holds the mount: here, this process,
+    /// through a file it keeps open under it.
+    #[test]
+    fn a_busy_unmount_says_who_holds_it() {
+        let (_tmp, _src, dst) = dirs();
+        mount_tmpfs(&dst, 1 << 20).unwrap();
+        let _guard = MountGuard(dst.clone());
+        let open = fs::File::create(dst.join("held")).unwrap();
+        let e = unmount(&dst).unwrap_err();
+        let me = format!("pid {} (", std::process::id());
+        assert!(e.to_string().contains(&me), "{e}");
+        drop(open);
+        assert!(unmount(&dst).unwrap(), "free once the file is closed");
     }
 
     fn entry_at(path: &Path) -> MountEntry {
