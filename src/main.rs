@@ -707,7 +707,7 @@ async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
         if !matches!(first, Ok(Ok(()))) {
             tokio::spawn(async move {
                 let made = modelcache_csi::retry::retry(
-                    "create the peer token",
+                    "the peer token was not created",
                     PEER_TOKEN_CREATE,
                     modelcache_csi::retry::transient,
                     || modelcache_csi::peer::ensure_token_secret(client.clone(), &namespace, &name),
@@ -777,7 +777,8 @@ const PEER_TOKEN_FIRST: std::time::Duration = std::time::Duration::from_secs(5);
 const PEER_TOKEN_CREATE: modelcache_csi::retry::Backoff = modelcache_csi::retry::Backoff {
     first: std::time::Duration::from_secs(1),
     max: std::time::Duration::from_secs(30),
-    total: std::time::Duration::from_secs(3600),
+    total: Some(std::time::Duration::from_secs(3600)),
+    times: None,
 };
 
 fn registrar(a: &ServeArgs, cfg: &Config) -> anyhow::Result<Option<registration::Registrar>> {

@@ -30,8 +30,10 @@ use crate::node::{NodeOps, NodeService};
 use crate::provision::Provisioner;
 use crate::requests::*;
 
+mod restart;
+
 struct Driver {
-    dir: tempfile::TempDir,
+    dir: Arc<tempfile::TempDir>,
     ctl: ControllerService,
     node: NodeService,
     fake: Arc<FakeMounter>,
@@ -50,7 +52,8 @@ impl Driver {
 
     /// A driver over roots in `dir`, with API access through `kube` when
     /// given: then inline volumes follow StorageClass [`INLINE_CLASS`].
-    fn start_with(dir: tempfile::TempDir, kube: Option<kube::Client>) -> Driver {
+    fn start_with(dir: impl Into<Arc<tempfile::TempDir>>, kube: Option<kube::Client>) -> Driver {
+        let dir = dir.into();
         let cfg = Arc::new(Config {
             node_id: Some("node-1".into()),
             state_dir: dir.path().join("state"),

@@ -107,56 +107,7 @@ pub async fn serve_on(
             Some(Arc::new(p))
         }
     };
-    if cfg.modify_node_local {
-        let agent = Agent::new("--modify-node-local-volumes", &ctx, provisioner.as_ref())
-            .map_err(anyhow::Error::msg)?;
-        tokio::spawn(crate::modify_agent::run(agent));
-    }
-    if cfg.summarize_prefetches {
-        let Some(client) = &client else {
-            anyhow::bail!(
-                "--summarize-prefetches needs the controller service and Kubernetes API access (--kube-api, --kubeconfig)"
-            );
-        };
-        tokio::spawn(crate::prefetch::summary::run(
-            client.clone(),
-            cfg.driver_name.clone(),
-        ));
-    }
-    if cfg.label_warm_nodes {
-        let agent = Agent::new("--label-warm-nodes", &ctx, provisioner.as_ref())
-            .map_err(anyhow::Error::msg)?;
-        tokio::spawn(crate::prefetch::labels::run(agent));
-    }
-    if cfg.prefetch {
-        let agent =
-            Agent::new("--prefetch", &ctx, provisioner.as_ref()).map_err(anyhow::Error::msg)?;
-        tokio::spawn(crate::prefetch::run(agent));
-    }
-    if let Some(p) = provisioner.clone().filter(|_| ctx.kube.is_some()) {
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(std::time::Duration::from_secs(15));
-            loop {
-                tick.tick().await;
-                p.sweep_jobs().await;
-            }
-        });
-    }
-    if let (Some(p), Some(idle)) = (&provisioner, cfg.evict_idle) {
-        let p = p.clone();
-        tokio::spawn(async move {
-            // Often enough that a model goes soon after its idle time ends.
-            let mut tick = tokio::time::interval((idle / 4).clamp(
-                std::time::Duration::from_secs(10),
-                std::time::Duration::from_secs(300),
-            ));
-            loop {
-                tick.tick().await;
-                let p = p.clone();
-                let _ = tokio::task::spawn_blocking(move || p.evict_idle(idle)).await;
-            }
-        });
-    }
+    spawn_agents(&ctx, provisioner.as_ref(), client.as_ref())?;
     metrics.watch_roots(
         ctx.roots
             .roots
@@ -173,10 +124,9 @@ pub async fn serve_on(
             controller,
         )))
         .add_optional_service(provisioner.clone().map(|p| {
-            let svc = ControllerService::new(p);
-            let resume = svc.clone();
+            let resume = p.clone();
             tokio::spawn(async move { resume.resume_wanted().await });
-            ControllerServer::new(svc)
+            ControllerServer::new(ControllerService::new(p))
         }))
         .add_optional_service(node.then(|| {
             let ops = Arc::new(NodeOps::new(&ctx));
@@ -196,6 +146,65 @@ pub async fn serve_on(
     router
         .serve_with_incoming_shutdown(crate::uds::incoming(listener), shutdown)
         .await?;
+    Ok(())
+}
+
+/// Starts the agents and sweeps the settings ask for, beside the services.
+fn spawn_agents(
+    ctx: &Context,
+    provisioner: Option<&Arc<Provisioner>>,
+    client: Option<&kube::Client>,
+) -> anyhow::Result<()> {
+    let cfg = &ctx.cfg;
+    if cfg.modify_node_local {
+        let agent = Agent::new("--modify-node-local-volumes", ctx, provisioner)
+            .map_err(anyhow::Error::msg)?;
+        tokio::spawn(crate::modify_agent::run(agent));
+    }
+    if cfg.summarize_prefetches {
+        let Some(client) = client else {
+            anyhow::bail!(
+                "--summarize-prefetches needs the controller service and Kubernetes API access (--kube-api, --kubeconfig)"
+            );
+        };
+        tokio::spawn(crate::prefetch::summary::run(
+            client.clone(),
+            cfg.driver_name.clone(),
+        ));
+    }
+    if cfg.label_warm_nodes {
+        let agent =
+            Agent::new("--label-warm-nodes", ctx, provisioner).map_err(anyhow::Error::msg)?;
+        tokio::spawn(crate::prefetch::labels::run(agent));
+    }
+    if cfg.prefetch {
+        let agent = Agent::new("--prefetch", ctx, provisioner).map_err(anyhow::Error::msg)?;
+        tokio::spawn(crate::prefetch::run(agent));
+    }
+    if let Some(p) = provisioner.filter(|_| ctx.kube.is_some()).cloned() {
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(15));
+            loop {
+                tick.tick().await;
+                p.sweep_jobs().await;
+            }
+        });
+    }
+    if let (Some(p), Some(idle)) = (provisioner, cfg.evict_idle) {
+        let p = p.clone();
+        tokio::spawn(async move {
+            // Often enough that a model goes soon after its idle time ends.
+            let mut tick = tokio::time::interval((idle / 4).clamp(
+                std::time::Duration::from_secs(10),
+                std::time::Duration::from_secs(300),
+            ));
+            loop {
+                tick.tick().await;
+                let p = p.clone();
+                let _ = tokio::task::spawn_blocking(move || p.evict_idle(idle)).await;
+            }
+        });
+    }
     Ok(())
 }
 

@@ -1,12 +1,13 @@
 //! CSI Controller service: validate the request, lock, call the provisioner.
 //!
-//! Handlers stay thin; decisions live in `provision`. CreateVolume locks the
-//! volume *name* (a retry may race its original), everything else the id.
+//! Handlers stay thin; decisions live in `provision`. CreateVolume's lock
+//! is the provisioner's, on the volume *name* (a retry may race its
+//! original, and a resume both); everything else locks the id here.
 
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
-use tracing::{Instrument, info_span};
+use tracing::info_span;
 
 use crate::capability;
 use crate::csi::controller_server::Controller;
@@ -30,33 +31,6 @@ impl ControllerService {
         ControllerService {
             provisioner,
             locks: OpLocks::default(),
-        }
-    }
-
-    /// Starts again the pulls that were running when this process
-    /// stopped: each joins its pull job and leaves it running, and the
-    /// provisioner's next call finds it (see `wanted`). A resume that
-    /// fails for a reason that may pass (the API or the origin not
-    /// answering at the restart) is tried again for as long as the readers
-    /// of a volume answered before its seal wait: nobody else would.
-    pub async fn resume_wanted(&self) {
-        for w in self.provisioner.wanted().await {
-            let name = w.req.name.clone();
-            let (p, locks) = (self.provisioner.clone(), self.locks.clone());
-            let w = Arc::new(w);
-            let span = info_span!("resume", volume.name = %name);
-            tokio::spawn(
-                async move {
-                    let attempt = || resume_one(p.clone(), locks.clone(), w.clone());
-                    if let Err(e) = retrying(attempt, RESUME_FIRST_WAIT, RESUME_FOR).await {
-                        tracing::warn!(
-                            error = %e,
-                            "a wanted pull did not resume; the provisioner's next call retries it"
-                        );
-                    }
-                }
-                .instrument(span),
-            );
         }
     }
 
@@ -99,9 +73,9 @@ impl ControllerService {
                 Some(require(&v.volume_id, "volume_content_source.volume.volume_id")?.to_string())
             }
         };
-        let guard = self.locks.try_lock(&format!("name/{}", req.name))?;
-        let (rec, topology) = guard
-            .hold(self.provisioner.create(provision::CreateRequest {
+        let (rec, topology) = self
+            .provisioner
+            .create(provision::CreateRequest {
                 name: req.name,
                 params: req.parameters,
                 mutable: req.mutable_parameters,
@@ -114,7 +88,7 @@ impl ControllerService {
                 inline: None,
                 progress: None,
                 class: None,
-            }))
+            })
             .await?;
         tracing::info!(volume.id = %rec.id, role = rec.role.as_str(), "volume ready");
         Ok(CreateVolumeResponse {
@@ -388,151 +362,5 @@ impl Controller for ControllerService {
             self.modify(req),
         )
         .await
-    }
-}
-
-/// How long a resume keeps trying: as long as a read of a volume answered
-/// before its seal waits.
-const RESUME_FOR: std::time::Duration = crate::node::progressive::WAIT_BOUND;
-const RESUME_FIRST_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Whether a failed resume may succeed later, untouched: a server that did
-/// not answer, a disk error. Not a refusal or a missing grant.
-fn may_pass(e: &Error) -> bool {
-    matches!(
-        e,
-        Error::Transient(_) | Error::RetryAfter { .. } | Error::Io { .. }
-    )
-}
-
-/// Runs `attempt` until it succeeds or fails for good, waiting `wait`
-/// between tries (doubled each time, at most a minute) while the next try
-/// would start within `bound` of the first.
-async fn retrying<F, Fut>(
-    mut attempt: F,
-    mut wait: std::time::Duration,
-    bound: std::time::Duration,
-) -> Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<()>>,
-{
-    let until = tokio::time::Instant::now() + bound;
-    loop {
-        match attempt().await {
-            Err(e) if may_pass(&e) && tokio::time::Instant::now() + wait < until => {
-                tracing::warn!(error = %e, retry_in = ?wait, "a wanted pull did not resume yet; trying again");
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(std::time::Duration::from_secs(60));
-            }
-            done => return done,
-        }
-    }
-}
-
-/// One try at resuming wanted pull `w`. Ok: resumed, already done, no
-/// longer wanted, or in the hands of a call that holds its name. A pull
-/// job that outlives the create's short budget is watched to its end (a
-/// job that gives up, say on an origin still down, has nobody else to run
-/// it again), and the create is then asked once more.
-async fn resume_one(p: Arc<Provisioner>, locks: OpLocks, w: Arc<provision::Wanted>) -> Result<()> {
-    let name = w.req.name.clone();
-    let no_longer = |e: &Error| matches!(e, Error::NotFound(_) | Error::NoVolume { .. });
-    loop {
-        let mut req = w.req.clone();
-        let Ok(guard) = locks.try_lock(&format!("name/{name}")) else {
-            return Ok(());
-        };
-        req.budget = Some(std::time::Duration::from_secs(1));
-        if w.class_secret {
-            match p.class_secret_again(&req).await {
-                Ok(s) => req.secrets = s,
-                Err(e) if no_longer(&e) => {
-                    tracing::info!(error = %e, "a wanted pull is no longer wanted");
-                    p.forget_wanted(&name).await;
-                    return Ok(());
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        // An inline volume is made by its pod's NodePublish alone: one
-        // released meanwhile (NodeUnpublish) is not made again here.
-        if req.inline.is_some() && !p.has_volume_named(&name).await {
-            tracing::info!("a wanted inline pull's volume is gone; not resumed");
-            p.forget_wanted(&name).await;
-            return Ok(());
-        }
-        match guard.hold(p.create(req)).await {
-            // Answered before its seal: the volume's own follower
-            // (`see_through`) runs its pull to the seal.
-            Ok(_) if p.is_pulling(&name) => {
-                tracing::info!(
-                    "resumed the pull of a progressive volume that was running before the restart"
-                );
-                return Ok(());
-            }
-            Ok(_) => {
-                tracing::info!("a wanted pull had finished; volume ready");
-                return Ok(());
-            }
-            Err(e) if no_longer(&e) => {
-                tracing::info!(error = %e, "a wanted pull is no longer wanted");
-                p.forget_wanted(&name).await;
-                return Ok(());
-            }
-            // Still running at the budget: watched until it ends; the
-            // next create then collects its outcome (a failure returns
-            // below, for the caller to judge).
-            Err(_) if p.is_pulling(&name) => {
-                tracing::info!("resumed a pull that was running before the restart; watching it");
-                while p.is_pulling(&name) {
-                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-#[cfg(test)]
-mod resume_tests {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    use std::time::Duration;
-
-    use super::*;
-
-    /// Calls of an attempt that fails with `fail` `n` times, then succeeds.
-    async fn tries(fail: fn() -> Error, n: u32, wait: Duration, bound: Duration) -> (u32, bool) {
-        let calls = AtomicU32::new(0);
-        let out = retrying(
-            || {
-                let k = calls.fetch_add(1, Ordering::SeqCst);
-                async move { if k < n { Err(fail()) } else { Ok(()) } }
-            },
-            wait,
-            bound,
-        )
-        .await;
-        (calls.load(Ordering::SeqCst), out.is_ok())
-    }
-
-    #[tokio::test]
-    async fn a_resume_is_tried_again_only_while_its_failure_may_pass_and_within_its_bound() {
-        let ms = Duration::from_millis;
-        // The API down twice at the restart, then up: the third try resumes.
-        let (calls, ok) = tries(|| Error::Transient("apiserver".into()), 2, ms(10), ms(1000)).await;
-        assert_eq!((calls, ok), (3, true));
-        // A refusal does not pass by waiting: one try.
-        let (calls, ok) = tries(
-            || Error::Precondition("no grant".into()),
-            5,
-            ms(10),
-            ms(1000),
-        )
-        .await;
-        assert_eq!((calls, ok), (1, false));
-        // Never answering: tries at 0, 10 and 30 ms; the next (70 ms) is past 60 ms.
-        let (calls, ok) = tries(|| Error::Transient("down".into()), 100, ms(10), ms(60)).await;
-        assert_eq!((calls, ok), (3, false));
     }
 }

@@ -505,6 +505,15 @@ impl Copy {
 /// serves this pull anything, before the origin serves it.
 const BUSY_PATIENCE: Duration = Duration::from_secs(10);
 
+/// The pauses between rounds of asking busy peers (bounded by
+/// `BUSY_PATIENCE`, not by a count).
+const BUSY_PAUSE: crate::retry::Backoff = crate::retry::Backoff {
+    first: Duration::from_millis(40),
+    max: Duration::from_millis(320),
+    total: None,
+    times: None,
+};
+
 struct PeerSource {
     inner: Arc<Inner>,
 }
@@ -834,6 +843,7 @@ impl Inner {
     ) -> Option<(usize, Bytes, OwnedSemaphorePermit)> {
         let first_asked = tokio::time::Instant::now();
         let mut round = 0u32;
+        let mut pauses = BUSY_PAUSE.delays();
         loop {
             let mut busy = Vec::new();
             // Why each peer asked last did not serve it: said when the
@@ -895,8 +905,8 @@ impl Inner {
                 return None;
             }
             round += 1;
-            let pause = Duration::from_millis(20u64 << round.min(4));
-            tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64() * 0.5)).await;
+            let pause = pauses.next().unwrap_or(BUSY_PAUSE.max);
+            tokio::time::sleep(pause).await;
         }
     }
 

@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -161,18 +162,26 @@ impl PeerServer {
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
-        let refused = |reason: &'static str, status: StatusCode, msg: String| {
-            self.metrics
-                .peer_refused
-                .get_or_create(&crate::metrics::Reason {
-                    reason: reason.into(),
-                })
-                .inc();
-            let mut r = text(status, msg);
-            r.headers_mut()
-                .insert(REFUSED, header::HeaderValue::from_static(reason));
-            r
-        };
+        match self.clone().answer(&req).await {
+            Ok(r) => r,
+            Err((reason, status, msg)) => {
+                self.metrics
+                    .peer_refused
+                    .get_or_create(&crate::metrics::Reason {
+                        reason: reason.into(),
+                    })
+                    .inc();
+                let mut r = text(status, msg);
+                r.headers_mut()
+                    .insert(REFUSED, header::HeaderValue::from_static(reason));
+                r
+            }
+        }
+    }
+
+    /// Checks who asks and for what, then answers from a sealed model or
+    /// a pull still running here.
+    async fn answer(self: Arc<Self>, req: &Request<Incoming>) -> Result<Response<Body>, Refusal> {
         let token = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -180,186 +189,186 @@ impl PeerServer {
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
         if token.is_empty() || !self.tokens.accepts(token) {
-            return refused(
+            return Err((
                 "unauthorized",
                 StatusCode::UNAUTHORIZED,
                 "peers serve only drivers holding the cluster's peer token".into(),
-            );
+            ));
         }
         if req.method() != Method::GET {
-            return refused(
+            return Err((
                 "bad_request",
                 StatusCode::METHOD_NOT_ALLOWED,
                 "GET only".into(),
-            );
+            ));
         }
-        let Some((sid, what)) = req
+        let no_such = || {
+            (
+                "bad_request",
+                StatusCode::NOT_FOUND,
+                "no such endpoint".into(),
+            )
+        };
+        let (sid, what) = req
             .uri()
             .path()
             .strip_prefix("/v1/models/")
             .and_then(|r| r.split_once('/'))
-        else {
-            return refused(
-                "bad_request",
-                StatusCode::NOT_FOUND,
-                "no such endpoint".into(),
-            );
-        };
+            .ok_or_else(no_such)?;
         if !super::is_model(sid) {
-            return refused(
+            return Err((
                 "bad_request",
                 StatusCode::NOT_FOUND,
                 "not a model id".into(),
-            );
+            ));
         }
         let (sid, what) = (sid.to_string(), what.to_string());
-        // A pull announced here may not have opened its area yet, or may
-        // be sealing right now: an asker that waits looks again a moment.
-        // Askers that wait are bounded in number: past that, one asks
-        // another peer or the origin at once.
+        let found = match self.clone().find_sealed(req, &sid, what == "file").await? {
+            Looked::Sealed(found) => found,
+            Looked::Arriving(r) => return Ok(r),
+        };
+        let Some((i, root, seal, served)) = found else {
+            return Err((
+                "not_held",
+                StatusCode::NOT_FOUND,
+                format!("model {sid} is not sealed here"),
+            ));
+        };
+        match what.as_str() {
+            "seal" => Ok(Response::builder()
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Full::new(served).boxed())
+                .expect("static response")),
+            "file" => self.sealed_file(req, i, &root, &sid, &seal).await,
+            _ => Err(no_such()),
+        }
+    }
+
+    /// The model's seal here, or, for a file, the answer of its pull still
+    /// running here. A pull announced here may not have opened its area
+    /// yet, or may be sealing right now: an asker that waits looks again a
+    /// moment. Askers that wait are bounded in number: past that, one asks
+    /// another peer or the origin at once.
+    async fn find_sealed(
+        self: Arc<Self>,
+        req: &Request<Incoming>,
+        sid: &str,
+        file: bool,
+    ) -> Result<Looked, Refusal> {
         let waiting = match req.uri().query().is_some_and(|q| q.contains("wait=1")) {
             true => match self.waiters.clone().try_acquire_owned() {
                 Ok(w) => Some(w),
                 Err(_) => {
-                    return refused(
+                    return Err((
                         "busy",
                         StatusCode::SERVICE_UNAVAILABLE,
                         "too many requests are waiting here".into(),
-                    );
+                    ));
                 }
             },
             false => None,
         };
-        let waits = waiting.is_some();
         let until = tokio::time::Instant::now() + WAIT_FOR_CHUNK;
-        let found = loop {
-            let (roots, s, seals) = (self.roots.clone(), sid.clone(), self.seals.clone());
+        loop {
+            let (roots, s, seals) = (self.roots.clone(), sid.to_string(), self.seals.clone());
             let found = crate::offload::blocking(move || seals.find(&roots, &s)).await;
-            if matches!(found, Ok(Some(_))) || what != "file" {
-                break found;
+            if matches!(found, Ok(Some(_))) || !file {
+                return Ok(Looked::Sealed(found.ok().flatten()));
             }
-            if let Some(view) = self.roots.iter().find_map(|r| r.pulls.get(&sid)) {
-                return match self.clone().partial(view, &req).await {
-                    Ok(r) => r,
-                    Err((reason, status, msg)) => refused(reason, status, msg),
-                };
+            if let Some(view) = self.roots.iter().find_map(|r| r.pulls.get(sid)) {
+                return self.clone().partial(view, req).await.map(Looked::Arriving);
             }
-            if !waits || tokio::time::Instant::now() >= until {
-                break found;
+            if waiting.is_none() || tokio::time::Instant::now() >= until {
+                return Ok(Looked::Sealed(found.ok().flatten()));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
-        };
-        drop(waiting);
-        let Ok(Some((i, root, seal, served))) = found else {
-            return refused(
-                "not_held",
-                StatusCode::NOT_FOUND,
-                format!("model {sid} is not sealed here"),
-            );
-        };
-        match what.as_str() {
-            "seal" => Response::builder()
-                .header(header::CONTENT_TYPE, "application/json")
-                .body(Full::new(served).boxed())
-                .expect("static response"),
-            "file" => {
-                let path = req.uri().query().and_then(|q| {
-                    url::form_urlencoded::parse(q.as_bytes())
-                        .find(|(k, _)| k == "path")
-                        .map(|(_, v)| v.into_owned())
-                });
-                let Some(entry) =
-                    path.and_then(|p| seal.files.iter().find(|f| f.path == p).cloned())
-                else {
-                    return refused(
-                        "bad_request",
-                        StatusCode::NOT_FOUND,
-                        "the seal lists no such file".into(),
-                    );
-                };
-                let range = req
-                    .headers()
-                    .get(header::RANGE)
-                    .and_then(|v| v.to_str().ok())
-                    .map(|r| parse_range(r, entry.size));
-                let (start, end) = match range {
-                    None => (0, entry.size),
-                    Some(Some(r)) => r,
-                    Some(None) => {
-                        return refused(
-                            "bad_request",
-                            StatusCode::RANGE_NOT_SATISFIABLE,
-                            format!("file is {} bytes", entry.size),
-                        );
-                    }
-                };
-                let Some(slot) = self.slot().await else {
-                    return refused(
-                        "busy",
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "every upload slot is taken".into(),
-                    );
-                };
-                let view = match self.view(i, &root, &sid).await {
-                    Ok(v) => v,
-                    Err(e) => {
-                        warn!(error = %e, "could not open a sealed model to serve a peer");
-                        return refused(
-                            "not_held",
-                            StatusCode::NOT_FOUND,
-                            "the sealed model is not readable here".into(),
-                        );
-                    }
-                };
-                let at = view.path().join(&entry.path);
-                let file = match std::fs::OpenOptions::new()
-                    .read(true)
-                    .custom_flags(libc::O_NOFOLLOW)
-                    .open(&at)
-                {
-                    Ok(f)
-                        if f.metadata()
-                            .is_ok_and(|m| m.is_file() && m.len() == entry.size) =>
-                    {
-                        f
-                    }
-                    _ => {
-                        return refused(
-                            "not_held",
-                            StatusCode::NOT_FOUND,
-                            "the sealed file is not readable here".into(),
-                        );
-                    }
-                };
-                let body = self.stream(file, start, end, (slot, view));
-                let mut resp = Response::builder()
-                    .header(header::CONTENT_LENGTH, end - start)
-                    .header(header::CONTENT_TYPE, "application/octet-stream");
-                // A whole chunk carries its digest, as from a pull still
-                // running: a node that began filling from this one's pull
-                // goes on reading the same way once it is sealed.
-                let idx = start / CHUNK_BYTES;
-                let whole_chunk =
-                    start % CHUNK_BYTES == 0 && end == (start + CHUNK_BYTES).min(entry.size);
-                if whole_chunk && let Some(d) = entry.chunks.get(idx as usize) {
-                    resp = resp.header(CHUNK_DIGEST, d.as_str());
-                }
-                resp = if range.is_some() {
-                    resp.status(StatusCode::PARTIAL_CONTENT).header(
-                        header::CONTENT_RANGE,
-                        format!("bytes {start}-{}/{}", end.saturating_sub(1), entry.size),
-                    )
-                } else {
-                    resp.status(StatusCode::OK)
-                };
-                resp.body(body).expect("valid response")
-            }
-            _ => refused(
-                "bad_request",
-                StatusCode::NOT_FOUND,
-                "no such endpoint".into(),
-            ),
         }
+    }
+
+    /// A file of the sealed model `sid`, found in root `i`: whole, or the
+    /// range asked for.
+    async fn sealed_file(
+        self: &Arc<Self>,
+        req: &Request<Incoming>,
+        i: usize,
+        root: &Root,
+        sid: &str,
+        seal: &Seal,
+    ) -> Result<Response<Body>, Refusal> {
+        let path = req.uri().query().and_then(|q| {
+            url::form_urlencoded::parse(q.as_bytes())
+                .find(|(k, _)| k == "path")
+                .map(|(_, v)| v.into_owned())
+        });
+        let entry = path
+            .and_then(|p| seal.files.iter().find(|f| f.path == p).cloned())
+            .ok_or_else(|| {
+                (
+                    "bad_request",
+                    StatusCode::NOT_FOUND,
+                    "the seal lists no such file".to_string(),
+                )
+            })?;
+        let range = req
+            .headers()
+            .get(header::RANGE)
+            .and_then(|v| v.to_str().ok())
+            .map(|r| parse_range(r, entry.size));
+        let (start, end) = match range {
+            None => (0, entry.size),
+            Some(Some(r)) => r,
+            Some(None) => {
+                return Err((
+                    "bad_request",
+                    StatusCode::RANGE_NOT_SATISFIABLE,
+                    format!("file is {} bytes", entry.size),
+                ));
+            }
+        };
+        let Some(slot) = self.slot().await else {
+            return Err((
+                "busy",
+                StatusCode::SERVICE_UNAVAILABLE,
+                "every upload slot is taken".into(),
+            ));
+        };
+        let unreadable = |what: &str| ("not_held", StatusCode::NOT_FOUND, what.to_string());
+        let view = self.view(i, root, sid).await.map_err(|e| {
+            warn!(error = %e, "could not open a sealed model to serve a peer");
+            unreadable("the sealed model is not readable here")
+        })?;
+        let at = view.path().join(&entry.path);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&at)
+            .ok()
+            .filter(|f| {
+                f.metadata()
+                    .is_ok_and(|m| m.is_file() && m.len() == entry.size)
+            })
+            .ok_or_else(|| unreadable("the sealed file is not readable here"))?;
+        let body = self.stream(file, start, end, (slot, view));
+        let mut resp = Response::builder()
+            .header(header::CONTENT_LENGTH, end - start)
+            .header(header::CONTENT_TYPE, "application/octet-stream");
+        // A whole chunk carries its digest, as from a pull still
+        // running: a node that began filling from this one's pull
+        // goes on reading the same way once it is sealed.
+        let idx = start / CHUNK_BYTES;
+        let whole_chunk = start % CHUNK_BYTES == 0 && end == (start + CHUNK_BYTES).min(entry.size);
+        if whole_chunk && let Some(d) = entry.chunks.get(idx as usize) {
+            resp = resp.header(CHUNK_DIGEST, d.as_str());
+        }
+        resp = if range.is_some() {
+            resp.status(StatusCode::PARTIAL_CONTENT).header(
+                header::CONTENT_RANGE,
+                format!("bytes {start}-{}/{}", end.saturating_sub(1), entry.size),
+            )
+        } else {
+            resp.status(StatusCode::OK)
+        };
+        Ok(resp.body(body).expect("valid response"))
     }
 
     /// An upload slot, waiting a moment for one: an asker turned away
@@ -382,7 +391,7 @@ impl PeerServer {
         self: Arc<Self>,
         view: Arc<cache::partial::Partial>,
         req: &Request<Incoming>,
-    ) -> Result<Response<Body>, (&'static str, StatusCode, String)> {
+    ) -> Result<Response<Body>, Refusal> {
         let bad = |m: &str| ("bad_request", StatusCode::BAD_REQUEST, m.to_string());
         let until = tokio::time::Instant::now() + WAIT_FOR_CHUNK;
         let mut path = None;
@@ -456,22 +465,9 @@ impl PeerServer {
             ))?;
         let digest = match f.chunks.get(idx as usize) {
             Some(d) => d.clone(),
-            None => {
-                let (file, at) = (
-                    file.try_clone()
-                        .map_err(|e| ("io", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
-                    f.at.clone(),
-                );
-                crate::offload::blocking(move || {
-                    use std::os::unix::fs::FileExt;
-                    let mut buf = vec![0u8; (end - start) as usize];
-                    file.read_exact_at(&mut buf, start)
-                        .map_err(|e| crate::error::Error::io("read a chunk of", &at, e))?;
-                    Ok(cache::manifest::chunk_digest(&buf))
-                })
+            None => chunk_digest(&file, &f.at, start, end)
                 .await
-                .map_err(|e| ("io", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-            }
+                .map_err(|e| ("io", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
         };
         let body = self.stream(file, start, end, slot);
         Ok(Response::builder()
@@ -630,6 +626,17 @@ type Kept = (usize, Stamp, Arc<Seal>, Bytes);
 /// seal's bytes as served.
 type Found = (usize, Root, Arc<Seal>, Bytes);
 
+/// A request refused: the reason counted and sent back, its status, and
+/// why in words.
+type Refusal = (&'static str, StatusCode, String);
+
+/// What a look for a model found: its seal (None: not sealed here), or,
+/// for a file of a pull still running here, that pull's answer.
+enum Looked {
+    Sealed(Option<Found>),
+    Arriving(Response<Body>),
+}
+
 /// What identifies one `seal.json` file's content without reading it.
 type Stamp = (u64, u64, i64, i64, u64);
 
@@ -696,6 +703,27 @@ fn parse_range(v: &str, size: u64) -> Option<(u64, u64)> {
         b => b.parse::<u64>().ok()?.checked_add(1)?.min(size),
     };
     (start < end).then_some((start, end))
+}
+
+/// The digest of `[start, end)` of `file` (at `at`), read now: a chunk
+/// whose bytes are final but whose digest the pull did not keep.
+async fn chunk_digest(
+    file: &File,
+    at: &Path,
+    start: u64,
+    end: u64,
+) -> crate::error::Result<String> {
+    let file = file
+        .try_clone()
+        .map_err(|e| crate::error::Error::io("reopen", at, e))?;
+    let at = at.to_path_buf();
+    crate::offload::blocking(move || {
+        let mut buf = vec![0u8; (end - start) as usize];
+        file.read_exact_at(&mut buf, start)
+            .map_err(|e| crate::error::Error::io("read a chunk of", &at, e))?;
+        Ok(cache::manifest::chunk_digest(&buf))
+    })
+    .await
 }
 
 fn text(status: StatusCode, msg: String) -> Response<Body> {

@@ -1,19 +1,18 @@
 //! The doing side of CreateVolume: a plan's one kind of work, run off the
-//! async runtime, and the pull job a model URI's plan joins.
+//! async runtime, and the volume a model URI's pull is referenced by.
 
 use std::sync::Arc;
 
+use super::pulls::jobs::{self, Until};
 use crate::cache::{self, Root, Seal, VolumeId, VolumeRecord};
 use crate::csi::Topology;
 use crate::error::{Error, Result};
 use crate::offload::blocking;
-use crate::puller;
-use crate::puller::jobs::{self, Until};
 
 use super::Provisioner;
 use super::plan::{self, CreateRequest, Plan, Work};
+use super::pulls::wanted_exists;
 use super::resolve::PullInputs;
-use super::wanted;
 
 /// Pulls of one model a create makes when eviction keeps taking it before
 /// the volume can reference it.
@@ -39,7 +38,7 @@ impl Provisioner {
                     // Written unsynced (answered before its seal) and cut
                     // short by a crash of the machine: its pull's durable
                     // record says so, and this create writes it again.
-                    Err(Error::Precondition(why)) if wanted::exists(&wanted, &want.name) => {
+                    Err(Error::Precondition(why)) if wanted_exists(&wanted, &want.name) => {
                         tracing::warn!(%why, "a volume record written before its seal did not survive a crash whole; writing it again");
                         cache::remove_volume(r, &uuid)?;
                     }
@@ -138,74 +137,103 @@ impl Provisioner {
                     .await
             }
             Work::Pull { uri, until } => {
-                let ns = pull.owner.as_ref().map(|o| o.namespace().to_string());
-                if let Some(ns) = &ns {
-                    let (r, n, u, max) = (
-                        root.clone(),
-                        ns.clone(),
-                        crate::trust::allowed::shown(&uri).to_string(),
-                        self.cfg.max_models_per_namespace,
-                    );
-                    blocking(move || namespace_has_room(&r, &n, &u, max)).await?;
+                self.execute_pull(
+                    req,
+                    &uri,
+                    until,
+                    root,
+                    rec,
+                    pull,
+                    (required, limit),
+                    deadline,
+                )
+                .await
+            }
+        }
+    }
+
+    /// A model URI's work: join its pull, then reference the model (sealed)
+    /// or the pull's area (answered before the seal).
+    #[allow(clippy::too_many_arguments)]
+    async fn execute_pull(
+        &self,
+        req: &CreateRequest,
+        uri: &str,
+        until: Until,
+        root: Root,
+        mut rec: VolumeRecord,
+        pull: PullInputs,
+        (required, limit): (i64, i64),
+        deadline: Option<std::time::Instant>,
+    ) -> Result<VolumeRecord> {
+        let ns = pull.owner.as_ref().map(|o| o.namespace().to_string());
+        if let Some(ns) = &ns {
+            let (r, n, u, max) = (
+                root.clone(),
+                ns.clone(),
+                crate::trust::allowed::shown(&uri).to_string(),
+                self.cfg.max_models_per_namespace,
+            );
+            blocking(move || namespace_has_room(&r, &n, &u, max)).await?;
+        }
+        rec.namespace = ns;
+        // Eviction may take the model between its seal and our
+        // reference (it never waits for a create); a new pull
+        // brings it back. Bounded: a cache evicting every model as
+        // soon as it lands answers UNAVAILABLE instead.
+        let until = until_on(&kernel_release(), until)?;
+        let mut attempt = 1;
+        loop {
+            let (early, backed) = self.pull(req, &uri, &root, &pull, deadline, until).await?;
+            let sid = match early {
+                jobs::Early::Sealed(pulled) => {
+                    rec.model = pulled.seal.origin.clone().into();
+                    rec.revision = pulled.seal.revision.clone();
+                    rec.signed_by = pulled.signed.clone();
+                    pulled.sid.clone()
                 }
-                rec.namespace = ns;
-                // Eviction may take the model between its seal and our
-                // reference (it never waits for a create); a new pull
-                // brings it back. Bounded: a cache evicting every model as
-                // soon as it lands answers UNAVAILABLE instead.
-                let until = until_on(&kernel_release(), until)?;
-                let mut attempt = 1;
-                loop {
-                    let (early, backed) =
-                        self.pull(req, &uri, &root, &pull, deadline, until).await?;
-                    let sid = match early {
-                        jobs::Early::Sealed(pulled) => {
-                            rec.model = pulled.seal.origin.clone().into();
-                            rec.revision = pulled.seal.revision.clone();
-                            rec.signed_by = pulled.signed.clone();
-                            pulled.sid.clone()
-                        }
-                        jobs::Early::Arriving { model, partial } => {
-                            // What the seal will say, known since the
-                            // origin resolved the request.
-                            rec.model = Some(model.uri);
-                            rec.revision = Some(model.revision);
-                            match self
-                                .reference_arriving(
-                                    &root,
-                                    &model.sid,
-                                    &partial,
-                                    &rec,
-                                    (required, limit),
-                                    !backed,
-                                )
-                                .await?
-                            {
-                                Some(rec) => {
-                                    partial.answered();
-                                    return Ok(rec);
-                                }
-                                // Sealed meanwhile: referenced as any sealed
-                                // model (asking the job again could start
-                                // another pull, a cache hit, once the job
-                                // is done).
-                                None => cache::SourceId::parse(&model.sid).ok_or_else(|| {
-                                    Error::Internal(format!("malformed model id {}", model.sid))
-                                })?,
-                            }
-                        }
-                    };
+                jobs::Early::Arriving { model, partial } => {
+                    // What the seal will say, known since the
+                    // origin resolved the request.
+                    rec.model = Some(model.uri);
+                    rec.revision = Some(model.revision);
                     match self
-                        .reference(root.clone(), sid, rec.clone(), required, limit)
-                        .await
+                        .reference_arriving(
+                            &root,
+                            &model.sid,
+                            &partial,
+                            &rec,
+                            (required, limit),
+                            !backed,
+                        )
+                        .await?
                     {
-                        Err(Error::Evicted { source_id }) if attempt < PULLS_PER_EVICTION => {
-                            tracing::info!(source = %source_id, attempt, "the model was evicted before this volume referenced it; pulling it again");
-                            attempt += 1;
+                        Some(rec) => {
+                            partial.answered();
+                            if backed {
+                                self.answered(&req.name, until);
+                            }
+                            return Ok(rec);
                         }
-                        done => return done,
+                        // Sealed meanwhile: referenced as any sealed
+                        // model (asking the job again could start
+                        // another pull, a cache hit, once the job
+                        // is done).
+                        None => cache::SourceId::parse(&model.sid).ok_or_else(|| {
+                            Error::Internal(format!("malformed model id {}", model.sid))
+                        })?,
                     }
                 }
+            };
+            match self
+                .reference(root.clone(), sid, rec.clone(), required, limit)
+                .await
+            {
+                Err(Error::Evicted { source_id }) if attempt < PULLS_PER_EVICTION => {
+                    tracing::info!(source = %source_id, attempt, "the model was evicted before this volume referenced it; pulling it again");
+                    attempt += 1;
+                }
+                done => return done,
             }
         }
     }
@@ -322,175 +350,6 @@ impl Provisioner {
             Ok(Some(rec))
         })
         .await
-    }
-
-    /// Pulls a model URI into `root` through the pull job of this volume
-    /// name, which outlives the call: at the caller's deadline it answers
-    /// "still pulling", and the retry joins the same job. Answers early
-    /// (before the seal) as `until` says, and the job goes on.
-    async fn pull(
-        &self,
-        req: &CreateRequest,
-        uri: &str,
-        root: &Root,
-        pull: &PullInputs,
-        deadline: Option<std::time::Instant>,
-        until: Until,
-    ) -> Result<(jobs::Early, bool)> {
-        let shown = crate::trust::allowed::shown(uri).to_string();
-        let tenant = pull.options.tenant.is_some();
-        let source = match puller::open(uri, &pull.options).await {
-            Ok(s) => s,
-            Err(e) => {
-                pull.sink.failed(&shown, &e.to_string());
-                return Err(e);
-            }
-        };
-        // Recorded so that a restart resumes it. Secrets are never
-        // written: a tenant's is read again from its PVC's annotation, the
-        // class's from the class, if a read now gives what
-        // external-provisioner passed (else the pull waits for the
-        // provisioner's next call). An inline volume's pull is recorded
-        // only when it is progressive: kubelet asks again for an
-        // unpublished volume, never for a published one, whose readers
-        // wait on the pull. Its secret (nodePublishSecretRef) is the pod's
-        // and cannot be named again.
-        let class_secret = req.inline.is_none() && !req.secrets.is_empty() && !tenant;
-        let resumable = match &req.inline {
-            None if class_secret => match self.class_secret_again(req).await {
-                Ok(again) if again == req.secrets => true,
-                Ok(_) => {
-                    tracing::info!(
-                        "the class's provisioner secret read now differs from the request's; a restart will not resume this pull"
-                    );
-                    false
-                }
-                Err(e) => {
-                    tracing::info!(error = %e, "the class's provisioner secret cannot be read again; a restart will not resume this pull");
-                    false
-                }
-            },
-            None => true,
-            Some(_) => until == Until::Listed && req.secrets.is_empty(),
-        };
-        // A volume answered once verified is served from the pull's files
-        // until the seal, which only a running pull brings: one that a
-        // restart would not resume waits for the seal. (A progressive
-        // volume was asked for by name, and its readers are told EIO if
-        // its pull never comes back.)
-        let until = match until {
-            Until::Verified if !resumable => Until::Sealed,
-            u => u,
-        };
-        let job = jobs::Request {
-            key: req.name.clone(),
-            uri: shown,
-            owner: pull.owner.clone(),
-            root: root.clone(),
-            source,
-            signature: pull.signature.clone(),
-            sink: pull.sink.clone(),
-            until,
-        };
-        if resumable && !self.jobs.is_running(&req.name) {
-            let (d, w) = (self.wanted_dir(), req.clone());
-            blocking(move || wanted::save(&d, &w, class_secret)).await?;
-        }
-        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
-        tracing::debug!(budget = ?left, "joining the pull job");
-        let pulled = match until != Until::Sealed {
-            true => {
-                let early = self.jobs.pull_early(&self.engine, job.clone(), left).await;
-                if let Ok(jobs::Early::Arriving { .. }) = &early {
-                    self.see_through(job, resumable.then(|| self.wanted_dir()));
-                }
-                early
-            }
-            false => self
-                .jobs
-                .pull(&self.engine, job, left)
-                .await
-                .map(jobs::Early::Sealed),
-        };
-        if resumable && !self.jobs.is_running(&req.name) {
-            let (d, n) = (self.wanted_dir(), req.name.clone());
-            blocking(move || wanted::remove(&d, &n)).await?;
-        }
-        // Whether a durable record of this pull stands behind the answer
-        // (a job started by an earlier call that was not resumable made
-        // none). An inline volume's is not enough: a resume drops it when
-        // the volume's record is unreadable, as a crash may leave one
-        // written unsynced, and kubelet's next NodePublish would then
-        // find that record with nothing to say it may be written again.
-        let backed = resumable && req.inline.is_none() && {
-            let (d, n) = (self.wanted_dir(), req.name.clone());
-            blocking(move || Ok(wanted::exists(&d, &n))).await?
-        };
-        Ok((pulled?, backed))
-    }
-}
-
-/// How long a progressive volume's failed pull waits before it runs again,
-/// at first; doubled each time, up to five minutes.
-const REPULL_FIRST: std::time::Duration = std::time::Duration::from_secs(10);
-
-impl Provisioner {
-    /// Keeps the pull of a volume answered before its seal (a progressive
-    /// one, or one answered once verified) going after its create:
-    /// nobody else asks again (the volume exists), so a pull that fails is
-    /// run again here, with backoff, for as long as the volume does. Its
-    /// readers wait (bounded) meanwhile. The wanted record (`wanted`) goes
-    /// once the model is sealed: a restart before then resumes the pull.
-    fn see_through(&self, job: jobs::Request, wanted: Option<std::path::PathBuf>) {
-        let (jobs, engine) = (self.jobs.clone(), self.engine.clone());
-        let (root, name) = (job.root.clone(), job.key.clone());
-        let uuid = cache::uuid_for_name(&self.cfg.driver_name, &name);
-        tokio::spawn(async move {
-            let mut wait = REPULL_FIRST;
-            loop {
-                match jobs.pull(&engine, job.clone(), None).await {
-                    Ok(pulled) => {
-                        // The reference made in the first pull's area is
-                        // gone if that area was discarded (its origin
-                        // served garbage); this pull sealed without it.
-                        // The record and the reference may have been
-                        // written unsynced (`reference_arriving`): durable
-                        // now, before the wanted record that stood behind
-                        // them goes.
-                        let (r, u, sid) = (root.clone(), uuid.clone(), pulled.sid.clone());
-                        let referenced = blocking(move || match cache::read_volume(&r, &u)? {
-                            Some(_) => {
-                                cache::add_ref(&r, &sid, &u)?;
-                                cache::sync_volume(&r, &u, sid.as_str())
-                            }
-                            None => Ok(()),
-                        })
-                        .await;
-                        match (referenced, wanted) {
-                            (Err(e), _) => {
-                                tracing::warn!(volume.name = %name, error = %e, "could not reference the sealed model; a restart references it again");
-                            }
-                            (Ok(()), Some(d)) => {
-                                let _ = blocking(move || wanted::remove(&d, &name)).await;
-                            }
-                            (Ok(()), None) => {}
-                        }
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::warn!(volume.name = %name, error = %e, retry_in = ?wait, "the pull of a volume answered before its seal failed; its readers wait while it runs again");
-                    }
-                }
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(std::time::Duration::from_secs(300));
-                let (r, u) = (root.clone(), uuid.clone());
-                let alive = blocking(move || cache::read_volume(&r, &u)).await;
-                if !matches!(alive, Ok(Some(_))) {
-                    tracing::info!(volume.name = %name, "the volume is gone; its pull is not run again");
-                    return;
-                }
-            }
-        });
     }
 }
 

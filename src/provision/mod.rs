@@ -11,10 +11,10 @@ pub mod health;
 pub mod node_report;
 pub mod params;
 pub mod plan;
+pub mod pulls;
 mod resolve;
 mod volumes;
-mod wanted;
-pub use wanted::Wanted;
+pub use pulls::{Phase, Wanted};
 
 pub use crate::cache::VolumeRecord;
 pub use crate::cache::warm::ClassModel;
@@ -28,10 +28,10 @@ use crate::context::Context;
 use crate::csi::Topology;
 use crate::error::Result;
 use crate::kubeapi::KubeApi;
-use crate::lock::KeyedMutex;
+use crate::lock::{KeyedMutex, OpLocks};
 use crate::offload::blocking;
 use crate::puller::engine::Engine;
-use crate::puller::jobs::Jobs;
+use pulls::jobs::Jobs;
 
 use params::Params;
 
@@ -48,6 +48,9 @@ pub struct Provisioner {
     jobs: Arc<Jobs>,
     /// API access, for per-PVC sources, `pvc://` and PVC events.
     kube: Option<KubeApi>,
+    /// One create per volume name at a time, whoever calls: a retry may
+    /// race its original, and a resume its provisioner's call.
+    names: OpLocks,
     metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -65,6 +68,7 @@ impl Provisioner {
             engine: Arc::new(Self::engine(ctx.cfg.as_ref(), &ctx.metrics)),
             jobs: Arc::default(),
             kube: ctx.kube.clone(),
+            names: OpLocks::default(),
             metrics: ctx.metrics.clone(),
         }
     }
@@ -77,13 +81,6 @@ impl Provisioner {
     pub fn with_fill(mut self, fill: Arc<dyn crate::puller::source::Fill>) -> Provisioner {
         self.engine = Arc::new(Self::engine(&self.cfg, &self.metrics).with_fill(fill));
         self
-    }
-
-    /// Whether a pull for volume `name` runs in this process now.
-    pub fn is_pulling(&self, name: &str) -> bool {
-        // A job that ended keeps its place until a create collects its
-        // outcome: it is not pulling.
-        self.jobs.is_working(name)
     }
 
     /// The classes whose own model one of this node's node-local roots
@@ -105,8 +102,14 @@ impl Provisioner {
     }
 
     /// CreateVolume: resolve what the request names (the API), plan it
-    /// (pure, `plan`), then do the plan's one kind of work.
+    /// (pure, `plan`), then do the plan's one kind of work. Holds the
+    /// volume's name: a second create of it meanwhile is told Busy.
     pub async fn create(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
+        let guard = self.names.try_lock(&format!("name/{}", req.name))?;
+        guard.hold(self.create_held(req)).await
+    }
+
+    async fn create_held(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
         // The caller's budget runs from now: what comes before the pull
         // (the API, opening the source, the record) spends it too.
         let deadline = req.budget.map(|b| std::time::Instant::now() + b);

@@ -135,141 +135,122 @@ impl Params {
         let mut keys: Vec<_> = map.keys().collect();
         keys.sort();
         for key in keys {
-            let value = map[key].as_str();
-            match key.as_str() {
-                BACKEND => {
-                    p.backend = Some(one_of(
-                        key,
-                        value,
-                        &[
-                            ("local", Backend::Local),
-                            ("shared", Backend::Shared),
-                            ("xfs", Backend::Xfs),
-                        ],
-                    )?)
-                }
-                ROLE => {
-                    p.role = Some(one_of(
-                        key,
-                        value,
-                        &[("source", Role::Source), ("cache", Role::Cache)],
-                    )?)
-                }
-                SHARED_PATH => {
-                    let path = PathBuf::from(value);
-                    if !path.is_absolute() {
-                        return Err(Error::invalid(
-                            format!("parameters.{key}"),
-                            format!(
-                                "{value:?} must be an absolute path given to the driver with --shared-path"
-                            ),
-                        ));
-                    }
-                    p.shared_path = Some(path);
-                }
-                IMAGE_LOCATION => {
-                    p.image_location = Some(one_of(
-                        key,
-                        value,
-                        &[
-                            ("node", ImageLocation::Node),
-                            ("shared", ImageLocation::Shared),
-                        ],
-                    )?)
-                }
-                SUB_PATH => {
-                    crate::mount::subpath::validate_syntax(value)
-                        .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
-                    p.sub_path = Some(value.trim_end_matches('/').to_string());
-                }
-                ALLOWED_SOURCES => {
-                    p.allowed_sources = Some(
-                        crate::trust::AllowedSources::parse(value)
-                            .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?,
-                    );
-                }
-                ARTIFACT_CREDENTIALS => {
-                    p.artifact_credentials = Some(
-                        crate::trust::AllowedSources::parse(value)
-                            .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?,
-                    );
-                }
-                PROGRESSIVE => {
-                    p.progressive = Some(one_of(key, value, &[("true", true), ("false", false)])?);
-                }
-                ALLOW_CROSS_NAMESPACE => {
-                    p.allow_cross_namespace =
-                        one_of(key, value, &[("true", true), ("false", false)])?;
-                }
-                VERIFY => {
-                    p.verify = Some(one_of(
-                        key,
-                        value,
-                        &[("size", Verify::Size), ("full", Verify::Full)],
-                    )?)
-                }
-                SOURCE => {
-                    crate::puller::validate_uri(value)
-                        .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
-                    p.source = Some(value.to_string());
-                }
-                k if SOURCE_OPTIONS.contains(&k) => {
-                    if k.starts_with("maxModel") {
-                        let one = BTreeMap::from([(k.to_string(), value.to_string())]);
-                        crate::puller::class_limits(&one)?;
-                    } else if k.ends_with("Endpoint") || k.ends_with("URL") {
-                        let ok = url::Url::parse(value).is_ok_and(|u| {
-                            matches!(u.scheme(), "http" | "https") && u.host().is_some()
-                        });
-                        if !ok {
-                            return Err(Error::invalid(
-                                format!("parameters.{k}"),
-                                format!("{value:?} is not an http(s) URL like https://host:port"),
-                            ));
-                        }
-                    } else if matches!(
-                        k,
-                        crate::puller::hf::ALLOW_PARAM | crate::puller::hf::IGNORE_PARAM
-                    ) {
-                        crate::puller::hf::patterns(k, value)?;
-                    } else if k == "s3Region" {
-                        if value.is_empty() || value.contains(char::is_whitespace) {
-                            return Err(Error::invalid(
-                                format!("parameters.{k}"),
-                                format!("{value:?} is not a region name like us-east-1"),
-                            ));
-                        }
-                    } else if !matches!(value, "true" | "false") {
-                        return Err(Error::invalid(
-                            format!("parameters.{k}"),
-                            format!("{value:?} is not accepted; use \"true\" or \"false\""),
-                        ));
-                    }
-                    p.source_options.insert(k.to_string(), value.to_string());
-                }
-                MODEL_SIGNATURE
-                | SIGNATURE_PUBLIC_KEY
-                | SIGNATURE_CERTIFICATE_CHAIN
-                | SIGNATURE_IDENTITY
-                | SIGNATURE_ISSUER
-                | SIGNATURE_FILE => {}
-                k if k.starts_with(PROVISIONER_PREFIX) => {}
-                other => {
+            p.set(key, &map[key])?;
+        }
+        p.check()?;
+        Ok(p)
+    }
+
+    /// Takes one parameter, or says why it is refused.
+    fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        match key {
+            BACKEND => {
+                self.backend = Some(one_of(
+                    key,
+                    value,
+                    &[
+                        ("local", Backend::Local),
+                        ("shared", Backend::Shared),
+                        ("xfs", Backend::Xfs),
+                    ],
+                )?)
+            }
+            ROLE => {
+                self.role = Some(one_of(
+                    key,
+                    value,
+                    &[("source", Role::Source), ("cache", Role::Cache)],
+                )?)
+            }
+            SHARED_PATH => {
+                let path = PathBuf::from(value);
+                if !path.is_absolute() {
                     return Err(Error::invalid(
-                        format!("parameters.{other}"),
-                        format!("unknown parameter; accepted: {}", KNOWN.join(", ")),
+                        format!("parameters.{key}"),
+                        format!(
+                            "{value:?} must be an absolute path given to the driver with --shared-path"
+                        ),
                     ));
                 }
+                self.shared_path = Some(path);
+            }
+            IMAGE_LOCATION => {
+                self.image_location = Some(one_of(
+                    key,
+                    value,
+                    &[
+                        ("node", ImageLocation::Node),
+                        ("shared", ImageLocation::Shared),
+                    ],
+                )?)
+            }
+            SUB_PATH => {
+                crate::mount::subpath::validate_syntax(value)
+                    .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
+                self.sub_path = Some(value.trim_end_matches('/').to_string());
+            }
+            ALLOWED_SOURCES => {
+                self.allowed_sources = Some(
+                    crate::trust::AllowedSources::parse(value)
+                        .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?,
+                );
+            }
+            ARTIFACT_CREDENTIALS => {
+                self.artifact_credentials = Some(
+                    crate::trust::AllowedSources::parse(value)
+                        .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?,
+                );
+            }
+            PROGRESSIVE => {
+                self.progressive = Some(one_of(key, value, &[("true", true), ("false", false)])?);
+            }
+            ALLOW_CROSS_NAMESPACE => {
+                self.allow_cross_namespace =
+                    one_of(key, value, &[("true", true), ("false", false)])?;
+            }
+            VERIFY => {
+                self.verify = Some(one_of(
+                    key,
+                    value,
+                    &[("size", Verify::Size), ("full", Verify::Full)],
+                )?)
+            }
+            SOURCE => {
+                crate::puller::validate_uri(value)
+                    .map_err(|m| Error::invalid(format!("parameters.{key}"), m))?;
+                self.source = Some(value.to_string());
+            }
+            k if SOURCE_OPTIONS.contains(&k) => {
+                source_option(k, value)?;
+                self.source_options.insert(k.to_string(), value.to_string());
+            }
+            MODEL_SIGNATURE
+            | SIGNATURE_PUBLIC_KEY
+            | SIGNATURE_CERTIFICATE_CHAIN
+            | SIGNATURE_IDENTITY
+            | SIGNATURE_ISSUER
+            | SIGNATURE_FILE => {}
+            k if k.starts_with(PROVISIONER_PREFIX) => {}
+            other => {
+                return Err(Error::invalid(
+                    format!("parameters.{other}"),
+                    format!("unknown parameter; accepted: {}", KNOWN.join(", ")),
+                ));
             }
         }
-        if p.image_location.is_some() && p.backend != Some(Backend::Xfs) {
+        Ok(())
+    }
+
+    /// Refuses parameters that do not go together.
+    fn check(&self) -> Result<()> {
+        if self.image_location.is_some() && self.backend != Some(Backend::Xfs) {
             return Err(Error::invalid(
                 format!("parameters.{IMAGE_LOCATION}"),
                 "only applies to backend: xfs",
             ));
         }
-        if p.progressive == Some(true) {
-            if let Some(b) = p.backend.filter(|b| *b != Backend::Local) {
+        if self.progressive == Some(true) {
+            if let Some(b) = self.backend.filter(|b| *b != Backend::Local) {
                 return Err(Error::invalid(
                     format!("parameters.{PROGRESSIVE}"),
                     format!(
@@ -278,7 +259,7 @@ impl Params {
                     ),
                 ));
             }
-            if p.signature.is_some() {
+            if self.signature.is_some() {
                 return Err(Error::invalid(
                     format!("parameters.{PROGRESSIVE}"),
                     "cannot be combined with modelSignature: a signature covers the whole \
@@ -287,17 +268,17 @@ impl Params {
                 ));
             }
         }
-        if p.role == Some(Role::Source) {
+        if self.role == Some(Role::Source) {
             for (set, key) in [
-                (p.progressive.is_some(), PROGRESSIVE),
-                (p.sub_path.is_some(), SUB_PATH),
-                (p.verify.is_some(), VERIFY),
-                (p.source.is_some(), SOURCE),
-                (p.allowed_sources.is_some(), ALLOWED_SOURCES),
-                (p.artifact_credentials.is_some(), ARTIFACT_CREDENTIALS),
-                (p.signature.is_some(), MODEL_SIGNATURE),
+                (self.progressive.is_some(), PROGRESSIVE),
+                (self.sub_path.is_some(), SUB_PATH),
+                (self.verify.is_some(), VERIFY),
+                (self.source.is_some(), SOURCE),
+                (self.allowed_sources.is_some(), ALLOWED_SOURCES),
+                (self.artifact_credentials.is_some(), ARTIFACT_CREDENTIALS),
+                (self.signature.is_some(), MODEL_SIGNATURE),
                 (
-                    !p.source_options.is_empty(),
+                    !self.source_options.is_empty(),
                     "s3Endpoint, s3Region, s3PathStyle, ociPlainHTTP, hfEndpoint, hfAllowPatterns, hfIgnorePatterns, modelRegistryURL",
                 ),
             ] {
@@ -309,8 +290,43 @@ impl Params {
                 }
             }
         }
-        Ok(p)
+        Ok(())
     }
+}
+
+/// Checks a source option's value (`SOURCE_OPTIONS`).
+fn source_option(k: &str, value: &str) -> Result<()> {
+    if k.starts_with("maxModel") {
+        let one = BTreeMap::from([(k.to_string(), value.to_string())]);
+        crate::puller::class_limits(&one)?;
+    } else if k.ends_with("Endpoint") || k.ends_with("URL") {
+        let ok = url::Url::parse(value)
+            .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
+        if !ok {
+            return Err(Error::invalid(
+                format!("parameters.{k}"),
+                format!("{value:?} is not an http(s) URL like https://host:port"),
+            ));
+        }
+    } else if matches!(
+        k,
+        crate::puller::hf::ALLOW_PARAM | crate::puller::hf::IGNORE_PARAM
+    ) {
+        crate::puller::hf::patterns(k, value)?;
+    } else if k == "s3Region" {
+        if value.is_empty() || value.contains(char::is_whitespace) {
+            return Err(Error::invalid(
+                format!("parameters.{k}"),
+                format!("{value:?} is not a region name like us-east-1"),
+            ));
+        }
+    } else if !matches!(value, "true" | "false") {
+        return Err(Error::invalid(
+            format!("parameters.{k}"),
+            format!("{value:?} is not accepted; use \"true\" or \"false\""),
+        ));
+    }
+    Ok(())
 }
 
 /// The class's signature policy: `modelSignature` with exactly one trust

@@ -10,13 +10,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::pulls::jobs::Until;
 use crate::cache::{self, Backend, External, Role, Root, Roots, SourceId, Verify, VolumeRecord};
 use crate::capability;
 use crate::config::Config;
 use crate::csi::{CapacityRange, Topology, TopologyRequirement, VolumeCapability};
 use crate::error::{Error, Result};
 use crate::progress::ProgressSink;
-use crate::puller::jobs::Until;
 
 use super::params::{ImageLocation, Params};
 
@@ -34,7 +34,7 @@ pub struct CreateRequest {
     pub topology: Option<TopologyRequirement>,
     pub secrets: HashMap<String, String>,
     /// How long the caller waits; a pull still running then goes on
-    /// without it (see `puller::jobs`).
+    /// without it (see `pulls::jobs`).
     pub budget: Option<std::time::Duration>,
     /// A source named in a pod's inline volume (`node::inline`), pulled
     /// with `secrets` as they are (the pod's own nodePublishSecretRef).
@@ -115,64 +115,19 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         content,
         external,
     } = r;
-    let role = match (params.role, &content, &params.source, &external) {
-        (Some(r), ..) => r,
-        (None, None, None, None) => Role::Source,
-        (None, ..) => Role::Cache,
-    };
-    if role == Role::Source && external.is_some() {
-        return Err(Error::invalid(
-            "parameters.role",
-            "a pvc:// claim of another driver can only be read: use role cache",
-        ));
-    }
-    if role == Role::Cache && content.is_none() && params.source.is_none() && external.is_none() {
-        return Err(Error::invalid(
-            "parameters.role",
-            "a cache volume needs a source: set parameter source to a model URI, or \
-             create the PVC with a dataSource naming a sealed source PVC",
-        ));
-    }
+    let role = role_of(&params, content.is_some(), external.is_some())?;
     // The StorageClass's source is a default; a PVC's own dataSource is
     // more specific and wins.
     if content.is_some() {
         params.source = None;
     }
-    // The content source decides the root: a cache volume reads its source
-    // in place, so it cannot live anywhere else.
-    let root = match &content {
-        Some((root, _)) => {
-            if let Some(b) = params.backend
-                && b != root.backend
-            {
-                return Err(Error::invalid(
-                    "parameters.backend",
-                    format!(
-                        "{b} differs from the source volume's backend {}: a volume created \
-                         from a source must use the source's backend and storage",
-                        root.backend
-                    ),
-                ));
-            }
-            if params.shared_path.is_some() && select_root(cfg, roots, &params)?.key != root.key {
-                return Err(Error::invalid(
-                    "parameters.sharedPath",
-                    format!("the source volume lives in {}", root.describe()),
-                ));
-            }
-            root.clone()
-        }
-        None if external.is_some() => {
-            roots.node_local(Backend::Local).cloned().ok_or_else(|| {
-                Error::Precondition(
-                    "a pvc:// claim of another driver is read on the node that holds it: run the \
-                 controller on the node (--node-id) with backend local"
-                        .into(),
-                )
-            })?
-        }
-        None => select_root(cfg, roots, &params)?,
-    };
+    let root = root_of(
+        cfg,
+        roots,
+        &params,
+        content.as_ref().map(|(r, _)| r),
+        external.is_some(),
+    )?;
     capability::check(&req.capabilities, &root, role)?;
     check_topology(cfg, &root, req.topology.as_ref())?;
     let (required, limit) = capacity_range(req)?;
@@ -237,6 +192,73 @@ pub fn plan(cfg: &Config, roots: &Roots, req: &CreateRequest, r: Resolved) -> Re
         work,
         required,
         limit,
+    })
+}
+
+/// The volume's role: as the class says, else a source when nothing is
+/// read from, a cache when something is; refused where it cannot be.
+fn role_of(params: &Params, content: bool, external: bool) -> Result<Role> {
+    let role = match (params.role, content, &params.source, external) {
+        (Some(r), ..) => r,
+        (None, false, None, false) => Role::Source,
+        (None, ..) => Role::Cache,
+    };
+    if role == Role::Source && external {
+        return Err(Error::invalid(
+            "parameters.role",
+            "a pvc:// claim of another driver can only be read: use role cache",
+        ));
+    }
+    if role == Role::Cache && !content && params.source.is_none() && !external {
+        return Err(Error::invalid(
+            "parameters.role",
+            "a cache volume needs a source: set parameter source to a model URI, or \
+             create the PVC with a dataSource naming a sealed source PVC",
+        ));
+    }
+    Ok(role)
+}
+
+/// The root a volume goes into. The content source decides it: a cache
+/// volume reads its source in place, so it cannot live anywhere else;
+/// another driver's PV (`external`) is read on its own node.
+fn root_of(
+    cfg: &Config,
+    roots: &Roots,
+    params: &Params,
+    content: Option<&Root>,
+    external: bool,
+) -> Result<Root> {
+    Ok(match content {
+        Some(root) => {
+            if let Some(b) = params.backend
+                && b != root.backend
+            {
+                return Err(Error::invalid(
+                    "parameters.backend",
+                    format!(
+                        "{b} differs from the source volume's backend {}: a volume created \
+                     from a source must use the source's backend and storage",
+                        root.backend
+                    ),
+                ));
+            }
+            if params.shared_path.is_some() && select_root(cfg, roots, params)?.key != root.key {
+                return Err(Error::invalid(
+                    "parameters.sharedPath",
+                    format!("the source volume lives in {}", root.describe()),
+                ));
+            }
+            root.clone()
+        }
+        None if external => roots.node_local(Backend::Local).cloned().ok_or_else(|| {
+            Error::Precondition(
+                "a pvc:// claim of another driver is read on the node that holds it: run the \
+             controller on the node (--node-id) with backend local"
+                    .into(),
+            )
+        })?,
+        None => select_root(cfg, roots, params)?,
     })
 }
 

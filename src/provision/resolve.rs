@@ -5,11 +5,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::pulls::jobs;
 use crate::cache::{self, External};
 use crate::error::{Error, Result};
 use crate::kubeapi;
 use crate::puller::engine::{NoProgress, ProgressSink};
-use crate::puller::{self, SourceOptions, jobs};
+use crate::puller::{self, SourceOptions};
 use crate::trust::Tenant;
 use kube::ResourceExt;
 
@@ -67,24 +68,7 @@ impl Provisioner {
         // class's allowedSources, pulled through the egress guard, and with
         // the PVC's own secret only, never the class's or the driver's.
         let mut tenant = None;
-        let events = match (&self.kube, &pvc, &req.inline) {
-            (Some(k), Some((_, claim)), _) => {
-                Some(Arc::new(k.pull_events(claim, self.cfg.progress_every)))
-            }
-            (
-                Some(k),
-                None,
-                Some(InlineSource {
-                    pod: Some((ns, name)),
-                    ..
-                }),
-            ) => Some(Arc::new(k.pod_pull_events(
-                ns,
-                name,
-                self.cfg.progress_every,
-            ))),
-            _ => None,
-        };
+        let events = self.events_for(pvc.as_ref().map(|(_, c)| c), req.inline.as_ref());
         if let Some(inline) = &req.inline {
             let field = "volumeAttributes.source";
             tenant = Some(
@@ -114,29 +98,10 @@ impl Provisioner {
         // A pvc:// source is either one of our volumes (read like a clone)
         // or another PV's bytes on this node.
         let mut content_volume = req.content_volume.clone();
-        let mut external = None;
-        if let Some(src) = params.source.clone()
-            && src.starts_with("pvc://")
-        {
-            let requester_ns = pvc.as_ref().map(|(ns, _)| ns.clone());
-            match self
-                .resolve_pvc(&src, requester_ns.as_deref(), params.allow_cross_namespace)
-                .await?
-            {
-                PvcSource::Volume { id, sub_path } => {
-                    content_volume = Some(id);
-                    params.sub_path = join_sub(sub_path, params.sub_path.take());
-                }
-                PvcSource::External {
-                    external: e,
-                    sub_path,
-                } => {
-                    external = Some(e);
-                    params.sub_path = join_sub(sub_path, params.sub_path.take());
-                }
-            }
-            params.source = None;
-        }
+        let requester_ns = pvc.as_ref().map(|(ns, _)| ns.as_str());
+        let external = self
+            .pvc_source(&mut params, requester_ns, &mut content_volume)
+            .await?;
         let content = match content_volume {
             Some(id) => {
                 let found = cache::lookup_off_runtime(&self.roots, &id).await;
@@ -154,14 +119,9 @@ impl Provisioner {
             (None, None) => Arc::new(NoProgress),
         };
         let class = match (&tenant, &content, &external, &params.source) {
-            (None, None, None, Some(source)) => req
-                .class
-                .clone()
-                .or_else(|| {
-                    pvc.as_ref()
-                        .and_then(|(_, c)| c.spec.as_ref()?.storage_class_name.clone())
-                })
-                .map(|name| (name, source.clone())),
+            (None, None, None, Some(source)) => {
+                class_of(req, pvc.as_ref().map(|(_, c)| c)).map(|name| (name, source.clone()))
+            }
             _ => None,
         };
         let pull = PullInputs {
@@ -179,17 +139,7 @@ impl Provisioner {
             },
             signature: params.signature.clone(),
             sink,
-            owner: match (&pvc, req.inline.as_ref().and_then(|i| i.pod.as_ref())) {
-                (Some((ns, c)), _) => Some(jobs::Owner::Pvc {
-                    namespace: ns.clone(),
-                    name: c.name_any(),
-                }),
-                (None, Some((ns, pod))) => Some(jobs::Owner::Pod {
-                    namespace: ns.clone(),
-                    name: pod.clone(),
-                }),
-                (None, None) => None,
-            },
+            owner: owner_of(pvc.as_ref(), req.inline.as_ref()),
             class,
         };
         Ok((
@@ -200,6 +150,51 @@ impl Provisioner {
             },
             pull,
         ))
+    }
+
+    /// Where a pull's progress and refusals are told: the requesting PVC,
+    /// or an inline volume's pod.
+    fn events_for(
+        &self,
+        claim: Option<&k8s_openapi::api::core::v1::PersistentVolumeClaim>,
+        inline: Option<&InlineSource>,
+    ) -> Option<Arc<kubeapi::PvcEvents>> {
+        let k = self.kube.as_ref()?;
+        let every = self.cfg.progress_every;
+        match (claim, inline.and_then(|i| i.pod.as_ref())) {
+            (Some(claim), _) => Some(Arc::new(k.pull_events(claim, every))),
+            (None, Some((ns, name))) => Some(Arc::new(k.pod_pull_events(ns, name, every))),
+            (None, None) => None,
+        }
+    }
+
+    /// A `pvc://` source is either one of our volumes (read like a clone:
+    /// `content_volume` names it) or another PV's bytes on this node (the
+    /// answer); either way its subPath joins the class's.
+    async fn pvc_source(
+        &self,
+        params: &mut Params,
+        requester_ns: Option<&str>,
+        content_volume: &mut Option<String>,
+    ) -> Result<Option<External>> {
+        let Some(src) = params.source.clone().filter(|s| s.starts_with("pvc://")) else {
+            return Ok(None);
+        };
+        let found = self
+            .resolve_pvc(&src, requester_ns, params.allow_cross_namespace)
+            .await?;
+        params.source = None;
+        Ok(match found {
+            PvcSource::Volume { id, sub_path } => {
+                *content_volume = Some(id);
+                params.sub_path = join_sub(sub_path, params.sub_path.take());
+                None
+            }
+            PvcSource::External { external, sub_path } => {
+                params.sub_path = join_sub(sub_path, params.sub_path.take());
+                Some(external)
+            }
+        })
     }
 
     /// A source a tenant named (in `field`), admitted under the class's
@@ -368,4 +363,33 @@ fn join_sub(a: Option<String>, b: Option<String>) -> Option<String> {
         (Some(a), Some(b)) => Some(format!("{a}/{b}")),
         (a, b) => a.or(b),
     }
+}
+
+/// Who wants a pull: the requesting PVC, or an inline volume's pod.
+fn owner_of(
+    pvc: Option<&(String, k8s_openapi::api::core::v1::PersistentVolumeClaim)>,
+    inline: Option<&InlineSource>,
+) -> Option<jobs::Owner> {
+    match (pvc, inline.and_then(|i| i.pod.as_ref())) {
+        (Some((ns, c)), _) => Some(jobs::Owner::Pvc {
+            namespace: ns.clone(),
+            name: c.name_any(),
+        }),
+        (None, Some((ns, pod))) => Some(jobs::Owner::Pod {
+            namespace: ns.clone(),
+            name: pod.clone(),
+        }),
+        (None, None) => None,
+    }
+}
+
+/// The StorageClass a request came through, where it names one: the
+/// request's own, else its PVC's.
+fn class_of(
+    req: &CreateRequest,
+    claim: Option<&k8s_openapi::api::core::v1::PersistentVolumeClaim>,
+) -> Option<String> {
+    req.class
+        .clone()
+        .or_else(|| claim.and_then(|c| c.spec.as_ref()?.storage_class_name.clone()))
 }

@@ -1,5 +1,5 @@
 //! A made volume's life after CreateVolume: delete, expand, seal, modify,
-//! list and capacity, the pulls wanted across restarts, idle eviction.
+//! list and capacity, idle eviction.
 
 use std::collections::HashMap;
 
@@ -7,11 +7,9 @@ use crate::cache::{self, Role, Root, Seal, VolumeId, VolumeRecord};
 use crate::csi::Topology;
 use crate::error::{Error, Result};
 use crate::offload::blocking;
-use crate::puller::jobs;
 
 use super::params::Params;
-use super::plan::{self, CreateRequest};
-use super::wanted;
+use super::plan;
 use super::{Listed, Provisioner};
 
 impl Provisioner {
@@ -231,96 +229,6 @@ impl Provisioner {
         let cap = self.cfg.pull.capacity.get(&root.backend).copied();
         let free = cache::evict::available(&root, cap)?;
         Ok(in_steps(free).min(i64::MAX as u64) as i64)
-    }
-
-    /// Cancels pull jobs whose PVC, or whose inline volume's pod, is gone
-    /// or going: no retry will ever come for them. Their finished ranges
-    /// stay resumable and evictable.
-    pub async fn sweep_jobs(&self) {
-        let Some(kube) = &self.kube else {
-            return;
-        };
-        for (key, owner) in self.jobs.owners() {
-            let deleting = match &owner {
-                jobs::Owner::Pvc { namespace, name } => kube
-                    .pvc(namespace, name)
-                    .await
-                    .map(|o| o.metadata.deletion_timestamp.is_some()),
-                jobs::Owner::Pod { namespace, name } => kube.pod_deleting(namespace, name).await,
-            };
-            let gone = match deleting {
-                Err(Error::NotFound(_)) => true,
-                Ok(deleting) => deleting,
-                Err(_) => false,
-            };
-            if gone {
-                self.jobs.cancel(&key);
-                self.forget_wanted(&key).await;
-            }
-        }
-    }
-
-    /// This process's wanted-pull records (see `wanted`).
-    pub(super) fn wanted_dir(&self) -> std::path::PathBuf {
-        self.cfg.state_dir.join("wanted")
-    }
-
-    /// The requests whose pulls were running when this process last
-    /// stopped (see `wanted`).
-    pub async fn wanted(&self) -> Vec<wanted::Wanted> {
-        let d = self.wanted_dir();
-        blocking(move || Ok(wanted::load(&d)))
-            .await
-            .unwrap_or_default()
-    }
-
-    /// The provisioner secret of `req`'s PVC's class, read again for a
-    /// pull a restart resumes (`wanted`): the PVC must be named in the
-    /// request (`--extra-create-metadata`), and the class's template
-    /// filled from the claim alone.
-    pub async fn class_secret_again(&self, req: &CreateRequest) -> Result<HashMap<String, String>> {
-        let kube = self.kube.as_ref().ok_or_else(|| {
-            Error::Precondition("no Kubernetes API access to read the class's secret again".into())
-        })?;
-        let got = |k: &str| {
-            req.params.get(k).ok_or_else(|| {
-                Error::Precondition(format!(
-                    "the request does not name {k} (external-provisioner --extra-create-metadata)"
-                ))
-            })
-        };
-        let (ns, pvc, pv) = (
-            got(crate::kubeapi::PVC_NAMESPACE)?,
-            got(crate::kubeapi::PVC_NAME)?,
-            got(super::params::PV_NAME)?,
-        );
-        Ok(kube
-            .claim_class_secret(ns, pvc, pv)
-            .await?
-            .unwrap_or_default()
-            .into_iter()
-            .collect())
-    }
-
-    /// Whether a volume named `name` (the CreateVolume name) exists in
-    /// some root of this process.
-    pub async fn has_volume_named(&self, name: &str) -> bool {
-        let uuid = cache::uuid_for_name(&self.cfg.driver_name, name);
-        let roots = self.roots.clone();
-        blocking(move || {
-            Ok(roots
-                .roots
-                .iter()
-                .any(|r| matches!(cache::read_volume(r, &uuid), Ok(Some(_)))))
-        })
-        .await
-        .unwrap_or(false)
-    }
-
-    /// Drops the record of the pull for volume `name`.
-    pub async fn forget_wanted(&self, name: &str) {
-        let (d, name) = (self.wanted_dir(), name.to_string());
-        let _ = blocking(move || wanted::remove(&d, &name)).await;
     }
 
     /// Evicts pulled models nobody has used for `idle`, in every root.

@@ -13,7 +13,6 @@ pub mod failure;
 pub mod file;
 pub mod hf;
 pub mod http;
-pub mod jobs;
 pub mod oci;
 pub mod registry;
 pub mod s3;

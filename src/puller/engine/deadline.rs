@@ -193,36 +193,23 @@ impl Engine {
         }
     }
 
-    pub(super) async fn retry<T, F, Fut>(&self, what: &str, mut op: F) -> Result<T>
+    pub(super) async fn retry<T, F, Fut>(&self, what: &str, op: F) -> Result<T>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        let mut attempt = 0;
-        loop {
-            match op().await {
-                Ok(v) => return Ok(v),
-                Err(e) if is_retryable(&e) && attempt + 1 < self.cfg.attempts => {
-                    let wait = backoff(&self.cfg, attempt, &e);
-                    warn!(error = %e, attempt, wait_ms = wait.as_millis() as u64, "{what} failed; retrying");
-                    tokio::time::sleep(wait).await;
-                    attempt += 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        crate::retry::retry(what, retries(&self.cfg), is_retryable, op).await
     }
 }
 
-pub(super) fn backoff(cfg: &EngineConfig, attempt: u32, e: &Error) -> Duration {
-    if let Error::RetryAfter { after, .. } = e {
-        // A server may ask for hours; a pull waits at most ten minutes a time.
-        return (*after).min(Duration::from_secs(600));
+/// The engine's retries of one request: `attempts` tries in all.
+pub(super) fn retries(cfg: &EngineConfig) -> crate::retry::Backoff {
+    crate::retry::Backoff {
+        first: cfg.backoff,
+        max: cfg.backoff_max,
+        total: None,
+        times: Some(cfg.attempts.saturating_sub(1) as usize),
     }
-    let exp = cfg.backoff.saturating_mul(1u32 << attempt.min(16));
-    let capped = exp.min(cfg.backoff_max);
-    // Full jitter: retries from many nodes do not arrive in lockstep.
-    capped.mul_f64(0.5 + fastrand::f64() * 0.5)
 }
 
 #[cfg(test)]
@@ -230,15 +217,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_honours_retry_after_and_grows() {
-        let cfg = EngineConfig::default();
-        let e = Error::RetryAfter {
-            message: "busy".into(),
-            after: Duration::from_secs(3),
+    fn the_engine_tries_a_request_attempts_times_in_all() {
+        let cfg = EngineConfig {
+            attempts: 3,
+            ..EngineConfig::default()
         };
-        assert_eq!(backoff(&cfg, 0, &e), Duration::from_secs(3));
-        let u = Error::Transient("x".into());
-        assert!(backoff(&cfg, 0, &u) <= cfg.backoff);
-        assert!(backoff(&cfg, 20, &u) <= cfg.backoff_max);
+        let waits: Vec<_> = retries(&cfg).delays().collect();
+        assert_eq!(waits.len(), 2);
+        assert!(waits.iter().all(|w| *w <= cfg.backoff_max));
     }
 }

@@ -730,7 +730,7 @@ pub(super) async fn fetch_range(
     report: &(dyn Fn(u64) + Send + Sync),
 ) -> Result<()> {
     let mut pos = start;
-    let mut attempt = 0u32;
+    let mut waits = retries(&ctx.cfg).delays();
     loop {
         let r = stream_into(
             ctx,
@@ -744,25 +744,20 @@ pub(super) async fn fetch_range(
             report,
         )
         .await;
-        match r {
+        let e = match r {
             Ok(()) if pos == end => return Ok(()),
-            Ok(()) => {
-                let e = Error::Transient(format!(
-                    "{} ended at byte {pos}, expected {end}",
-                    file.path_or_locator()
-                ));
-                if attempt + 1 >= ctx.cfg.attempts {
-                    return Err(e);
-                }
-                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
-            }
-            Err(e) if is_retryable(&e) && attempt + 1 < ctx.cfg.attempts => {
-                warn!(file = file.path_or_locator(), error = %e, attempt, "range failed; resuming");
-                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
-            }
+            Ok(()) => Error::Transient(format!(
+                "{} ended at byte {pos}, expected {end}",
+                file.path_or_locator()
+            )),
+            Err(e) if is_retryable(&e) => e,
             Err(e) => return Err(e),
-        }
-        attempt += 1;
+        };
+        let Some(wait) = waits.after(&e) else {
+            return Err(e);
+        };
+        warn!(file = file.path_or_locator(), error = %e, retry_in = ?wait, "range failed; resuming");
+        tokio::time::sleep(wait).await;
     }
 }
 
@@ -774,7 +769,7 @@ pub(super) async fn whole_download(
     out: &Arc<PartFile>,
     part: &Path,
 ) -> Result<(u64, (String, Vec<String>))> {
-    let mut attempt = 0u32;
+    let mut waits = retries(&ctx.cfg).delays();
     loop {
         out.set_len(0).ctx("truncate", part)?;
         let mut pos = 0;
@@ -803,18 +798,20 @@ pub(super) async fn whole_download(
                     "{} was cut short at byte {pos}",
                     file.path_or_locator()
                 ));
-                if attempt + 1 >= ctx.cfg.attempts {
+                let Some(wait) = waits.after(&e) else {
                     return Err(e);
-                }
-                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+                };
+                tokio::time::sleep(wait).await;
             }
-            Err(e) if is_retryable(&e) && attempt + 1 < ctx.cfg.attempts => {
-                tokio::time::sleep(backoff(&ctx.cfg, attempt, &e)).await;
+            Err(e) if is_retryable(&e) => {
+                let Some(wait) = waits.after(&e) else {
+                    return Err(e);
+                };
+                tokio::time::sleep(wait).await;
             }
             Err(e) => return Err(e),
         }
         ctx.bytes.fetch_sub(pos, Ordering::Relaxed);
-        attempt += 1;
     }
 }
 

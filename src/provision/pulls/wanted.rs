@@ -1,6 +1,9 @@
 //! Pulls this process was asked for, kept on disk until they end, so a
 //! restart resumes them without waiting for a new call.
 //!
+//! A record's `Phase` says how far its pull had come for the volume that
+//! wants it; the seal removes the record.
+//!
 //! A record is the CreateVolume request that started a pull, written under
 //! this process's own `--state-dir` (`wanted/`), never into a root: a
 //! `shared` root is writable by every node, and a record there could make
@@ -17,9 +20,9 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::plan::{CreateRequest, InlineSource};
 use crate::csi::{CapacityRange, TopologyRequirement, VolumeCapability};
 use crate::error::{IoContext, Result};
+use crate::provision::plan::{CreateRequest, InlineSource};
 use crate::state;
 
 /// One wanted pull: the request without its secrets.
@@ -40,6 +43,25 @@ struct Record {
     /// here: the resume reads it again (`KubeApi::claim_class_secret`).
     #[serde(default)]
     class_secret: bool,
+    #[serde(default)]
+    phase: Phase,
+}
+
+/// How far a wanted pull had come for its volume. The record is written
+/// at `Requested` and goes at the seal, so a sealed pull has none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Asked for, and no volume answered yet: the provisioner's next call
+    /// would find the pull running.
+    #[default]
+    Requested,
+    /// Its volume was answered once the listing was known (progressive):
+    /// readers wait on files still arriving, and only the pull brings them.
+    Listed,
+    /// Its volume was answered once every file was verified: readers read
+    /// the pull's own files until the seal.
+    Verified,
 }
 
 /// A pull to resume, as recorded.
@@ -47,6 +69,7 @@ pub struct Wanted {
     pub req: CreateRequest,
     /// Its class's provisioner secret must be read again first.
     pub class_secret: bool,
+    pub phase: Phase,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -62,7 +85,8 @@ fn path(dir: &Path, name: &str) -> PathBuf {
 }
 
 /// Records in `dir` that `req` wants a pull; `class_secret`: it pulls
-/// with its class's provisioner secret (not written).
+/// with its class's provisioner secret (not written). A record already
+/// there keeps its phase.
 pub fn save(dir: &Path, req: &CreateRequest, class_secret: bool) -> Result<()> {
     let rec = Record {
         name: req.name.clone(),
@@ -87,9 +111,32 @@ pub fn save(dir: &Path, req: &CreateRequest, class_secret: bool) -> Result<()> {
             pod: i.pod.clone(),
         }),
         class_secret,
+        phase: Phase::Requested,
     };
     let p = path(dir, &req.name);
+    // A resumed pull is recorded again: how far it had come stands.
+    let phase = match state::read_json::<Record>(&p) {
+        Ok(Some(before)) => before.phase,
+        _ => Phase::Requested,
+    };
+    let rec = Record { phase, ..rec };
     state::write_json(&p, &rec).ctx("record a wanted pull", &p)
+}
+
+/// Notes that the volume of the pull for `name` was answered at `phase`
+/// (no record: nothing to note). Written whole or not at all, since the
+/// record is what a restart resumes; its caller writes it after the
+/// answer, which so waits for no fsync behind the model's writeback.
+pub fn advance(dir: &Path, name: &str, phase: Phase) -> Result<()> {
+    let p = path(dir, name);
+    let Some(mut rec) = state::read_json::<Record>(&p).ctx("read a wanted pull", &p)? else {
+        return Ok(());
+    };
+    if rec.phase < phase {
+        rec.phase = phase;
+        state::write_json(&p, &rec).ctx("record a wanted pull's phase", &p)?;
+    }
+    Ok(())
 }
 
 /// Whether a pull for `name` is recorded.
@@ -161,6 +208,7 @@ fn decode(r: Record) -> std::io::Result<Wanted> {
     Ok(Wanted {
         req,
         class_secret: r.class_secret,
+        phase: r.phase,
     })
 }
 
@@ -201,6 +249,16 @@ mod tests {
         let back = load(&dir);
         assert_eq!(back.len(), 1);
         assert!(back[0].class_secret);
+        assert_eq!(back[0].phase, Phase::Requested);
+        advance(&dir, &req.name, Phase::Verified).unwrap();
+        // A phase never goes back.
+        advance(&dir, &req.name, Phase::Listed).unwrap();
+        let back = load(&dir);
+        assert_eq!(back[0].phase, Phase::Verified);
+        assert!(back[0].class_secret, "the rest of the record stays");
+        // Recorded again by a resume: the phase stands.
+        save(&dir, &req, true).unwrap();
+        assert_eq!(load(&dir)[0].phase, Phase::Verified);
         let back: Vec<_> = back.into_iter().map(|w| w.req).collect();
         assert_eq!(back[0].name, req.name);
         assert_eq!(back[0].params, req.params);

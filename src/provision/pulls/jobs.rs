@@ -1,4 +1,4 @@
-//! Pulls that outlive the call that asked for them.
+//! The running pull jobs, keyed by the volume name that wants each.
 //!
 //! A 100 GB model takes many minutes; external-provisioner gives each
 //! CreateVolume a deadline (`--timeout`) and retries with backoff. So a
@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::engine::{Ask, Engine, Progress, ProgressSink, Pulled};
-use super::source::Source;
 use crate::cache::Root;
 use crate::cache::partial::Stage;
 use crate::error::{Error, Result};
+use crate::puller::engine::{Ask, Engine, Progress, ProgressSink, Pulled};
+use crate::puller::source::Source;
 
 type Outcome = crate::outcome::Outcome<Arc<Pulled>>;
 
@@ -346,6 +346,19 @@ impl Jobs {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Waits until the job for `key` has its outcome, or at once when none
+    /// runs.
+    pub async fn ended(&self, key: &str) {
+        let done = {
+            let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+            running.get(key).map(|j| j.done.clone())
+        };
+        if let Some(mut done) = done {
+            // An error: the job's task is gone, and so is the wait.
+            let _ = done.wait_for(Option::is_some).await;
         }
     }
 
