@@ -201,6 +201,7 @@ start_minio() {
     rm -rf "$E2E_DIR/minio"
     mkdir -p "$E2E_DIR/minio/data"
     AUDIT=$E2E_DIR/minio/audit.jsonl
+    AUDIT_QUEUE=$E2E_DIR/minio/audit-queue
     : > "$AUDIT"
     audit_port=$(free_port)
     launch minio-audit python3 "$E2E_ROOT/lib/audit-receiver.py" "$audit_port" "$AUDIT"
@@ -209,7 +210,7 @@ start_minio() {
     launch minio env MINIO_ROOT_USER=$MINIO_USER MINIO_ROOT_PASSWORD=$MINIO_PASSWORD \
         MINIO_BROWSER=off MINIO_UPDATE=off MINIO_PROMETHEUS_AUTH_TYPE=public \
         MINIO_AUDIT_WEBHOOK_ENABLE=on MINIO_AUDIT_WEBHOOK_ENDPOINT="http://127.0.0.1:$audit_port/" \
-        MINIO_AUDIT_WEBHOOK_QUEUE_DIR="$E2E_DIR/minio/audit-queue" \
+        MINIO_AUDIT_WEBHOOK_QUEUE_DIR="$AUDIT_QUEUE" \
         "$bin" server --quiet --address "${MINIO_HOST:-127.0.0.1}:$MINIO_PORT" "$E2E_DIR/minio/data"
     wait_until 60 "MinIO on $MINIO_URL" curl -fsS "$MINIO_URL/minio/health/ready" || return 1
     # Ready can still answer a PUT with 503 for a moment (seen on a loaded

@@ -6,16 +6,18 @@ from a peer proves its access with a one-byte read of the origin).
 Prints one line per object and exits non-zero on any object whose bytes were
 sent fewer times, or more beyond EXTRA, or not at all.
 
-    python3 served-once.py [--since LINE] [--within SECONDS] \
+    python3 served-once.py [--since LINE] [--within SECONDS] [--queue DIR] \
         AUDIT_JSONL BUCKET PREFIX SIZES_FILE [TIMES] [EXTRA]
 
 SIZES_FILE: lines "<key> <size>" for the objects that must have been served.
 --since: only the log's lines after LINE (what a flow's reads added).
 MinIO posts its audit entries from a queue, after the answer: the log is
 read once it has been still for 2 s, and an object short of its bytes is
-read again until --within (30 s) passes, since its entry may still be on
+read again until --within (60 s) passes, since its entry may still be on
 its way; bytes beyond the allowance fail at once, since later entries
-only add to them.
+only add to them. --queue: MinIO's audit queue directory; when an object
+is short, what is still queued there (not yet delivered) is named, so a
+late delivery is told apart from a request never made.
 """
 
 import json
@@ -25,7 +27,7 @@ import sys
 import time
 
 args = sys.argv[1:]
-since, within = 0, 30.0
+since, within, queue = 0, 60.0, None
 while args and args[0].startswith("--"):
     flag, value = args[0], args[1]
     args = args[2:]
@@ -33,6 +35,8 @@ while args and args[0].startswith("--"):
         since = int(value)
     elif flag == "--within":
         within = float(value)
+    elif flag == "--queue":
+        queue = value
     else:
         sys.exit(f"served-once.py: unknown flag {flag}")
 audit, bucket, prefix, sizes_file = args[0:4]
@@ -134,4 +138,17 @@ if wrong:
     # First, so that a summary keeping one line names what went wrong.
     print(f"{len(wrong)} of {len(sizes)} objects not served as asked: {', '.join(wrong)}")
 print("\n".join(out))
+if wrong and queue:
+    queued, naming = 0, {w: 0 for w in wrong}
+    for root, _, files in os.walk(queue):
+        for name in files:
+            queued += 1
+            try:
+                body = open(os.path.join(root, name), "rb").read()
+            except OSError:
+                continue
+            for w in wrong:
+                naming[w] += body.count(w.encode())
+    print(f"MinIO's audit queue holds {queued} undelivered file(s); "
+          + ", ".join(f"{w} named {n} time(s)" for w, n in naming.items()))
 sys.exit(1 if over or short else 0)

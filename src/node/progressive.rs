@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -23,10 +22,7 @@ use tracing::Instrument;
 /// The view's name in the mount table: `fuse.modelcache`.
 pub const FS_NAME: &str = "modelcache";
 
-/// How long a read of a file not yet verified waits before it answers
-/// EIO: long enough for a shard of a large model on a slow origin, short
-/// enough that a stalled fill fails a model load instead of hanging it.
-pub const WAIT_BOUND: Duration = Duration::from_secs(600);
+pub use crate::progressive::WAIT_BOUND;
 
 /// Whether a mount found on a staging path's content is a progressive view.
 pub fn is_view(fs_type: &str) -> bool {

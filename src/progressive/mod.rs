@@ -11,6 +11,12 @@ pub mod keeper;
 pub mod tree;
 
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a read of a file not yet verified waits before it answers
+/// EIO: long enough for a shard of a large model on a slow origin, short
+/// enough that a stalled fill fails a model load instead of hanging it.
+pub const WAIT_BOUND: Duration = Duration::from_secs(600);
 
 use crate::cache::partial::{Partial, Verdict};
 

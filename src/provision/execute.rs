@@ -171,7 +171,7 @@ impl Provisioner {
             let (r, n, u, max) = (
                 root.clone(),
                 ns.clone(),
-                crate::trust::allowed::shown(&uri).to_string(),
+                crate::trust::allowed::shown(uri).to_string(),
                 self.cfg.max_models_per_namespace,
             );
             blocking(move || namespace_has_room(&r, &n, &u, max)).await?;
@@ -184,7 +184,7 @@ impl Provisioner {
         let until = until_on(&kernel_release(), until)?;
         let mut attempt = 1;
         loop {
-            let (early, backed) = self.pull(req, &uri, &root, &pull, deadline, until).await?;
+            let (early, backed) = self.pull(req, uri, &root, &pull, deadline, until).await?;
             let sid = match early {
                 jobs::Early::Sealed(pulled) => {
                     rec.model = pulled.seal.origin.clone().into();

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::pulls::jobs::Until;
+use crate::cache::partial::Stage;
 use crate::cache::{self, Backend, External, Role, Root, Roots, SourceId, Verify, VolumeRecord};
 use crate::capability;
 use crate::config::Config;
@@ -34,7 +34,7 @@ pub struct CreateRequest {
     pub topology: Option<TopologyRequirement>,
     pub secrets: HashMap<String, String>,
     /// How long the caller waits; a pull still running then goes on
-    /// without it (see `pulls::jobs`).
+    /// without it (see `pulls`).
     pub budget: Option<std::time::Duration>,
     /// A source named in a pod's inline volume (`node::inline`), pulled
     /// with `secrets` as they are (the pod's own nodePublishSecretRef).
@@ -260,6 +260,47 @@ fn root_of(
         })?,
         None => select_root(cfg, roots, params)?,
     })
+}
+
+/// Who wants a pull: a PVC, or the pod of an inline volume. When it is
+/// gone, nothing will ever ask for the pull again, and it is cancelled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Owner {
+    Pvc { namespace: String, name: String },
+    Pod { namespace: String, name: String },
+}
+
+impl Owner {
+    pub fn namespace(&self) -> &str {
+        match self {
+            Owner::Pvc { namespace, .. } | Owner::Pod { namespace, .. } => namespace,
+        }
+    }
+}
+
+/// When a create that pulls a model may answer, and so how the pull runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Until {
+    /// Once the model is sealed: durable, recorded, immutable.
+    Sealed,
+    /// Once every file is verified, its bytes maybe not yet durable: the
+    /// volume is served from the pull's own files until the seal, and the
+    /// pull writes through the page cache, where its pods read them.
+    Verified,
+    /// Once the listing is known (a progressive volume): fetched in the
+    /// listing's order, each file readable as it is verified.
+    Listed,
+}
+
+impl Until {
+    /// Whether a pull at `stage` lets the volume answer before the seal.
+    pub fn answers_at(self, stage: Stage) -> bool {
+        match self {
+            Until::Sealed => false,
+            Until::Verified => stage == Stage::Verified,
+            Until::Listed => stage >= Stage::Listed,
+        }
+    }
 }
 
 /// `capacity_range` as (required, limit), 0 meaning unset.

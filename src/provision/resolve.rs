@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::pulls::jobs;
 use crate::cache::{self, External};
 use crate::error::{Error, Result};
 use crate::kubeapi;
@@ -16,7 +15,7 @@ use kube::ResourceExt;
 
 use super::Provisioner;
 use super::params::Params;
-use super::plan::{CreateRequest, InlineSource, Resolved};
+use super::plan::{CreateRequest, InlineSource, Owner, Resolved};
 /// How a pull goes: with what credentials and policy, told to whom, for
 /// which PVC.
 pub(super) struct PullInputs {
@@ -24,7 +23,7 @@ pub(super) struct PullInputs {
     /// The class's signature policy: never the tenant's to set.
     pub(super) signature: Option<Arc<crate::signing::Policy>>,
     pub(super) sink: Arc<dyn ProgressSink>,
-    pub(super) owner: Option<jobs::Owner>,
+    pub(super) owner: Option<Owner>,
     /// The StorageClass whose own `source` this pull is (neither the PVC
     /// nor a pod named one), and that source: the class a node holding
     /// the model is warm for.
@@ -369,13 +368,13 @@ fn join_sub(a: Option<String>, b: Option<String>) -> Option<String> {
 fn owner_of(
     pvc: Option<&(String, k8s_openapi::api::core::v1::PersistentVolumeClaim)>,
     inline: Option<&InlineSource>,
-) -> Option<jobs::Owner> {
+) -> Option<Owner> {
     match (pvc, inline.and_then(|i| i.pod.as_ref())) {
-        (Some((ns, c)), _) => Some(jobs::Owner::Pvc {
+        (Some((ns, c)), _) => Some(Owner::Pvc {
             namespace: ns.clone(),
             name: c.name_any(),
         }),
-        (None, Some((ns, pod))) => Some(jobs::Owner::Pod {
+        (None, Some((ns, pod))) => Some(Owner::Pod {
             namespace: ns.clone(),
             name: pod.clone(),
         }),

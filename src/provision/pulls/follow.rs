@@ -31,7 +31,7 @@ const REPULL: Backoff = Backoff {
 const RESUME: Backoff = Backoff {
     first: Duration::from_secs(5),
     max: Duration::from_secs(60),
-    total: Some(crate::node::progressive::WAIT_BOUND),
+    total: Some(crate::progressive::WAIT_BOUND),
     times: None,
 };
 

@@ -16,28 +16,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::cache::Root;
-use crate::cache::partial::Stage;
 use crate::error::{Error, Result};
+pub use crate::provision::plan::{Owner, Until};
 use crate::puller::engine::{Ask, Engine, Progress, ProgressSink, Pulled};
 use crate::puller::source::Source;
 
 type Outcome = crate::outcome::Outcome<Arc<Pulled>>;
-
-/// Who wants a pull: a PVC, or the pod of an inline volume. When it is
-/// gone, nothing will ever ask for the pull again, and it is cancelled.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Owner {
-    Pvc { namespace: String, name: String },
-    Pod { namespace: String, name: String },
-}
-
-impl Owner {
-    pub fn namespace(&self) -> &str {
-        match self {
-            Owner::Pvc { namespace, .. } | Owner::Pod { namespace, .. } => namespace,
-        }
-    }
-}
 
 /// One running pull.
 struct Job {
@@ -125,31 +109,6 @@ pub struct Request {
     pub sink: Arc<dyn ProgressSink>,
     /// When the volume that asks may be answered.
     pub until: Until,
-}
-
-/// When a create that pulls a model may answer, and so how the pull runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Until {
-    /// Once the model is sealed: durable, recorded, immutable.
-    Sealed,
-    /// Once every file is verified, its bytes maybe not yet durable: the
-    /// volume is served from the pull's own files until the seal, and the
-    /// pull writes through the page cache, where its pods read them.
-    Verified,
-    /// Once the listing is known (a progressive volume): fetched in the
-    /// listing's order, each file readable as it is verified.
-    Listed,
-}
-
-impl Until {
-    /// Whether a pull at `stage` lets the volume answer before the seal.
-    fn answers_at(self, stage: Stage) -> bool {
-        match self {
-            Until::Sealed => false,
-            Until::Verified => stage == Stage::Verified,
-            Until::Listed => stage >= Stage::Listed,
-        }
-    }
 }
 
 /// What an early create waits for: the model sealed, or its pull under
