@@ -107,7 +107,7 @@ pub fn write_volume(root: &Root, rec: &VolumeRecord) -> Result<()> {
 
 /// As [`write_volume`], not durable until [`sync_volume`]: for a volume
 /// answered before its seal whose pull a durable record resumes after a
-/// crash (`provision::wanted`), which writes this record again.
+/// crash (`provision::pulls`), which writes this record again.
 pub fn write_volume_unsynced(root: &Root, rec: &VolumeRecord) -> Result<()> {
     let path = record_path(root, rec)?;
     state::write_json_unsynced(&path, rec).ctx("write volume record", &path)
@@ -253,7 +253,7 @@ pub fn add_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
 /// is never missing for eviction to misread. False: the area is gone (the
 /// model sealed or the pull ended), and nothing was made.
 /// `durable: false` when a record of the pull that survives a crash
-/// brings the reference back (`provision::wanted`); [`sync_volume`] then
+/// brings the reference back (`provision::pulls`); [`sync_volume`] then
 /// makes it durable once the model is sealed.
 pub fn add_pull_ref(root: &Root, sid: &SourceId, uuid: &str, durable: bool) -> Result<bool> {
     let area = root.pull_area(sid);

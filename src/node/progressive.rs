@@ -76,7 +76,7 @@ impl Views {
     /// `content` (an empty directory inside the staging path's wrapper)
     /// and serves it. The model's pull must run in this process with its
     /// listing known; otherwise UNAVAILABLE, and kubelet's retry finds it
-    /// (a restart resumes the pull, see `provision::wanted`).
+    /// (a restart resumes the pull, see `provision::pulls`).
     pub fn mount(
         &self,
         m: &dyn Mounter,
