@@ -30,6 +30,7 @@ use crate::node::{NodeOps, NodeService};
 use crate::provision::Provisioner;
 use crate::requests::*;
 
+mod calls;
 mod restart;
 
 struct Driver {
@@ -53,12 +54,21 @@ impl Driver {
     /// A driver over roots in `dir`, with API access through `kube` when
     /// given: then inline volumes follow StorageClass [`INLINE_CLASS`].
     fn start_with(dir: impl Into<Arc<tempfile::TempDir>>, kube: Option<kube::Client>) -> Driver {
-        let dir = dir.into();
+        let all = [Backend::Local, Backend::Shared, Backend::Xfs];
+        Driver::start_over(dir.into(), kube, &all)
+    }
+
+    /// A driver offering only `backends` (`--backends`).
+    fn start_over(
+        dir: Arc<tempfile::TempDir>,
+        kube: Option<kube::Client>,
+        backends: &[Backend],
+    ) -> Driver {
         let cfg = Arc::new(Config {
             node_id: Some("node-1".into()),
             state_dir: dir.path().join("state"),
             shared_paths: vec![dir.path().join("shared")],
-            backends: vec![Backend::Local, Backend::Shared, Backend::Xfs],
+            backends: backends.to_vec(),
             inline_class: kube.is_some().then(|| INLINE_CLASS.into()),
             ..Config::default()
         });

@@ -13,7 +13,6 @@ mod any_client;
 mod concurrency;
 mod crash_resume;
 mod deploy;
-mod errors;
 mod expansion;
 mod gated_pulls;
 mod hostile;

@@ -89,7 +89,7 @@ clippy=$!
 # While the test tools install (Go builds of etcd, kube-apiserver, MinIO;
 # Python venvs), the tests that need none of them run: unit tests, the
 # integration modules below, and the rootless tier.
-NO_TOOLS=(admin_cli:: concurrency:: errors:: expansion:: gated_pulls:: idempotency:: metrics::
+NO_TOOLS=(admin_cli:: concurrency:: expansion:: gated_pulls:: idempotency:: metrics::
   node_scale:: node_trust:: placement:: progressive:: progressive_volumes:: puller_engine::
   read_only:: registration:: restart:: seal_bounds:: shared_fs:: source_lifecycle:: sub_path:: xfs::)
 log "unit tests, and integration tests that need no test tools, while those install"
