@@ -139,8 +139,11 @@ impl Provisioner {
                     );
                     return Ok(());
                 }
+                // A record outliving its pull (a phase noted just as the
+                // seal removed it) goes now.
                 Ok(_) => {
                     tracing::info!("a wanted pull had finished; volume ready");
+                    self.forget_wanted(name).await;
                     return Ok(());
                 }
                 Err(e @ Error::Busy(_)) => {

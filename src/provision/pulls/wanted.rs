@@ -126,7 +126,9 @@ pub fn save(dir: &Path, req: &CreateRequest, class_secret: bool) -> Result<()> {
 /// Notes that the volume of the pull for `name` was answered at `phase`
 /// (no record: nothing to note). Written whole or not at all, since the
 /// record is what a restart resumes; its caller writes it after the
-/// answer, which so waits for no fsync behind the model's writeback.
+/// answer, which so waits for no fsync behind the model's writeback. A
+/// note racing the seal's removal may write the record back; the resume
+/// finds its pull finished and removes it.
 pub fn advance(dir: &Path, name: &str, phase: Phase) -> Result<()> {
     let p = path(dir, name);
     let Some(mut rec) = state::read_json::<Record>(&p).ctx("read a wanted pull", &p)? else {
