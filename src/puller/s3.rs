@@ -154,11 +154,58 @@ pub fn new(uri: &str, opts: &SourceOptions) -> Result<S3Source> {
 }
 
 fn build_store(bucket: &str, opts: &SourceOptions) -> Result<(AmazonS3, String)> {
+    let (builder, scope, allow_http) = configured(bucket, opts)?;
+    let mut client = ClientOptions::new();
+    if let Some(proxy) = opts.proxy() {
+        client = client.with_proxy_url(proxy);
+    }
+    let client = client
+        .with_allow_http(allow_http)
+        .with_timeout_disabled()
+        .with_connect_timeout(CONNECT_TIMEOUT)
+        .with_read_timeout(READ_TIMEOUT);
+    // One quick retry covers a pooled connection the server already closed;
+    // real retrying (backoff, giving up) is the engine's.
+    let retry = RetryConfig {
+        max_retries: 1,
+        retry_timeout: Duration::from_secs(10),
+        backoff: object_store::BackoffConfig {
+            init_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(500),
+            base: 2.0,
+        },
+    };
+    let store = builder
+        .with_client_options(client)
+        .with_retry(retry)
+        .build()
+        .map_err(|e| {
+            // Builder errors name options, never their secret values.
+            Error::invalid("parameters", format!("cannot configure S3 access: {e}"))
+        })?;
+    Ok((store, scope))
+}
+
+/// The driver's `AWS_*` environment (`AdminEnv`, read at start-up), as
+/// object_store's own `from_env` would read it from the process.
+fn from_driver_env(opts: &SourceOptions) -> AmazonS3Builder {
+    opts.env
+        .aws()
+        .filter_map(|(k, v)| Some((k.to_ascii_lowercase().parse().ok()?, v)))
+        .fold(AmazonS3Builder::new(), |b, (key, value)| {
+            b.with_config(key, value)
+        })
+}
+
+/// The builder for a bucket from the class's parameters, the request's
+/// secrets and the driver's environment; with the endpoint as part of the
+/// cache key (empty for AWS's own) and whether it speaks plain HTTP.
+fn configured(bucket: &str, opts: &SourceOptions) -> Result<(AmazonS3Builder, String, bool)> {
     let params = &opts.params;
     // The driver's AWS_* environment fills whatever the StorageClass leaves
     // out (region, endpoint, and the credential chain: env keys, web
     // identity, instance metadata).
-    let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    let mut builder = from_driver_env(opts).with_bucket_name(bucket);
 
     if let Some(region) = params.get(PARAM_REGION) {
         if region.is_empty()
@@ -202,13 +249,12 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<(AmazonS3, String)>
         None => endpoint.is_some(),
     };
     builder = builder.with_virtual_hosted_style_request(!path_style);
-    let mut allow_http = false;
     let scope = endpoint
         .as_ref()
         .map(|e| format!("{e} path_style={path_style}"))
         .unwrap_or_default();
+    let allow_http = endpoint.as_ref().is_some_and(|e| e.scheme() == "http");
     if let Some(endpoint) = endpoint {
-        allow_http = endpoint.scheme() == "http";
         // object_store expects a virtual-hosted endpoint to name the bucket.
         let endpoint = if path_style {
             endpoint.as_str().trim_end_matches('/').to_string()
@@ -230,6 +276,12 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<(AmazonS3, String)>
         builder = builder.with_config(AmazonS3ConfigKey::S3Endpoint, endpoint);
     }
 
+    Ok((with_secrets(builder, opts)?, scope, allow_http))
+}
+
+/// The request's own keys, which override every credential the driver's
+/// environment may hold; a tenant without them is unsigned.
+fn with_secrets(builder: AmazonS3Builder, opts: &SourceOptions) -> Result<AmazonS3Builder> {
     let secrets = &opts.secrets;
     match (
         secrets.get(SECRET_ACCESS_KEY_ID),
@@ -241,52 +293,17 @@ fn build_store(bucket: &str, opts: &SourceOptions) -> Result<(AmazonS3, String)>
                 secret_key: secret_key.clone(),
                 token: secrets.get(SECRET_SESSION_TOKEN).cloned(),
             };
-            // Overrides every credential the environment may hold.
-            builder = builder.with_credentials(Arc::new(StaticCredentialProvider::new(credential)));
+            Ok(builder.with_credentials(Arc::new(StaticCredentialProvider::new(credential))))
         }
         // A tenant's pull never signs with the driver's environment keys,
         // web identity or instance role: unsigned, or the PVC's own secret.
-        (None, None) if opts.own_credentials_only() => builder = builder.with_skip_signature(true),
-        (None, None) => {}
-        _ => {
-            return Err(Error::invalid(
-                "secrets",
-                format!(
-                    "{SECRET_ACCESS_KEY_ID} and {SECRET_SECRET_ACCESS_KEY} must be given together"
-                ),
-            ));
-        }
+        (None, None) if opts.own_credentials_only() => Ok(builder.with_skip_signature(true)),
+        (None, None) => Ok(builder),
+        _ => Err(Error::invalid(
+            "secrets",
+            format!("{SECRET_ACCESS_KEY_ID} and {SECRET_SECRET_ACCESS_KEY} must be given together"),
+        )),
     }
-
-    let mut client = ClientOptions::new();
-    if let Some(proxy) = opts.proxy() {
-        client = client.with_proxy_url(proxy);
-    }
-    let client = client
-        .with_allow_http(allow_http)
-        .with_timeout_disabled()
-        .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_read_timeout(READ_TIMEOUT);
-    // One quick retry covers a pooled connection the server already closed;
-    // real retrying (backoff, giving up) is the engine's.
-    let retry = RetryConfig {
-        max_retries: 1,
-        retry_timeout: Duration::from_secs(10),
-        backoff: object_store::BackoffConfig {
-            init_backoff: Duration::from_millis(50),
-            max_backoff: Duration::from_millis(500),
-            base: 2.0,
-        },
-    };
-    let store = builder
-        .with_client_options(client)
-        .with_retry(retry)
-        .build()
-        .map_err(|e| {
-            // Builder errors name options, never their secret values.
-            Error::invalid("parameters", format!("cannot configure S3 access: {e}"))
-        })?;
-    Ok((store, scope))
 }
 
 fn parse_endpoint(endpoint: &str) -> Result<url::Url> {
@@ -768,6 +785,50 @@ mod tests {
             .insert(SECRET_SECRET_ACCESS_KEY.into(), "hunter2".into());
         let s = new("s3://bucket/x", &opts).unwrap();
         assert!(!format!("{s:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn the_driver_environment_given_at_start_configures_the_client() {
+        let mut opts = SourceOptions {
+            env: Arc::new(crate::trust::AdminEnv::from_pairs([
+                ("AWS_REGION", "eu-west-3".to_string()),
+                ("AWS_ENDPOINT_URL_S3", "http://10.1.2.3:9000".to_string()),
+                ("AWS_ACCESS_KEY_ID", "ENVKEY".to_string()),
+                ("AWS_NOT_A_SETTING", "x".to_string()),
+            ])),
+            ..Default::default()
+        };
+        let (b, scope, http) = configured("bucket", &opts).unwrap();
+        assert_eq!(
+            b.get_config_value(&AmazonS3ConfigKey::Region).as_deref(),
+            Some("eu-west-3")
+        );
+        assert_eq!(
+            b.get_config_value(&AmazonS3ConfigKey::AccessKeyId)
+                .as_deref(),
+            Some("ENVKEY")
+        );
+        assert!(
+            scope.starts_with("http://10.1.2.3:9000/") && http,
+            "{scope}"
+        );
+
+        // The class's parameters win over the environment.
+        opts.params.insert(PARAM_REGION.into(), "us-west-2".into());
+        let (b, _, _) = configured("bucket", &opts).unwrap();
+        assert_eq!(
+            b.get_config_value(&AmazonS3ConfigKey::Region).as_deref(),
+            Some("us-west-2")
+        );
+
+        // Without a driver environment nothing comes from the process's.
+        let (b, scope, _) = configured("bucket", &SourceOptions::default()).unwrap();
+        assert_eq!(b.get_config_value(&AmazonS3ConfigKey::AccessKeyId), None);
+        assert_eq!(
+            b.get_config_value(&AmazonS3ConfigKey::Region).as_deref(),
+            Some(DEFAULT_REGION)
+        );
+        assert_eq!(scope, "");
     }
 
     #[test]

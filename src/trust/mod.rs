@@ -24,12 +24,27 @@ pub const ALLOWED_SOURCES: &str = "allowedSources";
 const ENDPOINT_PARAMS: [&str; 3] = ["s3Endpoint", "hfEndpoint", "modelRegistryURL"];
 
 /// The driver's own environment, as far as pulls read it: default
-/// endpoints and credentials an admin set on the driver's container. Read
-/// once at start-up, so that library code never consults the process's
-/// environment and tests give each driver its own.
-#[derive(Clone, Debug, Default)]
+/// endpoints and credentials an admin set on the driver's container, and
+/// the S3 client's `AWS_*` settings. Read once at start-up, so that library
+/// code never consults the process's environment and tests give each
+/// driver its own.
+#[derive(Clone, Default)]
 pub struct AdminEnv {
     vars: std::collections::BTreeMap<&'static str, String>,
+    /// Every `AWS_*` variable: the S3 client's region, endpoint and
+    /// credential chain (keys, web identity, container and instance
+    /// metadata), as the AWS SDKs read them.
+    aws: std::collections::BTreeMap<String, String>,
+}
+
+/// Names only: the values hold credentials.
+impl std::fmt::Debug for AdminEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminEnv")
+            .field("vars", &self.vars.keys().collect::<Vec<_>>())
+            .field("aws", &self.aws.keys().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 impl AdminEnv {
@@ -49,21 +64,37 @@ impl AdminEnv {
         Self::ENDPOINTS.into_iter().chain(Self::CREDENTIALS)
     }
 
-    /// The variables above, from this process's environment.
+    /// The variables above and every `AWS_*` one, from this process's
+    /// environment.
     pub fn from_process() -> AdminEnv {
-        Self::from_pairs(Self::names().filter_map(|k| Some((k, std::env::var(k).ok()?))))
+        Self::from_pairs(
+            std::env::vars_os()
+                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
+        )
     }
 
-    /// Only the variables above are kept; an empty value counts as unset.
-    pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, String)>) -> AdminEnv {
-        let known = |k: &str| Self::names().find(|&n| n == k);
-        AdminEnv {
-            vars: pairs
-                .into_iter()
-                .filter(|(_, v)| !v.trim().is_empty())
-                .filter_map(|(k, v)| Some((known(k)?, v)))
-                .collect(),
+    /// Only the variables above and `AWS_*` are kept; an empty value counts
+    /// as unset.
+    pub fn from_pairs<K: AsRef<str>>(pairs: impl IntoIterator<Item = (K, String)>) -> AdminEnv {
+        let mut env = AdminEnv::default();
+        for (k, v) in pairs {
+            let k = k.as_ref();
+            if v.trim().is_empty() {
+                continue;
+            }
+            if k.starts_with("AWS_") {
+                env.aws.insert(k.to_string(), v.clone());
+            }
+            if let Some(name) = Self::names().find(|&n| n == k) {
+                env.vars.insert(name, v);
+            }
         }
+        env
+    }
+
+    /// The `AWS_*` variables, for the S3 client to configure itself from.
+    pub fn aws(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.aws.iter().map(|(k, v)| (k.as_str(), v.as_str()))
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {
@@ -271,5 +302,23 @@ mod tests {
         assert_eq!(env.get("HF_ENDPOINT"), None, "blank is unset");
         assert_eq!(env.get("HOME"), None, "not a variable pulls read");
         assert_eq!(env.endpoints().collect::<Vec<_>>(), ["http://s3.local"]);
+        assert_eq!(
+            env.aws().collect::<Vec<_>>(),
+            [("AWS_ENDPOINT_URL", "http://s3.local")]
+        );
+    }
+
+    #[test]
+    fn the_admin_environment_never_prints_a_value() {
+        let env = AdminEnv::from_pairs([
+            ("HF_TOKEN", "hf_secretvalue".to_string()),
+            ("AWS_SECRET_ACCESS_KEY", "awssecretvalue".to_string()),
+        ]);
+        let shown = format!("{env:?}");
+        assert!(
+            shown.contains("HF_TOKEN") && shown.contains("AWS_SECRET_ACCESS_KEY"),
+            "{shown}"
+        );
+        assert!(!shown.contains("secretvalue"), "{shown}");
     }
 }
