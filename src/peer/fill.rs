@@ -83,19 +83,25 @@ impl PeerFill {
             debug!(sid, "no peer token read yet: no peer is asked");
             return Vec::new();
         }
-        let mut holders = self.dir.holders(sid, fresh).await;
+        let holders = self.dir.holders(sid, fresh).await;
         // One node is one peer, however many Leases name it: a node cannot
         // be two peers that agree.
         let mut seen = HashSet::new();
-        holders.retain(|p| seen.insert(p.node.clone()));
-        holders.retain(|p| {
-            let ok = dialable(&p.addr, &self.networks);
-            if !ok {
-                warn!(peer = %p.node, address = %p.addr, "a peer's Lease names an address outside --peer-networks; not dialled");
-            }
-            ok
-        });
-        holders
+        self.dialable(holders.into_iter().filter(|p| seen.insert(p.node.clone())))
+    }
+
+    /// The peers whose address is one this node may dial.
+    fn dialable(&self, peers: impl IntoIterator<Item = Peer>) -> Vec<Peer> {
+        peers
+            .into_iter()
+            .filter(|p| {
+                let ok = dialable(&p.addr, &self.networks);
+                if !ok {
+                    warn!(peer = %p.node, address = %p.addr, "a peer's Lease names an address outside --peer-networks; not dialled");
+                }
+                ok
+            })
+            .collect()
     }
 
     async fn seal_of(&self, peer: &Peer, sid: &str) -> Option<Seal> {
@@ -147,12 +153,18 @@ impl Fill for PeerFill {
         }
         let mut holders = self.holders(sid.as_str(), true).await;
         let mut leader = None;
-        if !holders.iter().any(|p| p.models.contains(sid.as_str())) {
+        if !holders.iter().any(Peer::sealed) {
             match self.dir.claim(sid.as_str()).await {
                 Claim::Leads => return None,
                 Claim::Follows(node) => {
-                    // The claim's check listed just now: the leader is in it.
                     holders = self.holders(sid.as_str(), false).await;
+                    // A page of holders may leave the leader out.
+                    if self.tokens.ready()
+                        && !holders.iter().any(|p| p.node == node)
+                        && let Some(p) = self.dir.holder(sid.as_str(), &node).await
+                    {
+                        holders.extend(self.dialable([p]));
+                    }
                     leader = Some(node);
                 }
             }
@@ -161,13 +173,10 @@ impl Fill for PeerFill {
         // started after it; the leader is read whenever it started.
         let ahead = |p: &Peer| {
             leader.as_deref() == Some(p.node.as_str())
-                || p.pulling
-                    .get(sid.as_str())
-                    .is_some_and(|at| (*at, p.node.as_str()) < (started, self.node.as_str()))
+                || p.pulling_since()
+                    .is_some_and(|at| (at, p.node.as_str()) < (started, self.node.as_str()))
         };
-        let (sealed, pulling): (Vec<Peer>, Vec<Peer>) = holders
-            .into_iter()
-            .partition(|p| p.models.contains(sid.as_str()));
+        let (sealed, pulling): (Vec<Peer>, Vec<Peer>) = holders.into_iter().partition(Peer::sealed);
         let pulling: Vec<Peer> = pulling.into_iter().filter(|p| ahead(p)).collect();
         if sealed.is_empty() && pulling.is_empty() {
             return None;
@@ -282,7 +291,7 @@ impl Fill for PeerFill {
         let holders = self.holders(sid.as_str(), true).await;
         let pinned = !pin.files.is_empty();
         let mut agreeing: Vec<(String, Vec<(String, u64, String)>)> = Vec::new();
-        for peer in holders.iter().filter(|p| p.models.contains(sid.as_str())) {
+        for peer in holders.iter().filter(|p| p.sealed()) {
             let Some(seal) = self.seal_of(peer, sid.as_str()).await else {
                 continue;
             };

@@ -1010,7 +1010,7 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
             patch(
                 "lease",
                 "modelcache-peer-node-b",
-                r#"{"metadata":{"annotations":{"modelcache.csi.io/models":""}}}"#,
+                r#"{"metadata":{"annotations":{"modelcache.csi.io/peer-address":"10.0.0.66:7420"}}}"#,
             ),
             false,
             "Leases its own node holds",
@@ -1048,6 +1048,28 @@ fn a_driver_account_reaches_nothing_beyond_its_own() {
                 &create,
                 Some(&format!(
                     "apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: modelcache-peer-node-a, namespace: {NS}}}\nspec: {{holderIdentity: node-a, leaseDurationSeconds: 45}}\n"
+                )),
+            ),
+            true,
+            "",
+        ),
+        (
+            "node says it holds a model in another node's name",
+            node(
+                &create,
+                Some(&format!(
+                    "apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: modelcache-has-m0123456789abcdef0123456789abcde-node-b, namespace: {NS}}}\nspec: {{holderIdentity: node-a}}\n"
+                )),
+            ),
+            false,
+            "its own records",
+        ),
+        (
+            "node publishes its own record of a model",
+            node(
+                &create,
+                Some(&format!(
+                    "apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: modelcache-has-m0123456789abcdef0123456789abcde-node-a, namespace: {NS}}}\nspec: {{holderIdentity: node-a}}\n"
                 )),
             ),
             true,

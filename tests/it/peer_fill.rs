@@ -142,14 +142,18 @@ async fn pull(d: &Driver, name: &str, uri: &str) -> Volume {
         .unwrap_or_else(|s| panic!("CreateVolume on {name}: {:?}: {}", s.code(), s.message()))
 }
 
-/// Waits until `node`'s Lease advertises `sid`.
+/// Waits until `node`'s record of `sid` says it holds it sealed.
 async fn advertised(api: &ApiServer, node: &str, sid: &str) {
-    if lease_annotation(api, node, "models", |v| v.contains(sid))
-        .await
-        .is_none()
-    {
-        panic!("{node} never advertised {sid}");
+    use modelcache_csi::peer::directory::records::record_name;
+    let path = "jsonpath={.metadata.annotations.modelcache\\.csi\\.io/state}";
+    for _ in 0..100 {
+        let out = api.kubectl(&["get", "lease", &record_name(sid, node), "-o", path]);
+        if String::from_utf8_lossy(&out.stdout) == "sealed" {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    panic!("{node} never advertised {sid}");
 }
 
 /// Every file of `model` is in `d`'s copy of source `sid`, byte for byte,
@@ -593,18 +597,20 @@ fn pull_in_background(
     })
 }
 
-/// Waits until `node`'s Lease says it is pulling a model.
+/// Waits until one of `node`'s records says it is pulling a model.
 async fn pulling(api: &ApiServer, node: &str) {
-    let lease = format!("modelcache-peer-{node}");
+    use modelcache_csi::peer::directory::records::{NODE_LABEL, node_key};
+    let selector = format!("{NODE_LABEL}={}", node_key(node));
     for _ in 0..300 {
         let out = api.kubectl(&[
             "get",
-            "lease",
-            &lease,
+            "leases",
+            "-l",
+            &selector,
             "-o",
-            "jsonpath={.metadata.annotations.modelcache\\.csi\\.io/pulling}",
+            "jsonpath={.items[*].metadata.annotations.modelcache\\.csi\\.io/state}",
         ]);
-        if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
+        if String::from_utf8_lossy(&out.stdout).contains("pulling@") {
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1641,13 +1647,11 @@ fn driver_of(api: &ApiServer, node: &str) -> String {
 }
 
 /// A peer Lease for `node`, of `driver`, as a node's driver writes its
-/// own: where it serves, the certificate it pins (if any), and `sid` held
-/// sealed; renewed now, for an hour.
+/// own: where it serves, the certificate it pins (if any), renewed now,
+/// for an hour; and its record of `sid`, held sealed.
 fn peer_lease(api: &ApiServer, driver: &str, node: &str, addr: &str, pin: Option<&str>, sid: &str) {
-    let mut ann = serde_json::json!({
-        "modelcache.csi.io/peer-address": addr,
-        "modelcache.csi.io/models": sid,
-    });
+    use modelcache_csi::peer::directory::records::{self, Holding, NODE_LABEL, node_key};
+    let mut ann = serde_json::json!({"modelcache.csi.io/peer-address": addr});
     if let Some(pin) = pin {
         ann["modelcache.csi.io/peer-certificate-sha256"] = pin.into();
     }
@@ -1659,13 +1663,16 @@ fn peer_lease(api: &ApiServer, driver: &str, node: &str, addr: &str, pin: Option
         "kind": "Lease",
         "metadata": {
             "name": format!("modelcache-peer-{node}"),
-            "labels": {"modelcache.csi.io/peer-of": driver},
+            "labels": {"modelcache.csi.io/peer-of": driver, NODE_LABEL: node_key(node)},
             "annotations": ann,
         },
         "spec": {"holderIdentity": node, "leaseDurationSeconds": 3600, "renewTime": now},
     });
-    let out = api.kubectl_stdin(&["apply", "-f", "-"], &lease.to_string());
-    assert!(out.status.success(), "{out:?}");
+    let record = records::record(driver, node, sid, Holding::Sealed, None);
+    for object in [lease, record] {
+        let out = api.kubectl_stdin(&["apply", "-f", "-"], &object.to_string());
+        assert!(out.status.success(), "{out:?}");
+    }
 }
 
 /// Peers talk TLS, each accepting only the certificate the other's Lease

@@ -3,6 +3,7 @@
 
 pub mod apiserver;
 pub mod fixtures;
+pub mod fleet;
 pub mod gluster;
 pub mod harness;
 pub mod minio;

@@ -1,0 +1,63 @@
+//! What asking who holds a model costs the apiserver as the cluster grows
+//! (issue #46): a simulated fleet of nodes in a real apiserver, each with
+//! its peer Lease and the records of what it holds, as their drivers write
+//! them, and one real node's directory asking who holds the model every
+//! node holds. The apiserver's own metrics count what it served. The
+//! figures at 1,000 nodes are the benchmark's (`cargo bench --bench
+//! fleet`, docs/benchmarks.md).
+
+use crate::support::apiserver::ApiServer;
+use crate::support::fleet::{self, Layout};
+use modelcache_csi::peer::directory::HOLDERS_ASKED;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asking_who_holds_a_model_costs_the_same_at_ten_and_at_two_hundred_nodes() {
+    let api = ApiServer::start().expect("start apiserver");
+    let client = modelcache_csi::server::kube_client(Some(&api.kubeconfig_path()))
+        .await
+        .unwrap();
+    let mut cost = Vec::new();
+    for nodes in [10, 200] {
+        let ns = format!("fleet-{nodes}");
+        fleet::populate(&api, &client, &ns, nodes, 5, Layout::Records).await;
+        let (served, holders) = fleet::ask(&api, &client, &ns, Layout::Records).await;
+        let (lists, list_bytes) = served.verb("LIST");
+        let (requests, bytes) = served.ours();
+        println!(
+            "{nodes} nodes: {holders} holders named; {lists} LISTs of {list_bytes} bytes; \
+             {requests} requests of {bytes} bytes in all ({:?})",
+            served.0
+        );
+        // Every holder of a small fleet; a page of a large one's (this
+        // node's shard's, when it has enough).
+        if nodes <= HOLDERS_ASKED as usize {
+            assert_eq!(holders, nodes, "{served:?}");
+        } else {
+            assert!(
+                (4..=HOLDERS_ASKED as usize).contains(&holders),
+                "{holders} holders"
+            );
+        }
+        assert!(lists <= 3.0, "{lists} LISTs to ask once");
+        cost.push(bytes);
+    }
+    assert!(
+        cost[1] <= 2.0 * cost[0],
+        "asking cost {} bytes at 200 nodes, over twice the {} at 10",
+        cost[1],
+        cost[0]
+    );
+
+    // The same 200 nodes with one Lease each listing its models: asking
+    // reads them all.
+    fleet::populate(&api, &client, "legacy-200", 200, 5, Layout::Annotations).await;
+    let (served, holders) = fleet::ask(&api, &client, "legacy-200", Layout::Annotations).await;
+    let (_, legacy) = served.ours();
+    println!("200 nodes, one Lease each listing its models: {holders} holders, {legacy} bytes");
+    assert_eq!(holders, 200);
+    assert!(
+        legacy > 2.0 * cost[1],
+        "records ({} bytes) should cost far less than every node's Lease ({legacy})",
+        cost[1]
+    );
+}
