@@ -61,3 +61,53 @@ async fn asking_who_holds_a_model_costs_the_same_at_ten_and_at_two_hundred_nodes
         cost[1]
     );
 }
+
+/// A node removed from the cluster takes its peer Lease and records with
+/// it: the Node owns the Lease, the Lease owns the records (the garbage
+/// collector, which this apiserver runs without, does the rest).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_records_belong_to_its_lease_and_the_lease_to_its_node() {
+    let api = ApiServer::start().expect("start apiserver");
+    let client = modelcache_csi::server::kube_client(Some(&api.kubeconfig_path()))
+        .await
+        .unwrap();
+    let out = api.kubectl_stdin(
+        &["apply", "-f", "-"],
+        r#"{"apiVersion":"v1","kind":"Node","metadata":{"name":"gpu-7"}}"#,
+    );
+    assert!(out.status.success(), "{out:?}");
+    let jsonpath = |kind: &str, name: &str, path: &str| {
+        let out = api.kubectl(&[
+            "-n",
+            "default",
+            "get",
+            kind,
+            name,
+            "-o",
+            &format!("jsonpath={path}"),
+        ]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let node_uid = jsonpath("node", "gpu-7", "{.metadata.uid}");
+    let dir = fleet::probe(&client, "default", "gpu-7");
+    dir.begin(fleet::POPULAR, 1).await.unwrap();
+    let lease = "modelcache-peer-gpu-7";
+    assert_eq!(
+        jsonpath(
+            "lease",
+            lease,
+            "{.metadata.ownerReferences[0].kind}/{.metadata.ownerReferences[0].uid}"
+        ),
+        format!("Node/{node_uid}")
+    );
+    let lease_uid = jsonpath("lease", lease, "{.metadata.uid}");
+    let record = modelcache_csi::peer::directory::records::record_name(fleet::POPULAR, "gpu-7");
+    assert_eq!(
+        jsonpath(
+            "lease",
+            &record,
+            "{.metadata.ownerReferences[0].kind}/{.metadata.ownerReferences[0].uid}"
+        ),
+        format!("Lease/{lease_uid}")
+    );
+}

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
@@ -105,6 +106,11 @@ struct Published {
 
 pub struct Directory {
     api: Api<Lease>,
+    nodes: Api<Node>,
+    /// The Node object's uid, once read: its peer Lease belongs to it, so
+    /// that a node removed from the cluster takes its Lease and records
+    /// with it. `None` where the node has no Node object (tests).
+    node_uid: tokio::sync::OnceCell<Option<String>>,
     node: String,
     driver: String,
     advertise: String,
@@ -154,7 +160,9 @@ impl Directory {
         roots: Vec<Root>,
     ) -> Directory {
         Directory {
-            api: Api::namespaced(client, namespace),
+            api: Api::namespaced(client.clone(), namespace),
+            nodes: Api::all(client),
+            node_uid: tokio::sync::OnceCell::new(),
             node,
             driver: driver.to_string(),
             advertise,
@@ -323,7 +331,19 @@ impl Directory {
     /// that grows with what it holds.
     async fn renew(&self) -> anyhow::Result<Owner> {
         let name = lease_name(&self.node);
-        let lease = serde_json::json!({
+        let node_uid = self
+            .node_uid
+            .get_or_init(|| async {
+                match self.nodes.get_metadata_opt(&self.node).await {
+                    Ok(m) => m.and_then(|m| m.metadata.uid),
+                    Err(e) => {
+                        debug!(error = %e, "could not read this node's Node; its peer Lease belongs to none");
+                        None
+                    }
+                }
+            })
+            .await;
+        let mut lease = serde_json::json!({
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": {
@@ -337,6 +357,11 @@ impl Directory {
                 "renewTime": MicroTime(Timestamp::now()),
             }
         });
+        if let Some(uid) = node_uid {
+            lease["metadata"]["ownerReferences"] = serde_json::json!([{
+                "apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid,
+            }]);
+        }
         let applied = self
             .api
             .patch(
