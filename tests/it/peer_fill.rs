@@ -1650,24 +1650,16 @@ fn driver_of(api: &ApiServer, node: &str) -> String {
 /// own: where it serves, the certificate it pins (if any), renewed now,
 /// for an hour; and its record of `sid`, held sealed.
 fn peer_lease(api: &ApiServer, driver: &str, node: &str, addr: &str, pin: Option<&str>, sid: &str) {
-    use modelcache_csi::peer::directory::records::{self, Holding, NODE_LABEL, node_key};
-    let mut ann = serde_json::json!({"modelcache.csi.io/peer-address": addr});
-    if let Some(pin) = pin {
-        ann["modelcache.csi.io/peer-certificate-sha256"] = pin.into();
+    use modelcache_csi::peer::directory::records::{self, Holding};
+    use modelcache_csi::peer::directory::{CERTIFICATE, peer_lease};
+    let mut lease = peer_lease(driver, node, addr, pin.unwrap_or_default(), None);
+    lease["spec"]["leaseDurationSeconds"] = 3600.into();
+    if pin.is_none() {
+        lease["metadata"]["annotations"]
+            .as_object_mut()
+            .unwrap()
+            .remove(CERTIFICATE);
     }
-    let now = chrono::Utc::now()
-        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
-        .to_string();
-    let lease = serde_json::json!({
-        "apiVersion": "coordination.k8s.io/v1",
-        "kind": "Lease",
-        "metadata": {
-            "name": format!("modelcache-peer-{node}"),
-            "labels": {"modelcache.csi.io/peer-of": driver, NODE_LABEL: node_key(node)},
-            "annotations": ann,
-        },
-        "spec": {"holderIdentity": node, "leaseDurationSeconds": 3600, "renewTime": now},
-    });
     let record = records::record(driver, node, sid, Holding::Sealed, None);
     for object in [lease, record] {
         let out = api.kubectl_stdin(&["apply", "-f", "-"], &object.to_string());

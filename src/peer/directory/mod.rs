@@ -343,25 +343,13 @@ impl Directory {
                 }
             })
             .await;
-        let mut lease = serde_json::json!({
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": name,
-                "labels": {LABEL: self.driver, records::NODE_LABEL: records::node_key(&self.node)},
-                "annotations": {ADDRESS: self.advertise, CERTIFICATE: self.pin},
-            },
-            "spec": {
-                "holderIdentity": self.node,
-                "leaseDurationSeconds": LEASE_SECONDS,
-                "renewTime": MicroTime(Timestamp::now()),
-            }
-        });
-        if let Some(uid) = node_uid {
-            lease["metadata"]["ownerReferences"] = serde_json::json!([{
-                "apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid,
-            }]);
-        }
+        let lease = peer_lease(
+            &self.driver,
+            &self.node,
+            &self.advertise,
+            &self.pin,
+            node_uid.as_deref(),
+        );
         let applied = self
             .api
             .patch(
@@ -533,6 +521,38 @@ impl Directory {
             .filter(|(key, e)| *key == records::node_key(&e.node))
             .collect())
     }
+}
+
+/// The peer Lease `node`'s driver writes: where it serves peers, the
+/// certificate it pins, renewed now; owned by its Node when `node_uid`
+/// names it.
+pub fn peer_lease(
+    driver: &str,
+    node: &str,
+    advertise: &str,
+    pin: &str,
+    node_uid: Option<&str>,
+) -> serde_json::Value {
+    let mut lease = serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": lease_name(node),
+            "labels": {LABEL: driver, records::NODE_LABEL: records::node_key(node)},
+            "annotations": {ADDRESS: advertise, CERTIFICATE: pin},
+        },
+        "spec": {
+            "holderIdentity": node,
+            "leaseDurationSeconds": LEASE_SECONDS,
+            "renewTime": MicroTime(Timestamp::now()),
+        }
+    });
+    if let Some(uid) = node_uid {
+        lease["metadata"]["ownerReferences"] = serde_json::json!([{
+            "apiVersion": "v1", "kind": "Node", "name": node, "uid": uid,
+        }]);
+    }
+    lease
 }
 
 /// A record's node as a peer, if its Lease is live.

@@ -13,8 +13,8 @@ use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use kube::api::{ListParams, PostParams};
-use modelcache_csi::peer::directory::records::{self, Holding, NODE_LABEL, node_key};
-use modelcache_csi::peer::directory::{ADDRESS, CERTIFICATE, Directory, LABEL};
+use modelcache_csi::peer::directory::records::{self, Holding, NODE_LABEL};
+use modelcache_csi::peer::directory::{Directory, LABEL, peer_lease};
 
 use super::apiserver::ApiServer;
 
@@ -75,6 +75,22 @@ impl Served {
         Served(by_verb)
     }
 
+    /// Read until two reads agree: a request's metrics are recorded as
+    /// its answer goes out, so the last one can land just after its
+    /// client has it (20 reads at most, 100 ms apart).
+    pub fn settled(api: &ApiServer) -> Served {
+        let mut last = Served::now(api);
+        for _ in 0..20 {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let next = Served::now(api);
+            if next.0 == last.0 {
+                return next;
+            }
+            last = next;
+        }
+        last
+    }
+
     /// What was served between `before` and this.
     pub fn since(&self, before: &Served) -> Served {
         Served(
@@ -115,40 +131,28 @@ fn node_name(n: usize) -> String {
 /// `others` other models.
 fn objects(n: usize, others: usize, layout: Layout) -> Vec<serde_json::Value> {
     let node = node_name(n);
-    let now = chrono::Utc::now()
-        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
-        .to_string();
     let addr = format!("10.{}.{}.{}:7420", n >> 16 & 255, n >> 8 & 255, n & 255);
-    let spec =
-        serde_json::json!({"holderIdentity": node, "leaseDurationSeconds": 3600, "renewTime": now});
+    // As a driver writes it, standing for an hour: writing a large fleet
+    // takes minutes.
+    let mut lease = peer_lease(DRIVER, &node, &addr, PIN, None);
+    lease["spec"]["leaseDurationSeconds"] = 3600.into();
     let held = std::iter::once(POPULAR.to_string()).chain((0..others).map(|i| model(n, i)));
     match layout {
-        Layout::Records => {
-            let lease = serde_json::json!({
-                "metadata": {
-                    "name": format!("modelcache-peer-{node}"),
-                    "labels": {LABEL: DRIVER, NODE_LABEL: node_key(&node)},
-                    "annotations": {ADDRESS: addr, CERTIFICATE: PIN},
-                },
-                "spec": spec,
-            });
-            std::iter::once(lease)
-                .chain(held.map(|sid| records::record(DRIVER, &node, &sid, Holding::Sealed, None)))
-                .collect()
+        Layout::Records => std::iter::once(lease)
+            .chain(held.map(|sid| records::record(DRIVER, &node, &sid, Holding::Sealed, None)))
+            .collect(),
+        Layout::Annotations => {
+            // One Lease listing every model, as the directory wrote it
+            // before records.
+            let ann = &mut lease["metadata"]["annotations"];
+            ann["modelcache.csi.io/models"] = held.collect::<Vec<_>>().join(" ").into();
+            ann["modelcache.csi.io/pulling"] = "".into();
+            lease["metadata"]["labels"]
+                .as_object_mut()
+                .expect("labels")
+                .remove(NODE_LABEL);
+            vec![lease]
         }
-        Layout::Annotations => vec![serde_json::json!({
-            "metadata": {
-                "name": format!("modelcache-peer-{node}"),
-                "labels": {LABEL: DRIVER},
-                "annotations": {
-                    ADDRESS: addr,
-                    CERTIFICATE: PIN,
-                    "modelcache.csi.io/models": held.collect::<Vec<_>>().join(" "),
-                    "modelcache.csi.io/pulling": "",
-                },
-            },
-            "spec": spec,
-        })],
     }
 }
 
@@ -202,7 +206,7 @@ pub async fn ask(
     ns: &str,
     layout: Layout,
 ) -> (Served, usize) {
-    let before = Served::now(api);
+    let before = Served::settled(api);
     let holders = match layout {
         Layout::Records => probe(client, ns, "probe")
             .holders(POPULAR, true)
@@ -228,5 +232,5 @@ pub async fn ask(
                 .count()
         }
     };
-    (Served::now(api).since(&before), holders)
+    (Served::settled(api).since(&before), holders)
 }
