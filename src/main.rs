@@ -296,13 +296,16 @@ struct ServeArgs {
     #[arg(long)]
     fuse_keeper_socket: Option<PathBuf>,
     /// Keep warm on this node the models that ModelPrefetch objects select
-    /// it for, and report each in their status; needs --node-id, the
-    /// controller service and Kubernetes API access.
+    /// it for: a model held is said by the node's warm label (as
+    /// --label-warm-nodes, which this turns on), a failed pull by this
+    /// node's line of the status; needs --node-id, the controller service
+    /// and Kubernetes API access.
     #[arg(long)]
     prefetch: bool,
     /// Keep each ModelPrefetch's status summary up to date: how many of the
-    /// nodes it selects (those running this driver) hold the model Ready,
-    /// and a Ready condition for `kubectl wait`; needs the controller
+    /// nodes it selects (those running this driver) hold the model (their
+    /// warm label) and how many failed (their lines), and a Ready
+    /// condition for `kubectl wait`; needs the controller
     /// service and Kubernetes API access (on in deploy/'s controller).
     #[arg(long)]
     summarize_prefetches: bool,

@@ -172,7 +172,8 @@ fn spawn_agents(
             cfg.driver_name.clone(),
         ));
     }
-    if cfg.label_warm_nodes {
+    // A prefetching node says it holds a model through its warm label.
+    if cfg.label_warm_nodes || cfg.prefetch {
         let agent =
             Agent::new("--label-warm-nodes", ctx, provisioner).map_err(anyhow::Error::msg)?;
         tokio::spawn(crate::prefetch::labels::run(agent));

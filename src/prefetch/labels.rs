@@ -35,7 +35,7 @@ pub fn prefix(driver: &str) -> String {
 
 /// Whether `class` fits a label's name (at most 63 characters); a class
 /// name is otherwise already a valid one.
-fn labelable(class: &str) -> bool {
+pub fn labelable(class: &str) -> bool {
     class.len() <= 63
 }
 

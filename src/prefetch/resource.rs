@@ -1,6 +1,6 @@
 //! The `ModelPrefetch` custom resource (deploy/csi-driver/base/
 //! crd-modelprefetch.yaml): "keep the model of StorageClass C warm on the
-//! nodes matching S", and each node's line in its status. Pure: types, the
+//! nodes matching S", and a failed node's line in its status. Pure: types, the
 //! label selector, and what a node should do.
 
 use std::borrow::Cow;
@@ -39,15 +39,19 @@ pub struct PrefetchSpec {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct PrefetchStatus {
-    /// One line per node, each written by that node's driver.
+    /// A line for each node whose pull failed (at most
+    /// `LISTED_FAILURES`), each written by that node's driver.
     #[serde(default)]
     pub nodes: Vec<NodeStatus>,
     /// The controller's summary (`summary`): selected nodes that run the
-    /// driver, those of them Ready, and the `Ready` condition.
+    /// driver, those of them that hold the model, those whose line says
+    /// they failed, and the `Ready` condition.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_nodes: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_nodes: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_nodes: Option<u32>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
 }
@@ -62,7 +66,8 @@ pub enum Phase {
 }
 
 /// One node's line, written by that node's driver alone (server-side apply,
-/// a list keyed by `node`).
+/// a list keyed by `node`). Drivers write Failed; Pending, Pulling and
+/// Ready lines are older drivers' (a Ready one still counts).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeStatus {
@@ -155,6 +160,9 @@ pub fn volume_name(mp: &ModelPrefetch) -> String {
 
 pub const VOLUME_PREFIX: &str = "prefetch-";
 
+/// `status.nodes` takes at most this many lines (the CRD's `maxItems`).
+pub const LINES_AT_MOST: usize = 64;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,5 +237,15 @@ mod tests {
         .unwrap();
         assert_eq!(mp.spec.storage_class_name, "sc");
         assert_eq!(volume_name(&mp), "prefetch-m-u1");
+    }
+
+    #[test]
+    fn the_crd_bounds_the_lines_as_the_code_does() {
+        let crd = include_str!("../../deploy/csi-driver/base/crd-modelprefetch.yaml");
+        assert!(
+            crd.contains(&format!("maxItems: {LINES_AT_MOST}")),
+            "the CRD's status.nodes maxItems is not {LINES_AT_MOST}"
+        );
+        const { assert!(2 * super::super::LISTED_FAILURES <= LINES_AT_MOST) };
     }
 }

@@ -9,11 +9,15 @@
 //! rollout: every node of the records fleet starting one new model at
 //! once (begin, ask, claim), through the library's directories, each
 //! running (renewing its Lease) as a driver's does, and what they ask for
-//! while idle; last, a
-//! `ModelPrefetch` whose status has a progress line from each node, as
-//! the nodes' drivers write them (server-side apply, one field manager a
-//! node): its size, and what one more progress write costs. The
-//! apiserver's own metrics count what it served.
+//! while idle; last, a `ModelPrefetch` over the fleet: as drivers wrote
+//! its status before (a progress line from each node, server-side apply,
+//! one field manager a node: its size, and what one more write costs),
+//! and as they write it now (the controller's summary, run here, counting
+//! nodes labelled warm as a rollout labels them, and a line from each
+//! failed node while there is room): the writes, their bytes and the
+//! object's size through the rollout, how soon the summary says Ready
+//! after the last node, and what is written while idle. The apiserver's
+//! own metrics count what it served.
 //!
 //! Run: `cargo bench --bench fleet` (builds or reuses etcd and
 //! kube-apiserver as the integration tests do). Settings (environment):
@@ -25,6 +29,9 @@
 //!   FLEET_ROLLOUT  the largest size to roll a model out to, default 1000
 //!   FLEET_CSV      where the table goes as CSV, default target/fleet.csv
 //!   FLEET_PARTS    which parts run, default "ask,rollout,prefetch"
+//!   FLEET_PREFETCH_BEFORE  the largest size to write per-node progress
+//!                  lines for (the layout before), default 100
+//!   FLEET_PREFETCH_SECS    how long the prefetch rollout takes, default 20
 
 #[path = "../it/support/apiserver.rs"]
 #[allow(dead_code)]
@@ -71,7 +78,21 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     if parts.contains("prefetch") {
-        prefetch_status(&api, &client, &sizes).await?;
+        let before_max: usize = setting("FLEET_PREFETCH_BEFORE", 100);
+        let small: Vec<usize> = sizes.iter().copied().filter(|n| *n <= before_max).collect();
+        prefetch_status(&api, &client, &small).await?;
+        let secs: u64 = setting("FLEET_PREFETCH_SECS", 20);
+        // The objects of the layout before would be summarized too.
+        let out = api.kubectl(&["delete", "modelprefetch", "--all"]);
+        anyhow::ensure!(out.status.success(), "{out:?}");
+        prefetch_crd(&api, str::to_string)?;
+        tokio::spawn(modelcache_csi::prefetch::summary::run(
+            client.clone(),
+            PREFETCH_DRIVER.to_string(),
+        ));
+        for &nodes in &sizes {
+            prefetch_rollout(&api, &client, nodes, Duration::from_secs(secs)).await?;
+        }
     }
     Ok(())
 }
@@ -147,11 +168,11 @@ async fn rollout(
     let dirs: Vec<_> = (0..nodes)
         .map(|n| std::sync::Arc::new(fleet::probe(client, &ns, &format!("sim-{n:05}"))))
         .collect();
-    let before = Served::now(api);
+    let before = Served::of(api, fleet::LEASES);
     let running: Vec<_> = dirs.iter().map(|d| tokio::spawn(d.clone().run())).collect();
     // Every directory's first publish: its Lease, its records listed.
     tokio::time::sleep(Duration::from_secs(20)).await;
-    let started = Served::now(api);
+    let started = Served::of(api, fleet::LEASES);
     let (n0, b0) = started.since(&before).ours();
     println!("{nodes} directories starting: {n0} requests, {b0} bytes read");
     let t = Instant::now();
@@ -164,7 +185,7 @@ async fn rollout(
     .collect()
     .await;
     let took = t.elapsed();
-    let served = Served::now(api).since(&started);
+    let served = Served::of(api, fleet::LEASES).since(&started);
     let (requests, bytes) = served.ours();
     let leads = claims.iter().filter(|c| **c == Claim::Leads).count();
     println!(
@@ -175,9 +196,9 @@ async fn rollout(
         took.as_secs_f64(),
         served.0
     );
-    let quiet = Served::now(api);
+    let quiet = Served::of(api, fleet::LEASES);
     tokio::time::sleep(Duration::from_secs(60)).await;
-    let idle = Served::now(api).since(&quiet);
+    let idle = Served::of(api, fleet::LEASES).since(&quiet);
     let (n, b) = idle.ours();
     println!(
         "{nodes} directories idle for 60 s: {n} requests ({:.2} a node a minute), {b} bytes read; by verb: {:?}",
@@ -191,7 +212,8 @@ async fn rollout(
 }
 
 /// A `ModelPrefetch`'s size with one progress line a node, and what the
-/// apiserver serves for one more line's write, at each size.
+/// apiserver serves for one more line's write, at each size: how drivers
+/// wrote its status before.
 async fn prefetch_status(
     api: &apiserver::ApiServer,
     client: &kube::Client,
@@ -199,19 +221,8 @@ async fn prefetch_status(
 ) -> anyhow::Result<()> {
     use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
     use modelcache_csi::prefetch::resource::{GROUP, KIND, PLURAL, VERSION};
-    let crd = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/deploy/csi-driver/base/crd-modelprefetch.yaml"
-    );
-    let out = api.kubectl(&["apply", "-f", crd]);
-    anyhow::ensure!(out.status.success(), "{out:?}");
-    let out = api.kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/modelprefetches.modelcache.csi.io",
-    ]);
-    anyhow::ensure!(out.status.success(), "{out:?}");
+    // As the CRD was: no bound on the lines.
+    prefetch_crd(api, |crd| crd.replace("maxItems: 64", ""))?;
     let gvk = kube::api::GroupVersionKind::gvk(GROUP, VERSION, KIND);
     let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, PLURAL);
     let mps: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
@@ -273,5 +284,188 @@ async fn prefetch_status(
             serde_json::to_vec(&back)?.len()
         );
     }
+    Ok(())
+}
+
+const PREFETCH_DRIVER: &str = "modelcache.csi.io";
+
+/// Applies the ModelPrefetch CRD of deploy/, as `edit` leaves it, and
+/// waits until it serves.
+fn prefetch_crd(api: &apiserver::ApiServer, edit: impl Fn(&str) -> String) -> anyhow::Result<()> {
+    let crd = include_str!("../../deploy/csi-driver/base/crd-modelprefetch.yaml");
+    let out = api.kubectl_stdin(&["apply", "-f", "-"], &edit(crd));
+    anyhow::ensure!(out.status.success(), "{out:?}");
+    let out = api.kubectl(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/modelprefetches.modelcache.csi.io",
+    ]);
+    anyhow::ensure!(out.status.success(), "{out:?}");
+    Ok(())
+}
+
+/// A ModelPrefetch over `nodes` simulated nodes (Node and CSINode objects)
+/// rolled out in `over`: each node labelled warm in turn, as its driver
+/// labels it, but one in twenty, which fail and write their line as a
+/// driver does (`prefetch::failure_line`); then those turn warm too. The
+/// controller's summary runs in this process.
+async fn prefetch_rollout(
+    api: &apiserver::ApiServer,
+    client: &kube::Client,
+    nodes: usize,
+    over: Duration,
+) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::storage::v1::CSINode;
+    use kube::api::{Api, Patch, PatchParams, PostParams};
+    use modelcache_csi::prefetch::resource::ModelPrefetch;
+    let pool = format!("pf-{nodes}");
+    let names: Vec<String> = (0..nodes).map(|i| format!("{pool}-{i:05}")).collect();
+    let node_api: Api<Node> = Api::all(client.clone());
+    let csinodes: Api<CSINode> = Api::all(client.clone());
+    let mut writes = futures::stream::iter(names.iter().map(|n| {
+        let (node_api, csinodes, pool) = (node_api.clone(), csinodes.clone(), pool.clone());
+        async move {
+            let node: Node = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": n, "labels": {"fleet": pool}},
+            }))?;
+            node_api.create(&PostParams::default(), &node).await?;
+            let csinode: CSINode = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": n},
+                "spec": {"drivers": [{"name": PREFETCH_DRIVER, "nodeID": n}]},
+            }))?;
+            csinodes.create(&PostParams::default(), &csinode).await?;
+            anyhow::Ok(())
+        }
+    }))
+    .buffer_unordered(32);
+    while let Some(r) = writes.next().await {
+        r?;
+    }
+    let objects: Api<ModelPrefetch> = Api::all(client.clone());
+    let mp = serde_json::json!({
+        "apiVersion": "modelcache.csi.io/v1alpha1", "kind": "ModelPrefetch",
+        "metadata": {"name": pool},
+        "spec": {"storageClassName": "fleet", "nodeSelector": {"matchLabels": {"fleet": pool}}},
+    });
+    let out = api.kubectl_stdin(&["create", "-f", "-"], &mp.to_string());
+    anyhow::ensure!(out.status.success(), "{out:?}");
+    let wait = |what: &'static str, done: Box<dyn Fn(&ModelPrefetch) -> bool + Send>| {
+        let objects = objects.clone();
+        let pool = pool.clone();
+        async move {
+            let start = Instant::now();
+            loop {
+                let now = objects.get(&pool).await?;
+                if done(&now) {
+                    return anyhow::Ok(start.elapsed());
+                }
+                anyhow::ensure!(
+                    start.elapsed() < Duration::from_secs(300),
+                    "{what} never came"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let desired = nodes as u32;
+    wait(
+        "every node counted",
+        Box::new(move |m| m.status.as_ref().and_then(|s| s.desired_nodes) == Some(desired)),
+    )
+    .await?;
+    let before = Served::settled_of(api, "modelprefetches");
+    let failing = |i: usize| i % 20 == 7;
+    let warm =
+        serde_json::json!({"metadata": {"labels": {"warm.modelcache.csi.io/fleet": "true"}}});
+    let gap = over / nodes as u32;
+    let t0 = Instant::now();
+    for (i, n) in names.iter().enumerate() {
+        if failing(i) {
+            let now = objects.get(&pool).await?;
+            if let Some(line) = modelcache_csi::prefetch::failure_line(&now, n, "no space left") {
+                let patch = serde_json::json!({
+                    "apiVersion": "modelcache.csi.io/v1alpha1", "kind": "ModelPrefetch",
+                    "metadata": {"name": pool},
+                    "status": {"nodes": [line]},
+                });
+                objects
+                    .patch_status(
+                        &pool,
+                        &PatchParams::apply(&format!("modelcache.csi.io/{n}")).force(),
+                        &Patch::Apply(&patch),
+                    )
+                    .await?;
+            }
+        } else {
+            node_api
+                .patch(n, &PatchParams::default(), &Patch::Merge(&warm))
+                .await?;
+        }
+        tokio::time::sleep_until((t0 + gap * (i as u32 + 1)).into()).await;
+    }
+    let failed = names
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| failing(*i))
+        .count() as u32;
+    let ready = desired - failed;
+    wait(
+        "the rollout's counts",
+        Box::new(move |m| {
+            m.status
+                .as_ref()
+                .is_some_and(|s| s.ready_nodes == Some(ready) && s.failed_nodes.is_some())
+        }),
+    )
+    .await?;
+    let rolled = t0.elapsed();
+    let object = api
+        .kubectl(&["get", "modelprefetch", &pool, "-o", "json"])
+        .stdout
+        .len();
+    let listed = objects
+        .get(&pool)
+        .await?
+        .status
+        .map_or(0, |s| s.nodes.len());
+    // The failed nodes retry and hold the model; as their drivers do, each
+    // takes its line out.
+    for (_, n) in names.iter().enumerate().filter(|(i, _)| failing(*i)) {
+        node_api
+            .patch(n, &PatchParams::default(), &Patch::Merge(&warm))
+            .await?;
+    }
+    let lag = wait(
+        "Ready",
+        Box::new(move |m| {
+            m.status.as_ref().is_some_and(|s| {
+                s.conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True")
+            })
+        }),
+    )
+    .await?;
+    let served = Served::settled_of(api, "modelprefetches").since(&before);
+    // Only reads have their response sizes counted.
+    let applies = served.verb("APPLY").0;
+    let quiet = Served::settled_of(api, "modelprefetches");
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let idle = Served::settled_of(api, "modelprefetches")
+        .since(&quiet)
+        .verb("APPLY")
+        .0;
+    println!(
+        "ModelPrefetch rollout over {nodes} nodes in {:.1} s ({failed} failed, {listed} listed): \
+         {applies} status writes ({:.1} a second); the object \
+         {object} bytes as JSON; Ready {:.1} s after the last node; {idle} writes in 30 s idle; \
+         what every node's watch would carry: {:.0} bytes",
+        rolled.as_secs_f64(),
+        applies / rolled.as_secs_f64(),
+        lag.as_secs_f64(),
+        applies * object as f64 * nodes as f64,
+    );
     Ok(())
 }

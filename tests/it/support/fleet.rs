@@ -32,12 +32,17 @@ pub enum Layout {
     Annotations,
 }
 
-/// What the apiserver served for Leases, by verb: (requests, bytes).
+pub const LEASES: &str = "leases";
+
+/// What the apiserver served for one resource (Leases unless said), by
+/// verb: (requests, bytes).
 #[derive(Clone, Debug, Default)]
 pub struct Served(pub BTreeMap<String, (f64, f64)>);
 
 impl Served {
-    pub fn now(api: &ApiServer) -> Served {
+    /// What was served so far for `resource` (a plural, as in its URL).
+    pub fn of(api: &ApiServer, resource: &str) -> Served {
+        let wanted = format!("resource=\"{resource}\"");
         let out = api.kubectl(&["get", "--raw", "/metrics"]);
         assert!(out.status.success(), "{out:?}");
         let text = String::from_utf8_lossy(&out.stdout);
@@ -50,7 +55,7 @@ impl Served {
             } else {
                 continue;
             };
-            if !rest.contains("resource=\"leases\"") {
+            if !rest.contains(&wanted) {
                 continue;
             }
             let Some(verb) = rest
@@ -79,10 +84,15 @@ impl Served {
     /// its answer goes out, so the last one can land just after its
     /// client has it (20 reads at most, 100 ms apart).
     pub fn settled(api: &ApiServer) -> Served {
-        let mut last = Served::now(api);
+        Served::settled_of(api, LEASES)
+    }
+
+    /// `of`, read until two reads agree.
+    pub fn settled_of(api: &ApiServer, resource: &str) -> Served {
+        let mut last = Served::of(api, resource);
         for _ in 0..20 {
             std::thread::sleep(std::time::Duration::from_millis(100));
-            let next = Served::now(api);
+            let next = Served::of(api, resource);
             if next.0 == last.0 {
                 return next;
             }
