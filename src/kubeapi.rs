@@ -653,6 +653,68 @@ pub fn slim_pvc(pvc: &mut PersistentVolumeClaim) {
     }
 }
 
+/// A Node as the rescheduler keeps it: its name, labels and conditions
+/// (without their messages). What kubelet writes besides (the images it
+/// holds, capacity, addresses, its system info) is most of a Node's 10 to
+/// 30 KiB, and a fleet's worth of it would be the rescheduler's memory.
+pub fn slim_node(node: &mut k8s_openapi::api::core::v1::Node) {
+    let m = &mut node.metadata;
+    m.managed_fields = None;
+    m.annotations = None;
+    m.owner_references = None;
+    node.spec = None;
+    if let Some(st) = node.status.take() {
+        let conditions = st.conditions.map(|cs| {
+            cs.into_iter()
+                .map(|c| k8s_openapi::api::core::v1::NodeCondition {
+                    message: None,
+                    reason: None,
+                    last_heartbeat_time: None,
+                    ..c
+                })
+                .collect()
+        });
+        node.status = Some(k8s_openapi::api::core::v1::NodeStatus {
+            conditions,
+            ..Default::default()
+        });
+    }
+}
+
+/// A PV as the rescheduler keeps it: its name and the claim it is bound
+/// to, all it asks of one.
+pub fn slim_pv(pv: &mut k8s_openapi::api::core::v1::PersistentVolume) {
+    let m = &mut pv.metadata;
+    m.managed_fields = None;
+    m.annotations = None;
+    m.labels = None;
+    m.finalizers = None;
+    pv.status = None;
+    if let Some(spec) = pv.spec.take() {
+        pv.spec = Some(k8s_openapi::api::core::v1::PersistentVolumeSpec {
+            claim_ref: spec.claim_ref,
+            ..Default::default()
+        });
+    }
+}
+
+/// An informer (`informer`) whose objects `slim` trims before they are
+/// stored.
+pub fn slim_informer<K>(
+    api: Api<K>,
+    slim: fn(&mut K),
+) -> (
+    kube::runtime::reflector::Store<K>,
+    impl futures::Stream<Item = ()>,
+)
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    use kube::runtime::WatchStreamExt;
+    informer(kube::runtime::watcher(api, kube::runtime::watcher::Config::default()).modify(slim))
+}
+
 /// Claims listed per page by `slim_pvcs` (kube's default is 500).
 const PVC_PAGE: u32 = 50;
 
@@ -686,6 +748,58 @@ pub fn slim_pvcs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slim_node_keeps_its_labels_and_conditions_only() {
+        let mut node: k8s_openapi::api::core::v1::Node =
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "gpu-1", "labels": {"pool": "gpu"}, "annotations": {"a": "b"}},
+                "spec": {"podCIDR": "10.0.0.0/24"},
+                "status": {
+                    "conditions": [{"type": "Ready", "status": "False", "reason": "KubeletDown",
+                        "message": "a long message", "lastHeartbeatTime": "2026-12-07T09:00:00Z",
+                        "lastTransitionTime": "2026-12-07T08:00:00Z"}],
+                    "images": [{"names": ["registry.example.com/a:1"], "sizeBytes": 1}],
+                    "capacity": {"cpu": "8"},
+                },
+            }))
+            .unwrap();
+        slim_node(&mut node);
+        assert_eq!(
+            serde_json::to_value(&node).unwrap(),
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": "gpu-1", "labels": {"pool": "gpu"}},
+                "status": {"conditions": [{"type": "Ready", "status": "False",
+                    "lastTransitionTime": "2026-12-07T08:00:00Z"}]},
+            })
+        );
+    }
+
+    #[test]
+    fn a_slim_pv_keeps_its_claim_only() {
+        let mut pv: k8s_openapi::api::core::v1::PersistentVolume =
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "pv-1", "annotations": {"a": "b"}, "finalizers": ["f"]},
+                "spec": {
+                    "claimRef": {"namespace": "team", "name": "llm", "uid": "u1"},
+                    "csi": {"driver": "modelcache.csi.io", "volumeHandle": "v1",
+                        "volumeAttributes": {"source": "m1"}},
+                    "capacity": {"storage": "1Gi"},
+                },
+                "status": {"phase": "Bound"},
+            }))
+            .unwrap();
+        slim_pv(&mut pv);
+        assert_eq!(
+            serde_json::to_value(&pv).unwrap(),
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "PersistentVolume",
+                "metadata": {"name": "pv-1"},
+                "spec": {"claimRef": {"namespace": "team", "name": "llm", "uid": "u1"}},
+            })
+        );
+    }
 
     #[test]
     fn pods_that_wait_for_a_claim() {

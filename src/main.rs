@@ -140,7 +140,9 @@ struct ReschedulerArgs {
     /// How long a node that should run the driver may go without it.
     #[arg(long, default_value_t = 300)]
     grace_period_seconds: u64,
-    /// How often every PVC is looked at again.
+    /// How often a PVC waiting out the grace period is looked at again (one
+    /// with nothing to do: every ten of these; its node's and its own
+    /// changes are seen at once).
     #[arg(long, default_value_t = 30)]
     resync_seconds: u64,
     /// Kubeconfig file; default: $KUBECONFIG, ~/.kube/config, or in-cluster.

@@ -29,6 +29,9 @@ use tracing::{Instrument, info, warn};
 
 pub use decide::{Decision, Observed, SELECTED_NODE, decide};
 
+/// A claim with nothing to do is looked at again after this many resyncs.
+const IGNORED_RESYNCS: u32 = 10;
+
 #[derive(Clone, Debug)]
 pub struct Config {
     pub driver_name: String,
@@ -85,10 +88,15 @@ where
 
 /// Runs until the process ends, counting what it does into `metrics`.
 pub async fn run(client: Client, cfg: Config, metrics: Arc<crate::metrics::Metrics>) {
-    let (nodes, nodes_stream) = store(Api::<Node>::all(client.clone()));
+    // Nodes and PVs are the fleet's and the cluster's size: kept slim.
+    let (nodes, nodes_stream) =
+        crate::kubeapi::slim_informer(Api::<Node>::all(client.clone()), crate::kubeapi::slim_node);
     let (csinodes, csinodes_stream) = store(Api::<CSINode>::all(client.clone()));
     let (classes, classes_stream) = store(Api::<StorageClass>::all(client.clone()));
-    let (pvs, pvs_stream) = store(Api::<PersistentVolume>::all(client.clone()));
+    let (pvs, pvs_stream) = crate::kubeapi::slim_informer(
+        Api::<PersistentVolume>::all(client.clone()),
+        crate::kubeapi::slim_pv,
+    );
     let (pvcs, pvc_stream) = crate::kubeapi::slim_pvcs(client.clone());
     let controller = Controller::for_stream(pvc_stream, pvcs.clone());
     let reporter = Reporter {
@@ -254,7 +262,12 @@ async fn reconcile_in_span(
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&key);
-            Ok(Action::requeue(ctx.cfg.resync))
+            // What would change this is an event of the claim, its node or
+            // its node's CSINode, each of which looks again at once; the
+            // rare look is for a StorageClass replaced under a claim.
+            // Every claim of a large cluster at each resync would keep the
+            // rescheduler busy, and a node's loss would wait behind it.
+            Ok(Action::requeue(ctx.cfg.resync * IGNORED_RESYNCS))
         }
         Decision::Wait(remaining) => Ok(Action::requeue(remaining.min(ctx.cfg.resync))),
         Decision::Reschedule { reason, message } => {
@@ -497,14 +510,15 @@ mod mock_tests {
         );
     }
 
-    /// A bound claim is never touched: no request at all.
+    /// A bound claim is never touched: no request at all, and it is looked
+    /// at again only after ten resyncs (its changes come as events).
     #[tokio::test]
     async fn a_bound_claim_costs_no_request() {
         let (ctx, mut api) = mocked();
         let action = reconcile(Arc::new(pending(true)), ctx.clone())
             .await
             .unwrap();
-        assert_eq!(action, Action::requeue(Duration::from_secs(60)));
+        assert_eq!(action, Action::requeue(Duration::from_secs(600)));
         drop(ctx);
         assert!(api.next_request().await.is_none());
     }

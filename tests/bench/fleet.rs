@@ -32,6 +32,14 @@
 //!   FLEET_PREFETCH_BEFORE  the largest size to write per-node progress
 //!                  lines for (the layout before), default 100
 //!   FLEET_PREFETCH_SECS    how long the prefetch rollout takes, default 20
+//!   FLEET_CONTROL_NODES, FLEET_CONTROL_PVCS  the part "control" (not in
+//!                  the default parts): that many Nodes with the driver and
+//!                  pending PVCs, each with a selected node; the
+//!                  rescheduler and the driver's controller and node
+//!                  plugin run as processes of the built binary: their
+//!                  memory once their informers are in, and how soon the
+//!                  rescheduler frees the PVCs of a node whose driver
+//!                  goes. Defaults 1000 and 10000
 
 #[path = "../it/support/apiserver.rs"]
 #[allow(dead_code)]
@@ -93,6 +101,11 @@ async fn main() -> anyhow::Result<()> {
         for &nodes in &sizes {
             prefetch_rollout(&api, &client, nodes, Duration::from_secs(secs)).await?;
         }
+    }
+    if parts.contains("control") {
+        let nodes: usize = setting("FLEET_CONTROL_NODES", 1000);
+        let claims: usize = setting("FLEET_CONTROL_PVCS", 10000);
+        control_plane(&api, &client, nodes, claims).await?;
     }
     Ok(())
 }
@@ -317,32 +330,12 @@ async fn prefetch_rollout(
     over: Duration,
 ) -> anyhow::Result<()> {
     use k8s_openapi::api::core::v1::Node;
-    use k8s_openapi::api::storage::v1::CSINode;
-    use kube::api::{Api, Patch, PatchParams, PostParams};
+    use kube::api::{Api, Patch, PatchParams};
     use modelcache_csi::prefetch::resource::ModelPrefetch;
     let pool = format!("pf-{nodes}");
     let names: Vec<String> = (0..nodes).map(|i| format!("{pool}-{i:05}")).collect();
     let node_api: Api<Node> = Api::all(client.clone());
-    let csinodes: Api<CSINode> = Api::all(client.clone());
-    let mut writes = futures::stream::iter(names.iter().map(|n| {
-        let (node_api, csinodes, pool) = (node_api.clone(), csinodes.clone(), pool.clone());
-        async move {
-            let node: Node = serde_json::from_value(serde_json::json!({
-                "metadata": {"name": n, "labels": {"fleet": pool}},
-            }))?;
-            node_api.create(&PostParams::default(), &node).await?;
-            let csinode: CSINode = serde_json::from_value(serde_json::json!({
-                "metadata": {"name": n},
-                "spec": {"drivers": [{"name": PREFETCH_DRIVER, "nodeID": n}]},
-            }))?;
-            csinodes.create(&PostParams::default(), &csinode).await?;
-            anyhow::Ok(())
-        }
-    }))
-    .buffer_unordered(32);
-    while let Some(r) = writes.next().await {
-        r?;
-    }
+    driver_nodes(client, &names, &[("fleet", &pool)]).await?;
     let objects: Api<ModelPrefetch> = Api::all(client.clone());
     let mp = serde_json::json!({
         "apiVersion": "modelcache.csi.io/v1alpha1", "kind": "ModelPrefetch",
@@ -467,5 +460,329 @@ async fn prefetch_rollout(
         lag.as_secs_f64(),
         applies * object as f64 * nodes as f64,
     );
+    Ok(())
+}
+
+/// A Node as a GPU node's kubelet writes it: labels, conditions, capacity,
+/// its addresses and the 40 images it holds (a Node of a real cluster is
+/// 10 to 30 KiB, most of it `status.images`).
+fn gpu_node(
+    name: &str,
+    extra: &[(&str, &str)],
+) -> anyhow::Result<k8s_openapi::api::core::v1::Node> {
+    let images: Vec<serde_json::Value> = (0..40)
+        .map(|i| {
+            serde_json::json!({
+                "names": [
+                    format!("registry.example.com/serving/vllm-openai@sha256:{i:064x}"),
+                    format!("registry.example.com/serving/vllm-openai:v0.{i}.0-cu128"),
+                ],
+                "sizeBytes": 9_876_543_210u64 + i,
+            })
+        })
+        .collect();
+    let condition = |t: &str, status: &str| {
+        serde_json::json!({
+            "type": t, "status": status, "reason": format!("Kubelet{t}"),
+            "message": format!("kubelet reports {t} as {status}"),
+            "lastHeartbeatTime": "2026-12-07T09:00:00Z",
+            "lastTransitionTime": "2026-12-01T09:00:00Z",
+        })
+    };
+    let resources = serde_json::json!({
+        "cpu": "192", "memory": "2113645876Ki", "nvidia.com/gpu": "8",
+        "ephemeral-storage": "7025264456Ki", "pods": "110", "hugepages-1Gi": "0",
+    });
+    let mut node: k8s_openapi::api::core::v1::Node = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "labels": {
+            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64", "node.kubernetes.io/instance-type": "p5.48xlarge",
+            "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+            "topology.kubernetes.io/zone": "zone-a",
+        }},
+        "status": {
+            "conditions": [
+                condition("MemoryPressure", "False"), condition("DiskPressure", "False"),
+                condition("PIDPressure", "False"), condition("Ready", "True"),
+            ],
+            "capacity": resources, "allocatable": resources,
+            "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}, {"type": "Hostname", "address": name}],
+            "nodeInfo": {
+                "machineID": "0".repeat(32), "systemUUID": "0".repeat(36), "bootID": "0".repeat(36),
+                "kernelVersion": "6.18.0", "osImage": "Ubuntu 24.04", "containerRuntimeVersion": "containerd://2.1.0",
+                "kubeletVersion": "v1.36.3", "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
+            },
+            "images": images,
+        },
+    }))?;
+    let labels = node.metadata.labels.get_or_insert_with(Default::default);
+    for (k, v) in extra {
+        labels.insert(k.to_string(), v.to_string());
+    }
+    Ok(node)
+}
+
+/// Each of `names` as a GPU node (`gpu_node`, with `labels` besides)
+/// whose CSINode lists the driver, 32 writes at a time.
+async fn driver_nodes(
+    client: &kube::Client,
+    names: &[String],
+    labels: &[(&str, &str)],
+) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::storage::v1::CSINode;
+    use kube::api::{Api, PostParams};
+    let node_api: Api<Node> = Api::all(client.clone());
+    let csinodes: Api<CSINode> = Api::all(client.clone());
+    let mut writes = futures::stream::iter(names.iter().map(|n| {
+        let (node_api, csinodes) = (node_api.clone(), csinodes.clone());
+        async move {
+            node_api
+                .create(&PostParams::default(), &gpu_node(n, labels)?)
+                .await?;
+            let csinode: CSINode = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": n},
+                "spec": {"drivers": [{"name": PREFETCH_DRIVER, "nodeID": n}]},
+            }))?;
+            csinodes.create(&PostParams::default(), &csinode).await?;
+            anyhow::Ok(())
+        }
+    }))
+    .buffer_unordered(32);
+    while let Some(r) = writes.next().await {
+        r?;
+    }
+    Ok(())
+}
+
+/// A process of the driver's binary with `args`, its log in `log`.
+fn spawn_binary(args: &[&str], log: &std::path::Path) -> anyhow::Result<std::process::Child> {
+    let out = std::fs::File::create(log)?;
+    Ok(
+        std::process::Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
+            .args(args)
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()?,
+    )
+}
+
+/// `VmRSS` and `VmHWM` of `pid`, in MiB.
+fn memory(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    (kib("VmRSS:"), kib("VmHWM:"))
+}
+
+/// Processes killed when dropped, whatever ends the bench.
+struct Children(Vec<std::process::Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits, within `bound`, until `log` holds `line`; how long it took.
+async fn logged(log: &std::path::Path, line: &str, bound: Duration) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(line) {
+            return Ok(start.elapsed());
+        }
+        let tail: Vec<&str> = text.lines().rev().take(20).collect();
+        anyhow::ensure!(
+            start.elapsed() < bound,
+            "{} never said {line:?}; it ends:\n{}",
+            log.display(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The control plane at fleet size: `nodes` Nodes whose CSINode lists the
+/// driver and `claims` pending PVCs of a WaitForFirstConsumer class, each
+/// with a selected node. The rescheduler, the driver's controller
+/// (`--summarize-prefetches`) and one node plugin (`--prefetch`, which
+/// watches its own Node, the ModelPrefetches and the StorageClasses) run
+/// as processes; their memory once their informers are in; then one
+/// node's driver goes (its CSINode deleted), and the time until the
+/// rescheduler has freed every PVC that selected it.
+async fn control_plane(
+    api: &apiserver::ApiServer,
+    client: &kube::Client,
+    nodes: usize,
+    claims: usize,
+) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    use k8s_openapi::api::storage::v1::CSINode;
+    use kube::ResourceExt;
+    use kube::api::{Api, PostParams};
+    let out = api.kubectl(&["create", "namespace", "claims"]);
+    anyhow::ensure!(out.status.success(), "{out:?}");
+    let class = serde_json::json!({
+        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+        "metadata": {"name": "fleet-local"},
+        "provisioner": PREFETCH_DRIVER,
+        "volumeBindingMode": "WaitForFirstConsumer",
+        "parameters": {"backend": "local"},
+    });
+    let out = api.kubectl_stdin(&["create", "-f", "-"], &class.to_string());
+    anyhow::ensure!(out.status.success(), "{out:?}");
+    let names: Vec<String> = (0..nodes).map(|i| format!("cp-{i:05}")).collect();
+    let csinodes: Api<CSINode> = Api::all(client.clone());
+    let t = Instant::now();
+    driver_nodes(client, &names, &[]).await?;
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "claims");
+    let mut writes = futures::stream::iter((0..claims).map(|j| {
+        let pvcs = pvcs.clone();
+        let node = names[j % nodes].clone();
+        async move {
+            let pvc: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+                "metadata": {
+                    "name": format!("c-{j:05}"),
+                    "annotations": {
+                        "volume.kubernetes.io/selected-node": node,
+                        "volume.kubernetes.io/storage-provisioner": PREFETCH_DRIVER,
+                    },
+                },
+                "spec": {
+                    "storageClassName": "fleet-local",
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            }))?;
+            pvcs.create(&PostParams::default(), &pvc).await?;
+            anyhow::Ok(())
+        }
+    }))
+    .buffer_unordered(32);
+    while let Some(r) = writes.next().await {
+        r?;
+    }
+    eprintln!(
+        "control: {nodes} nodes and {claims} PVCs written in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = api.kubeconfig_path();
+    let kubeconfig = kubeconfig.to_str().expect("a UTF-8 path");
+    prefetch_crd(api, str::to_string)?;
+    let mut children = Children(Vec::new());
+    let resched_log = dir.path().join("rescheduler.log");
+    children.0.push(spawn_binary(
+        &[
+            "rescheduler",
+            "--kubeconfig",
+            kubeconfig,
+            "--grace-period-seconds",
+            "0",
+        ],
+        &resched_log,
+    )?);
+    let synced = logged(
+        &resched_log,
+        "rescheduler running",
+        Duration::from_secs(300),
+    )
+    .await?;
+    let rescheduler = children.0[0].id();
+    let mut plugin =
+        |mode: &str, node: &str, extra: &[&str]| -> anyhow::Result<(u32, std::path::PathBuf)> {
+            let state = dir.path().join(format!("{mode}-state"));
+            std::fs::create_dir_all(&state)?;
+            let endpoint = format!(
+                "unix://{}",
+                dir.path().join(format!("{mode}.sock")).display()
+            );
+            let log = dir.path().join(format!("{mode}.log"));
+            let mut args = vec![
+                "--endpoint",
+                &endpoint,
+                "--mode",
+                mode,
+                "--node-id",
+                node,
+                "--state-dir",
+                state.to_str().expect("a UTF-8 path"),
+                "--kube-api",
+                "on",
+                "--kubeconfig",
+                kubeconfig,
+            ];
+            args.extend_from_slice(extra);
+            let child = spawn_binary(&args, &log)?;
+            let pid = child.id();
+            children.0.push(child);
+            Ok((pid, log))
+        };
+    let (controller, _) = plugin("controller", "cp-00001", &["--summarize-prefetches"])?;
+    let (node_plugin, node_log) = plugin("all", "cp-00002", &["--prefetch"])?;
+    logged(
+        &node_log,
+        "keeping ModelPrefetch models warm on this node",
+        Duration::from_secs(120),
+    )
+    .await?;
+    // What a watch of every PVC or Node has cost each once it is in.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let gone = &names[0];
+    let theirs: Vec<String> = (0..claims)
+        .filter(|j| j % nodes == 0)
+        .map(|j| format!("c-{j:05}"))
+        .collect();
+    let freed = |pvcs: Api<PersistentVolumeClaim>, node: String, theirs: Vec<String>| async move {
+        for name in theirs {
+            let pvc = pvcs.get(&name).await?;
+            if pvc.annotations().get("volume.kubernetes.io/selected-node") == Some(&node) {
+                return anyhow::Ok(false);
+            }
+        }
+        anyhow::Ok(true)
+    };
+    anyhow::ensure!(
+        !freed(pvcs.clone(), gone.clone(), theirs.clone()).await?,
+        "{gone}'s PVCs were freed already"
+    );
+    csinodes.delete(gone, &Default::default()).await?;
+    let t0 = Instant::now();
+    while !freed(pvcs.clone(), gone.clone(), theirs.clone()).await? {
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(300),
+            "{gone}'s PVCs were never freed"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let reaction = t0.elapsed();
+    for (what, pid) in [
+        ("rescheduler", rescheduler),
+        ("controller --summarize-prefetches", controller),
+        ("node plugin --prefetch", node_plugin),
+    ] {
+        let (rss, hwm) = memory(pid);
+        println!(
+            "control, {nodes} nodes and {claims} PVCs: {what}: RSS {rss:.1} MiB, peak {hwm:.1} MiB"
+        );
+    }
+    println!(
+        "control: the rescheduler's informers were in {:.1} s after it started; it freed the \
+         {} PVCs of a node whose driver went in {:.2} s (checked every 0.2 s)",
+        synced.as_secs_f64(),
+        theirs.len(),
+        reaction.as_secs_f64()
+    );
+    drop(children);
     Ok(())
 }
