@@ -483,5 +483,51 @@ async fn a_node_warms_its_model_by_label_and_lists_only_a_failure() {
         message.starts_with("at least 32 of 33 selected nodes failed"),
         "{message}"
     );
+
+    // Whatever a node writes (any node may write any line), the apiserver
+    // keeps the object bounded: 64 lines, the 65th refused, and no
+    // message past 1,024 characters.
+    let more: Vec<String> = (crowd.len()..modelcache_csi::prefetch::resource::LINES_AT_MOST)
+        .map(|i| format!("crowd-{i:02}"))
+        .collect();
+    lines_at_once(&api, "crowded", &more, "Failed").await;
+    let refused = |node: &str, message: &str| {
+        let patch = serde_json::json!({
+            "apiVersion": "modelcache.csi.io/v1alpha1", "kind": "ModelPrefetch",
+            "metadata": {"name": "crowded"},
+            "status": {"nodes": [{"node": node, "phase": "Failed", "message": message}]},
+        });
+        let out = api.kubectl_stdin(
+            &[
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--subresource=status",
+                &format!("--field-manager=modelcache.csi.io/{node}"),
+                "-f",
+                "-",
+            ],
+            &patch.to_string(),
+        );
+        assert!(!out.status.success(), "{node}'s line was taken");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let why = refused("hostile-65", "no space");
+    assert!(why.contains("must have at most 64 items"), "{why}");
+    let why = refused("crowd-00", &"x".repeat(1025));
+    assert!(why.contains("1024"), "{why}");
+
+    // The one volume this node made (the warm model's) goes with its
+    // declaration.
+    assert_eq!(d.list_all(0).await.len(), 1, "the prefetch's volume");
+    ok(&api, &["delete", "modelprefetch", "good"]);
+    let start = Instant::now();
+    while !d.list_all(0).await.is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "the deleted prefetch's volume was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     drop(d);
 }
