@@ -83,12 +83,26 @@ fn now() -> String {
 
 /// `line`, on ModelPrefetch `object`, written at `updated`.
 fn line_of(api: &ApiServer, object: &str, node: &str, phase: &str, message: &str, updated: &str) {
+    let out = try_line(api, object, node, phase, message, Some(updated));
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// Applies `node`'s line on `object` as that node's driver would, with
+/// kubectl, and says how it went.
+fn try_line(
+    api: &ApiServer,
+    object: &str,
+    node: &str,
+    phase: &str,
+    message: &str,
+    updated: Option<&str>,
+) -> std::process::Output {
     let patch = serde_json::json!({
         "apiVersion": "modelcache.csi.io/v1alpha1", "kind": "ModelPrefetch",
         "metadata": {"name": object},
         "status": {"nodes": [{"node": node, "phase": phase, "message": message, "updated": updated}]},
     });
-    let out = api.kubectl_stdin(
+    api.kubectl_stdin(
         &[
             "apply",
             "--server-side",
@@ -99,8 +113,7 @@ fn line_of(api: &ApiServer, object: &str, node: &str, phase: &str, message: &str
             "-",
         ],
         &patch.to_string(),
-    );
-    assert!(out.status.success(), "{out:?}");
+    )
 }
 
 /// A line from each of `nodes` on `object`, all at once, each as its own
@@ -492,23 +505,7 @@ async fn a_node_warms_its_model_by_label_and_lists_only_a_failure() {
         .collect();
     lines_at_once(&api, "crowded", &more, "Failed").await;
     let refused = |node: &str, message: &str| {
-        let patch = serde_json::json!({
-            "apiVersion": "modelcache.csi.io/v1alpha1", "kind": "ModelPrefetch",
-            "metadata": {"name": "crowded"},
-            "status": {"nodes": [{"node": node, "phase": "Failed", "message": message}]},
-        });
-        let out = api.kubectl_stdin(
-            &[
-                "apply",
-                "--server-side",
-                "--force-conflicts",
-                "--subresource=status",
-                &format!("--field-manager=modelcache.csi.io/{node}"),
-                "-f",
-                "-",
-            ],
-            &patch.to_string(),
-        );
+        let out = try_line(&api, "crowded", node, "Failed", message, None);
         assert!(!out.status.success(), "{node}'s line was taken");
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
