@@ -155,6 +155,15 @@ impl Fill for PeerFill {
         let mut leader = None;
         if !holders.iter().any(Peer::sealed) {
             match self.dir.claim(sid.as_str()).await {
+                // A pull seen under way whose claim is free now has ended,
+                // and its holder's record said how before it let go: a
+                // sealed copy is read, not pulled again.
+                Claim::Leads if holders.iter().any(|p| p.pulling_since().is_some()) => {
+                    holders = self.holders(sid.as_str(), true).await;
+                    if !holders.iter().any(Peer::sealed) {
+                        return None;
+                    }
+                }
                 Claim::Leads => return None,
                 Claim::Follows(node) => {
                     holders = self.holders(sid.as_str(), false).await;
@@ -354,8 +363,8 @@ impl Fill for PeerFill {
         })
     }
 
-    fn ended(&self, _root: &Root, sid: &SourceId, _sealed: bool) {
-        self.dir.end(sid.as_str());
+    fn ended(&self, _root: &Root, sid: &SourceId, sealed: bool) {
+        self.dir.end(sid.as_str(), sealed);
     }
 }
 

@@ -1008,9 +1008,10 @@ async fn a_pinned_model_is_built_from_peers_while_the_origin_is_down() {
 /// Eight nodes claiming one pull at the same moment: the API gives the
 /// claim to one, the others follow it; a claim whose holder stopped
 /// pulling (failed, gone) is taken over by one node, and the holder's end
-/// releases it.
+/// releases it, after its record says how the pull ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_is_claimed_by_one_node_of_many_starting_at_once() {
+    use futures::StreamExt;
     use modelcache_csi::peer::directory::{Claim, Directory};
     let api = ApiServer::start().expect("start apiserver");
     let client = modelcache_csi::server::kube_client(Some(&api.kubeconfig_path()))
@@ -1043,17 +1044,67 @@ async fn a_pull_is_claimed_by_one_node_of_many_starting_at_once() {
 
     // The leader's pull fails: its claim goes with it, and the next node
     // to claim leads.
-    dirs[leaders[0]].end(sid);
+    dirs[leaders[0]].end(sid, false).await.unwrap();
     let next = (leaders[0] + 1) % 8;
-    let mut led = false;
-    for _ in 0..50 {
-        if dirs[next].claim(sid).await == Claim::Leads {
-            led = true;
-            break;
+    assert_eq!(dirs[next].claim(sid).await, Claim::Leads);
+
+    // A pull that seals: a watch of the Leases sees its record turn
+    // sealed before its claim goes, so that a node finding the claim free
+    // finds the sealed copy too, and fills from it rather than pulling
+    // the model again.
+    let sealing = "m0123456789abcdef0123456789abc04";
+    dirs[1].begin(sealing, 4).await.unwrap();
+    assert_eq!(dirs[1].claim(sealing).await, Claim::Leads);
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(client.clone(), "default");
+    let from = leases
+        .list_metadata(&Default::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let mut events = leases
+        .watch(&kube::api::WatchParams::default().timeout(30), &from)
+        .await
+        .unwrap()
+        .boxed();
+    dirs[1].end(sealing, true).await.unwrap();
+    let record = modelcache_csi::peer::directory::records::record_name(sealing, "claimer-1");
+    let claim = format!("modelcache-pull-{sealing}");
+    let mut seen = Vec::new();
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(30), events.next())
+        .await
+        .expect("the claim's deletion within 30 s")
+    {
+        let (what, l) = match e.unwrap() {
+            kube::api::WatchEvent::Added(l) => ("put", l),
+            kube::api::WatchEvent::Modified(l) => ("put", l),
+            kube::api::WatchEvent::Deleted(l) => ("deleted", l),
+            _ => continue,
+        };
+        let name = l.metadata.name.clone().unwrap_or_default();
+        if name == record {
+            let held = modelcache_csi::peer::directory::records::parse(&l).map(|h| h.holding);
+            seen.push(format!("record {what} {held:?}"));
+        } else if name == claim {
+            seen.push(format!("claim {what}"));
+            if what == "deleted" {
+                break;
+            }
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(led, "the released claim was not taken");
+    assert_eq!(
+        seen,
+        ["record put Some(Sealed)", "claim deleted"],
+        "the record must say sealed before the claim goes"
+    );
+    assert_eq!(dirs[2].claim(sealing).await, Claim::Leads);
+    let holders = dirs[2].holders(sealing, true).await;
+    assert!(
+        holders.iter().any(|p| p.node == "claimer-1" && p.sealed()),
+        "{holders:?}"
+    );
 
     // A holder that stops advertising the pull without releasing (its
     // driver killed): its claim is stale, and exactly one of the others

@@ -32,10 +32,9 @@ fn claim_name(sid: &str) -> String {
 }
 
 impl Directory {
-    /// Lets go of this node's claim on `sid` in the background.
-    pub(super) fn let_go(&self, sid: &str) {
-        let (api, node, name) = (self.api.clone(), self.node.clone(), claim_name(sid));
-        tokio::spawn(async move { release(&api, &node, &name).await });
+    /// Lets go of this node's claim on `sid`.
+    pub(super) async fn let_go(&self, sid: &str) {
+        release(&self.api, &self.node, &claim_name(sid)).await;
     }
 
     /// Deletes the claims this node holds but no pull of this process

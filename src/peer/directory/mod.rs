@@ -204,23 +204,56 @@ impl Directory {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(sid.to_string(), started);
-        let mut published = self.publishing.lock().await;
-        if published.owner.is_none() {
-            published.owner = Some(self.renew().await?);
-        }
-        self.write_one(&mut published, sid, Some(Holding::Pulling(started)))
-            .await
+        self.write_now(sid, Some(Holding::Pulling(started))).await
     }
 
-    /// This node's pull of `sid` ended (sealed or failed): its record says
-    /// so at the next publish, and this node's claim on it is let go.
-    pub fn end(&self, sid: &str) {
+    /// This node's pull of `sid` ended, `sealed` or failed. Its record
+    /// says so before its claim is let go: a node that finds the claim
+    /// free, having seen this pull under way, then finds the record sealed
+    /// or gone when it looks again, and never takes a finished pull for a
+    /// failed one.
+    pub fn end(self: &Arc<Self>, sid: &str, sealed: bool) -> tokio::task::JoinHandle<()> {
         self.pulling
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(sid);
-        self.changed();
-        self.let_go(sid);
+        let (me, sid) = (self.clone(), sid.to_string());
+        tokio::spawn(async move {
+            if let Err(e) = me.write_now(&sid, sealed.then_some(Holding::Sealed)).await {
+                debug!(error = %e, sid, "pull's end not published; the next publish writes it");
+                me.changed();
+            }
+            me.let_go(&sid).await;
+        })
+    }
+
+    /// Writes `sid`'s record now, unless a pull of it started or ended
+    /// since the caller decided `holding` (that pull's own write wins).
+    async fn write_now(&self, sid: &str, holding: Option<Holding>) -> anyhow::Result<()> {
+        let mut published = self.publishing.lock().await;
+        if published.owner.is_none() {
+            published.owner = Some(self.renew().await?);
+        }
+        if !self.still(sid, holding) {
+            return Ok(());
+        }
+        self.write_one(&mut published, sid, holding).await
+    }
+
+    /// Whether `holding` still says what this node does with `sid`: a
+    /// sealed copy always does.
+    fn still(&self, sid: &str, holding: Option<Holding>) -> bool {
+        let pulling = self
+            .pulling
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(sid)
+            .copied();
+        match holding {
+            Some(Holding::Pulling(at)) => pulling == Some(at),
+            None => pulling.is_none(),
+            Some(Holding::Sealed) => true,
+        }
     }
 
     /// Renews this node's peer Lease, then brings its records in line
@@ -268,20 +301,9 @@ impl Directory {
                 tokio::time::sleep(WRITE_GAP).await;
             }
             let mut published = self.publishing.lock().await;
-            let pulling = self
-                .pulling
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&sid)
-                .copied();
             // A pull that started or ended since the plan is its own
             // publish's to write.
-            let still = match holding {
-                Some(Holding::Pulling(at)) => pulling == Some(at),
-                None => pulling.is_none(),
-                Some(Holding::Sealed) => true,
-            };
-            if still {
+            if self.still(&sid, holding) {
                 self.write_one(&mut published, &sid, holding).await?;
             }
         }
