@@ -72,6 +72,14 @@ impl OpGuard {
 }
 
 impl OpLocks {
+    /// Whether an operation holds `key`, whole or at a path.
+    pub fn is_held(&self, key: &str) -> bool {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(key)
+    }
+
     /// The whole key: no other operation on it, at any path, runs meanwhile.
     pub fn try_lock(&self, key: &str) -> Result<OpGuard> {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());

@@ -29,7 +29,7 @@ pub mod xfs;
 
 use std::fs;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use layout::{
@@ -283,33 +283,35 @@ pub fn add_pull_ref(root: &Root, sid: &SourceId, uuid: &str, durable: bool) -> R
 }
 
 /// Removes a volume's reference, wherever it is: in the sealed model, or
-/// in the area of a pull still running (a progressive volume's).
+/// in the area of a pull still running (a progressive volume's); without
+/// waiting for anyone. Eviction renames a model away for a moment (`.trash-<sid>-…`) to look
+/// for references, and puts it back when it finds one; a reference not
+/// in place is removed from such a trash, so that it does not come back
+/// with the model. One can still come back (the model renamed away again
+/// between the two looks): it then belongs to no volume record, and
+/// counts only until it is older than [`evict::REF_GRACE`].
 pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
-    let source = root.source(sid);
-    let path = source.refs().join(uuid);
-    // Eviction renames a model away for a moment to look for references,
-    // and puts it back when it finds one: a reference looked for then is
-    // missing, not gone (it would come back with the model), and the
-    // directory synced after the unlink may be missing too. Asked again
-    // until the model is back in place or gone for good.
-    let trash = format!(".trash-{sid}-");
-    let evicting = || {
-        !source.dir.exists()
-            && fs::read_dir(root.sources_dir()).is_ok_and(|mut d| {
-                d.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with(&trash)))
+    let in_place = root.source(sid).refs().join(uuid);
+    if !unlink_ref(&in_place)? {
+        let trash = format!(".trash-{sid}-");
+        let trashes: Vec<PathBuf> = fs::read_dir(root.sources_dir())
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(&trash))
+                    .map(|e| e.path().join("refs").join(uuid))
+                    .collect()
             })
-    };
-    let mut tries = 0;
-    loop {
-        match state::remove_file(&path) {
-            Ok(()) if !evicting() => break,
-            Err(e) if e.kind() == io::ErrorKind::NotFound && !evicting() => break,
-            Ok(()) | Err(_) if tries < 400 && evicting() => {
-                tries += 1;
-                std::thread::sleep(std::time::Duration::from_millis(5));
+            .unwrap_or_default();
+        let mut removed = false;
+        for r in &trashes {
+            if unlink_ref(r)? {
+                removed = true;
+                break;
             }
-            Ok(()) => break,
-            Err(e) => return Err(Error::io("remove reference", &path, e)),
+        }
+        // Put back between the two looks.
+        if !removed && !trashes.is_empty() {
+            unlink_ref(&in_place)?;
         }
     }
     if let Some(sid) = SourceId::parse_model(sid) {
@@ -317,6 +319,27 @@ pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
         state::remove_file(&path).ctx("remove reference", &path)?;
     }
     Ok(())
+}
+
+/// Unlinks one reference; false if it was not there. An eviction may
+/// rename its directory away right after: a sync that finds it gone is
+/// no error.
+fn unlink_ref(path: &Path) -> Result<bool> {
+    match fs::remove_file(path) {
+        Ok(()) => {
+            if let Some(dir) = path.parent() {
+                match state::sync_dir(dir) {
+                    Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                        return Err(Error::io("sync", dir, e));
+                    }
+                    _ => {}
+                }
+            }
+            Ok(true)
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(Error::io("remove reference", path, e)),
+    }
 }
 
 /// Creates an empty writable source. Idempotent.

@@ -105,8 +105,13 @@ impl Provisioner {
     /// (pure, `plan`), then do the plan's one kind of work. Holds the
     /// volume's name: a second create of it meanwhile is told Busy.
     pub async fn create(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
-        let guard = self.names.try_lock(&format!("name/{}", req.name))?;
+        let guard = self.names.try_lock(&name_key(&req.name))?;
         guard.hold(self.create_held(req)).await
+    }
+
+    /// Whether a call of this process holds volume `name`.
+    pub(crate) fn name_held(&self, name: &str) -> bool {
+        self.names.is_held(&name_key(name))
     }
 
     async fn create_held(&self, req: CreateRequest) -> Result<(VolumeRecord, Vec<Topology>)> {
@@ -214,4 +219,9 @@ impl Agent {
     pub fn driver(&self) -> &str {
         &self.ctx.cfg.driver_name
     }
+}
+
+/// The key of a volume's name among `Provisioner::names`.
+fn name_key(name: &str) -> String {
+    format!("name/{name}")
 }

@@ -5,7 +5,9 @@
 //! Each driver runs on a runtime of its own, its "process": killing it is
 //! shutting that runtime down, which drops every task it runs (its pull
 //! jobs, their followers) wherever they were, as `kill -9` stops a process
-//! between two steps. The origin runs on the test's runtime and holds the
+//! between two steps. Blocking work it had started runs to its end and
+//! holds what it holds meanwhile (the pull area's flock), as another
+//! process sharing the root would. The origin runs on the test's runtime and holds the
 //! second half of the model until the test opens it, so each phase is
 //! reached for certain, not by timing.
 
@@ -111,11 +113,16 @@ fn process() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// CreateVolume as external-provisioner sends it, with a deadline.
-async fn create_within(d: &Arc<Driver>, req: CreateVolumeRequest) -> Result<Volume, Status> {
+/// CreateVolume as external-provisioner sends it, with a deadline of
+/// `secs` seconds.
+async fn create_within(
+    d: &Arc<Driver>,
+    req: CreateVolumeRequest,
+    secs: u32,
+) -> Result<Volume, Status> {
     let mut r = Request::new(req);
     r.metadata_mut()
-        .insert("grpc-timeout", "2S".parse().unwrap());
+        .insert("grpc-timeout", format!("{secs}S").parse().unwrap());
     let v = d.ctl.create_volume(r).await?;
     Ok(v.into_inner().volume.expect("a created volume"))
 }
@@ -133,6 +140,11 @@ where
     }
 }
 
+fn set_mode(dir: &std::path::Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
 /// How a phase is reached by the first driver, before it is killed.
 #[derive(Clone, Copy, Debug)]
 enum Reach {
@@ -140,11 +152,36 @@ enum Reach {
     Requested,
     /// A progressive create, answered once the listing is known.
     Listed,
-    /// A create answered once every file is verified: the origin is open.
+    /// A create answered once every file is verified, whose seal is then
+    /// refused until the kill.
     Verified,
 }
 
-async fn killed_at(reach: Reach) {
+/// Another process holding the model's pull area (its flock) while the
+/// next driver resumes: a node sharing the root, pulling the same model.
+struct OtherPuller {
+    _flock: std::fs::File,
+}
+
+impl OtherPuller {
+    /// Takes the area's flock, once whatever still holds it lets go.
+    async fn hold(lock: std::path::PathBuf) -> OtherPuller {
+        tokio::task::spawn_blocking(move || {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock)
+                .unwrap();
+            f.lock().unwrap();
+            OtherPuller { _flock: f }
+        })
+        .await
+        .unwrap()
+    }
+}
+
+async fn killed_at(reach: Reach, other: bool) {
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let (gate, held) = watch::channel(false);
     let uri = origin(held).await;
@@ -158,29 +195,56 @@ async fn killed_at(reach: Reach) {
     // The first driver, killed at its phase.
     let first = process();
     let a = Arc::new(Driver::start_with(dir.clone(), None));
+    let sources = a.roots.roots[0].sources_dir();
+    let asked = {
+        let (a, req) = (a.clone(), req.clone());
+        let secs = if let Reach::Verified = reach { 30 } else { 2 };
+        first.spawn(async move { create_within(&a, req, secs).await })
+    };
     if let Reach::Verified = reach {
+        // The seal's rename into place is refused (the sources directory
+        // made read-only once the pull's area is in it): the driver is
+        // killed between its answer and its seal, for certain.
+        until("the pull's area exists", Duration::from_secs(10), || {
+            let sources = sources.clone();
+            async move {
+                std::fs::read_dir(&sources).is_ok_and(|d| {
+                    d.flatten().any(|e| {
+                        e.file_name()
+                            .to_string_lossy()
+                            .starts_with(crate::cache::layout::PULL_PREFIX)
+                    })
+                })
+            }
+        })
+        .await;
+        set_mode(&sources, 0o555);
         gate.send_replace(true);
     }
-    let answer = {
-        let (a, req) = (a.clone(), req.clone());
-        first
-            .spawn(async move { create_within(&a, req).await })
-            .await
-            .unwrap()
-    };
+    let answer = asked.await.unwrap();
+    let mut area_lock = None;
     let phase = match reach {
         Reach::Requested => {
             assert_code(answer, Code::Unavailable, "still pulling");
             Some(Phase::Requested)
         }
         Reach::Listed => {
-            answer.expect("a progressive volume is answered once listed");
+            let v = answer.expect("a progressive volume is answered once listed");
+            let id = crate::cache::VolumeId::parse(&v.volume_id).unwrap();
+            let sid = crate::cache::SourceId::parse_model(&v.volume_context["source"]).unwrap();
+            area_lock = Some(
+                a.roots
+                    .for_id(&id)
+                    .unwrap()
+                    .pull_area(&sid)
+                    .dir
+                    .join("lock"),
+            );
             Some(Phase::Listed)
         }
-        // The seal may come before the kill: its record is gone then.
         Reach::Verified => {
             answer.expect("answered once verified");
-            None
+            Some(Phase::Verified)
         }
     };
     if let Some(phase) = phase {
@@ -197,12 +261,28 @@ async fn killed_at(reach: Reach) {
     }
     first.shutdown_background();
     drop(a);
+    set_mode(&sources, 0o755);
+    let held = match (other, area_lock) {
+        (true, Some(lock)) => Some(OtherPuller::hold(lock).await),
+        (true, None) => panic!("{reach:?}: no pull area to hold"),
+        (false, _) => None,
+    };
     gate.send_replace(true);
 
     // The node's next driver: no call until its resume has run the pull
-    // to its end, which its record's going says.
+    // to its end, which its record's going says. While another process
+    // holds the model's pull, the resume is told Busy, and asks again
+    // after it lets go.
     let b = Arc::new(Driver::start_with(dir.clone(), None));
     b.provisioner.resume_wanted().await;
+    if let Some(held) = held {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !b.provisioner.wanted().await.is_empty(),
+            "the resume forgot a pull another process holds"
+        );
+        drop(held);
+    }
     until(
         "the resume ends the pull with no call",
         Duration::from_secs(60),
@@ -216,7 +296,7 @@ async fn killed_at(reach: Reach) {
     // may hold the name a moment longer.
     let end = Instant::now() + Duration::from_secs(10);
     let volume = loop {
-        match create_within(&b, req.clone()).await {
+        match create_within(&b, req.clone(), 2).await {
             Ok(v) => break v,
             Err(e) if e.code() == Code::Aborted && Instant::now() < end => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -251,15 +331,20 @@ async fn killed_at(reach: Reach) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_driver_killed_while_its_create_waits_resumes_the_pull() {
-    killed_at(Reach::Requested).await;
+    killed_at(Reach::Requested, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_driver_killed_after_a_progressive_answer_sees_its_pull_to_the_seal() {
-    killed_at(Reach::Listed).await;
+    killed_at(Reach::Listed, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_waits_out_another_process_pulling_the_same_model() {
+    killed_at(Reach::Listed, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_driver_killed_after_answering_once_verified_leaves_a_sealed_model() {
-    killed_at(Reach::Verified).await;
+    killed_at(Reach::Verified, false).await;
 }

@@ -139,6 +139,15 @@ impl Provisioner {
                     );
                     return Ok(());
                 }
+                // Answered again before its seal, its pull between tries
+                // (another process held it): the volume's follower, not
+                // this resume, runs it to the seal and removes the record.
+                Ok((rec, _)) if !self.model_sealed(&rec).await => {
+                    tracing::info!(
+                        "resumed a volume answered before its seal; its follower tries its pull again"
+                    );
+                    return Ok(());
+                }
                 // A record outliving its pull (a phase noted just as the
                 // seal removed it) goes now.
                 Ok(_) => {
@@ -146,10 +155,14 @@ impl Provisioner {
                     self.forget_wanted(name).await;
                     return Ok(());
                 }
-                Err(e @ Error::Busy(_)) => {
+                Err(e @ Error::Busy(_)) if self.name_held(name) => {
                     tracing::info!(error = %e, "a call that holds the volume's name carries its pull");
                     return Ok(());
                 }
+                // Another process holds the model's pull (a node sharing
+                // the root): asked again until that pull ends, since this
+                // volume's record has no other follower.
+                Err(e @ Error::Busy(_)) => return Err(e),
                 Err(e) if no_longer(&e) => {
                     tracing::info!(error = %e, "a wanted pull is no longer wanted");
                     self.forget_wanted(name).await;
@@ -167,6 +180,26 @@ impl Provisioner {
                 Err(e) => return Err(e),
             }
         }
+    }
+}
+
+impl Provisioner {
+    /// Whether the model volume `rec` reads is sealed (a source volume's
+    /// is its owner's to seal: counted as sealed here).
+    async fn model_sealed(&self, rec: &crate::cache::VolumeRecord) -> bool {
+        if !rec.source.is_model() {
+            return true;
+        }
+        let Some(root) = crate::cache::VolumeId::parse(&rec.id)
+            .and_then(|id| self.roots.for_id(&id).ok().cloned())
+        else {
+            return true;
+        };
+        let sid = rec.source.clone();
+        matches!(
+            blocking(move || cache::read_seal(&root, &sid)).await,
+            Ok(Some(_))
+        )
     }
 }
 
@@ -216,7 +249,7 @@ async fn sealed(
 /// Whether a failed resume may succeed later, untouched: a server that did
 /// not answer, a disk error. Not a refusal or a missing grant.
 fn may_pass(e: &Error) -> bool {
-    retry::transient(e) || matches!(e, Error::Io { .. })
+    retry::transient(e) || matches!(e, Error::Io { .. } | Error::Busy(_))
 }
 
 #[cfg(test)]
@@ -257,6 +290,9 @@ mod tests {
             source: std::io::Error::other("EIO"),
         };
         assert_eq!(tries(disk, 1).await, (2, true));
+        // Another process pulling the model (a node sharing the root).
+        let other = || Error::Busy("model m1 is being pulled by another process".into());
+        assert_eq!(tries(other, 2).await, (3, true));
         // A refusal does not pass by waiting: one try.
         let refused = || Error::Precondition("no grant".into());
         assert_eq!(tries(refused, 5).await, (1, false));

@@ -139,7 +139,11 @@ impl Provisioner {
                 .await
                 .map(jobs::Early::Sealed),
         };
-        if resumable != Resumable::No && !self.jobs.is_running(&req.name) {
+        // A pull another process holds (a node sharing the root) did not
+        // run here: its record stays for whoever asks again, the
+        // provisioner's retry or a resume.
+        let elsewhere = matches!(pulled, Err(Error::Busy(_)));
+        if resumable != Resumable::No && !self.jobs.is_running(&req.name) && !elsewhere {
             let (d, n) = (self.wanted_dir(), req.name.clone());
             blocking(move || wanted::remove(&d, &n)).await?;
         }
