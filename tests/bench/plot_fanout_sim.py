@@ -36,6 +36,7 @@ for pages, label in labels.items():
     right.plot(xs, [float(r["max_upload_copies"]) for _, r in pts], marker="s", linestyle="--", label=f"busiest node, {label}")
 nic = rows[0]["nic_mbps"]
 left.set_xscale("log")
+left.set_yscale("log")
 left.set_xlabel("nodes starting the model within 1 s")
 left.set_ylabel("last node's time / one node alone")
 gib = rows[0]["model_gib"]
@@ -43,6 +44,7 @@ left.set_title(f"rollout of {gib} GiB (model; {nic} MB/s a node and origin)", fo
 left.axhline(1.5, color="grey", linestyle=":", linewidth=1)
 left.legend(fontsize=8)
 right.set_xscale("log")
+right.set_yscale("log")
 right.set_xlabel("nodes")
 right.set_ylabel("copies of the model")
 right.set_title("origin bytes and the busiest uploader", fontsize=10)
