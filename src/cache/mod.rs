@@ -284,12 +284,13 @@ pub fn add_pull_ref(root: &Root, sid: &SourceId, uuid: &str, durable: bool) -> R
 
 /// Removes a volume's reference, wherever it is: in the sealed model, or
 /// in the area of a pull still running (a progressive volume's); without
-/// waiting for anyone. Eviction renames a model away for a moment (`.trash-<sid>-…`) to look
-/// for references, and puts it back when it finds one; a reference not
-/// in place is removed from such a trash, so that it does not come back
-/// with the model. One can still come back (the model renamed away again
-/// between the two looks): it then belongs to no volume record, and
-/// counts only until it is older than [`evict::REF_GRACE`].
+/// waiting for anyone. Eviction renames a model away for a moment
+/// (`.trash-<sid>-…`) to look for references, and puts it back when it
+/// finds one; a reference not in place is removed from such a trash, so
+/// that it does not come back with the model. One can still come back
+/// (the model renamed away again between the two looks): it then belongs
+/// to no volume record, and counts only until it is older than
+/// [`evict::REF_GRACE`].
 pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
     let in_place = root.source(sid).refs().join(uuid);
     if !unlink_ref(&in_place)? {

@@ -181,9 +181,7 @@ impl Provisioner {
             }
         }
     }
-}
 
-impl Provisioner {
     /// Whether the model volume `rec` reads is sealed (a source volume's
     /// is its owner's to seal: counted as sealed here).
     async fn model_sealed(&self, rec: &crate::cache::VolumeRecord) -> bool {
