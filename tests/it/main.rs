@@ -14,6 +14,7 @@ mod concurrency;
 mod crash_resume;
 mod deploy;
 mod expansion;
+mod fanout_links;
 mod fleet;
 mod gated_pulls;
 mod hostile;

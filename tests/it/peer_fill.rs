@@ -354,7 +354,7 @@ async fn nodes_fill_from_peers_verified_and_only_with_the_token() {
 
 /// Writes `files` files of `mib` MiB each: one random MiB, salted by its
 /// position so that no two chunks are alike.
-fn write_large_model(dir: &Path, files: usize, mib: usize) -> u64 {
+pub(crate) fn write_large_model(dir: &Path, files: usize, mib: usize) -> u64 {
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let block: Vec<u8> = (0..1 << 20)
         .map(|_| {

@@ -87,6 +87,12 @@ impl ApiServer {
     /// Builds the binaries if missing, starts etcd + kube-apiserver and waits
     /// until `/readyz` answers ok.
     pub fn start() -> anyhow::Result<ApiServer> {
+        ApiServer::start_at("127.0.0.1")
+    }
+
+    /// As `start`, serving on `address` (which must be up) instead of
+    /// loopback: for clients in other network namespaces.
+    pub fn start_at(address: &str) -> anyhow::Result<ApiServer> {
         let bin = bin_dir()?;
         let dir = tempfile::Builder::new()
             .prefix("modelcache-apiserver-")
@@ -98,6 +104,7 @@ impl ApiServer {
             .arg("start")
             .arg(dir.path())
             .env("MODELCACHE_K8S_BIN", &bin)
+            .env("MODELCACHE_APISERVER_ADDRESS", address)
             .env(
                 "MODELCACHE_APISERVER_OWNER_PID",
                 std::process::id().to_string(),

@@ -344,7 +344,11 @@ impl Drop for Server {
 
 impl Server {
     async fn start(handler: Handler) -> Server {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Server::start_at(handler, "127.0.0.1").await
+    }
+
+    async fn start_at(handler: Handler, ip: &str) -> Server {
+        let listener = TcpListener::bind((ip, 0)).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {
             // Dropping the set (when this task is aborted) aborts every connection.
@@ -611,13 +615,18 @@ pub struct FileServer {
 
 impl FileServer {
     pub async fn start(root: impl Into<PathBuf>) -> FileServer {
+        FileServer::start_at(root, "127.0.0.1").await
+    }
+
+    /// As `start`, listening on `ip` (which must be up).
+    pub async fn start_at(root: impl Into<PathBuf>, ip: &str) -> FileServer {
         let state = Arc::new(FileState {
             root: root.into(),
             knobs: Mutex::default(),
             hits: Hits::default(),
         });
         let s = state.clone();
-        let server = Server::start(Arc::new(move |req| serve_file(&s, req))).await;
+        let server = Server::start_at(Arc::new(move |req| serve_file(&s, req)), ip).await;
         FileServer { server, state }
     }
 

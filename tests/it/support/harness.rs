@@ -35,6 +35,9 @@ pub struct Driver {
     pub client: Client,
     extra_args: Vec<String>,
     env: Vec<(String, String)>,
+    /// The network namespace (a name under /run/netns) it runs in, if not
+    /// this process's.
+    netns: Option<String>,
     log: PathBuf,
     child: Child,
     // Dropped last, after `Drop::drop` has unmounted everything under it.
@@ -69,14 +72,20 @@ impl Driver {
     /// Starts the driver with extra arguments and environment variables
     /// (the credentials an admin gives the driver's pod, say).
     pub async fn start_with_env(extra_args: &[&str], env: &[(&str, &str)]) -> Driver {
-        Driver::start_node_with_env(NODE, None, extra_args, env).await
+        Driver::start_node_with_env(NODE, None, extra_args, env, None).await
     }
 
     /// Starts the driver as node `node_id`, with its own state dir and, when
     /// given, another driver's `--shared-path` (two nodes sharing one
     /// filesystem). Drop the drivers sharing a path before its owner.
     pub async fn start_node(node_id: &str, shared: Option<&Path>, extra_args: &[&str]) -> Driver {
-        Driver::start_node_with_env(node_id, shared, extra_args, &[]).await
+        Driver::start_node_with_env(node_id, shared, extra_args, &[], None).await
+    }
+
+    /// As `start_node`, in network namespace `netns` (`ip netns add`):
+    /// a node behind a link of its own.
+    pub async fn start_node_in(netns: &str, node_id: &str, extra_args: &[&str]) -> Driver {
+        Driver::start_node_with_env(node_id, None, extra_args, &[], Some(netns)).await
     }
 
     async fn start_node_with_env(
@@ -84,6 +93,7 @@ impl Driver {
         shared: Option<&Path>,
         extra_args: &[&str],
         env: &[(&str, &str)],
+        netns: Option<&str>,
     ) -> Driver {
         let tmp = tempfile::Builder::new()
             .prefix("mc-test-")
@@ -101,7 +111,16 @@ impl Driver {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let mut child = spawn(&socket, &state_dir, &shared_dir, &log, &extra_args, &env);
+        let netns = netns.map(str::to_string);
+        let mut child = spawn(
+            &socket,
+            &state_dir,
+            &shared_dir,
+            &log,
+            &extra_args,
+            &env,
+            netns.as_deref(),
+        );
         let client = match connect(&mut child, &socket, &log).await {
             Ok(c) => c,
             Err(e) => {
@@ -119,6 +138,7 @@ impl Driver {
             client,
             extra_args,
             env,
+            netns,
             log,
             child,
             _tmp: tmp,
@@ -154,6 +174,7 @@ impl Driver {
             &self.log,
             &self.extra_args,
             &self.env,
+            self.netns.as_deref(),
         );
         match connect(&mut self.child, &self.socket, &self.log).await {
             Ok(c) => self.client = c,
@@ -529,14 +550,32 @@ fn spawn(
     log: &Path,
     extra_args: &[String],
     env: &[(String, String)],
+    netns: Option<&str>,
 ) -> Child {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
     let log_file = fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .expect("open driver log");
-    Command::new(env!("CARGO_BIN_EXE_modelcache-csi"))
-        .arg("--endpoint")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_modelcache-csi"));
+    if let Some(ns) = netns {
+        let ns = fs::File::open(format!("/run/netns/{ns}"))
+            .unwrap_or_else(|e| panic!("open network namespace {ns}: {e}"));
+        // SAFETY: between fork and exec only setns(2) runs, on a
+        // descriptor opened before the fork and kept open by the closure.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+    }
+    cmd.arg("--endpoint")
         .arg(format!("unix://{}", socket.display()))
         .arg("--state-dir")
         .arg(state_dir)

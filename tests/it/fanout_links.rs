@@ -1,0 +1,313 @@
+//! A rollout of one model over links of a known rate (issue #46, item 3):
+//! driver processes, each in a network namespace of its own behind a veth
+//! whose two directions `tc` caps, on one bridge with the apiserver and
+//! the origin, so that a node's upload and download are bounded as a real
+//! NIC bounds them and a leader cannot serve its followers faster than its
+//! link. A benchmark, not a test (run alone, as root):
+//!
+//! ```sh
+//! FANOUT_NODES=16 FANOUT_MBPS=25 FANOUT_MIB=512 [FANOUT_ORIGIN_MBPS=25 FANOUT_SLOTS=16] \
+//!   unshare -m --propagation private cargo test --test it -- \
+//!   --ignored --exact fanout_links::bench --nocapture
+//! ```
+//!
+//! It prints one CSV row (`FANOUT_CSV` appends it to a file): one node
+//! alone, then every node at once, the last and the median node's time,
+//! the copies of the model the origin sent, the most any node uploaded
+//! (its link's own byte count), and the CPU the machine spent; the same
+//! inputs go to the rollout model (`tests/bench/fanout_sim.py`) to compare.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::peer_fill::write_large_model;
+use crate::support::apiserver::ApiServer;
+use crate::support::fixtures::{self, FileServer};
+use crate::support::harness::*;
+
+const BRIDGE: &str = "mcfan0";
+const HOST_IP: &str = "10.78.0.1";
+const PEER_PORT: u16 = 7420;
+
+fn env_or<T: std::str::FromStr>(key: &str, default: T) -> T {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn ip(args: &[&str]) {
+    run("ip", args);
+}
+
+fn run(cmd: &str, args: &[&str]) {
+    let out = Command::new(cmd).args(args).output().expect(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The bridge and one namespace a node, each behind a veth capped at
+/// `mbps` MB/s both ways; gone on drop.
+struct Links {
+    nodes: usize,
+}
+
+impl Links {
+    fn netns(i: usize) -> String {
+        format!("mcfan{i}")
+    }
+
+    fn address(i: usize) -> String {
+        format!("10.78.1.{}", i + 1)
+    }
+
+    /// `origin_mbps` caps what the host sends onto the bridge: the
+    /// origin's bytes (and the apiserver's answers); nodes' bytes to each
+    /// other are bridged, not sent by the host.
+    fn up(nodes: usize, mbps: u64, origin_mbps: u64) -> Links {
+        Links::clean(nodes);
+        let links = Links { nodes };
+        ip(&["link", "add", BRIDGE, "type", "bridge"]);
+        ip(&["addr", "add", &format!("{HOST_IP}/16"), "dev", BRIDGE]);
+        ip(&["link", "set", BRIDGE, "up"]);
+        // tbf at the link's rate; a burst of 1 MB and a 4 MB queue let TCP
+        // find the rate without the cap's own stalls showing.
+        let cap = |ns: Option<&str>, dev: &str, mbps: u64| {
+            let rate = format!("{}mbit", mbps * 8);
+            let mut args = Vec::new();
+            if let Some(ns) = ns {
+                args.extend(["-n", ns]);
+            }
+            args.extend([
+                "qdisc", "replace", "dev", dev, "root", "tbf", "rate", &rate, "burst", "1mb",
+                "limit", "4mb",
+            ]);
+            run("tc", &args);
+        };
+        cap(None, BRIDGE, origin_mbps);
+        for i in 0..nodes {
+            let ns = Links::netns(i);
+            let host = format!("{ns}h");
+            ip(&["netns", "add", &ns]);
+            ip(&[
+                "link", "add", &host, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+            ]);
+            ip(&["link", "set", &host, "master", BRIDGE, "up"]);
+            ip(&["-n", &ns, "link", "set", "lo", "up"]);
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{}/16", Links::address(i)),
+                "dev",
+                "eth0",
+            ]);
+            ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+            // The node's upload leaves by its eth0; its download by the
+            // host's end of the pair.
+            cap(Some(&ns), "eth0", mbps);
+            cap(None, &host, mbps);
+        }
+        links
+    }
+
+    /// Bytes node `i` has sent on its link (TCP and TLS included).
+    fn sent(&self, i: usize) -> u64 {
+        let out = Command::new("tc")
+            .args(["-n", &Links::netns(i), "-s", "qdisc", "show", "dev", "eth0"])
+            .output()
+            .expect("tc");
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.split_whitespace()
+            .skip_while(|w| *w != "Sent")
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no byte count in {text}"))
+    }
+
+    fn clean(nodes: usize) {
+        for i in 0..nodes.max(64) {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &Links::netns(i)])
+                .output();
+        }
+        let _ = Command::new("ip").args(["link", "del", BRIDGE]).output();
+    }
+}
+
+impl Drop for Links {
+    fn drop(&mut self) {
+        Links::clean(self.nodes);
+    }
+}
+
+/// Busy and total jiffies of the whole machine.
+fn cpu() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap();
+    let f: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    let idle = f[3] + f[4];
+    (f.iter().sum::<u64>() - idle, f.iter().sum())
+}
+
+async fn node_in(i: usize, api: &ApiServer, tokens: &Path, slots: &str) -> Driver {
+    let listen = format!("{}:{PEER_PORT}", Links::address(i));
+    let kubeconfig = api.kubeconfig_path();
+    let args = [
+        "--kube-api",
+        "on",
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--peer-listen",
+        &listen,
+        "--peer-networks",
+        "10.78.0.0/16",
+        "--peer-token-file",
+        tokens.to_str().unwrap(),
+        // The link is the bound being measured, not the driver's own.
+        "--peer-upload-mib-per-second",
+        "0",
+        "--peer-max-uploads",
+        slots,
+        "--pull-chunk-mib",
+        "8",
+    ];
+    Driver::start_node_in(&Links::netns(i), &format!("node-{i}"), &args).await
+}
+
+async fn pull(d: &Driver, name: &str, uri: &str) {
+    let req = create_req(name, &[("backend", "local"), ("source", uri)], READER);
+    d.create(req)
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume on {name}: {:?}: {}", s.code(), s.message()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: run alone, as root"]
+async fn bench() {
+    let nodes: usize = env_or("FANOUT_NODES", 16);
+    let mbps: u64 = env_or("FANOUT_MBPS", 25);
+    let mib: usize = env_or("FANOUT_MIB", 512);
+    let origin_mbps: u64 = env_or("FANOUT_ORIGIN_MBPS", mbps);
+    // The driver's default.
+    let slots: String = env_or("FANOUT_SLOTS", "16".to_string());
+    // Node 0 pulls alone; nodes 1..=N roll out together.
+    let links = Links::up(nodes + 1, mbps, origin_mbps);
+    let api = ApiServer::start_at(HOST_IP).expect("start apiserver");
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let files = 4;
+    let total = write_large_model(&model, files, mib / files);
+    let tokens = work.path().join("peer-token");
+    std::fs::write(&tokens, "peer-token-for-the-links-bench-0123456789\n").unwrap();
+    let origin = FileServer::start_at(&model, HOST_IP).await;
+    let manifest = fixtures::manifest_for(&model, true);
+    origin.put("alone.json", manifest.clone());
+    origin.put("fanout.json", manifest);
+
+    let solo = node_in(0, &api, &tokens, &slots).await;
+    let started = Instant::now();
+    pull(
+        &solo,
+        "pvc-solo",
+        &format!("{}#manifest", origin.url("alone.json")),
+    )
+    .await;
+    let alone = started.elapsed();
+    drop(solo);
+    let before = fixtures::requested_bytes(&origin.requests(), &model);
+
+    let mut drivers = Vec::new();
+    for i in 1..=nodes {
+        drivers.push(node_in(i, &api, &tokens, &slots).await);
+    }
+    let sent_before: Vec<u64> = (1..=nodes).map(|i| links.sent(i)).collect();
+    let uri = format!("{}#manifest", origin.url("fanout.json"));
+    let cpu_before = cpu();
+    let started = Instant::now();
+    let mut took: Vec<Duration> =
+        futures::future::join_all(drivers.iter().enumerate().map(|(i, d)| {
+            let uri = uri.clone();
+            async move {
+                pull(d, &format!("pvc-fan-{i}"), &uri).await;
+                started.elapsed()
+            }
+        }))
+        .await;
+    let cpu_after = cpu();
+    let from_origin = fixtures::requested_bytes(&origin.requests(), &model) - before;
+    let uploads: Vec<u64> = (1..=nodes)
+        .map(|i| links.sent(i) - sent_before[i - 1])
+        .collect();
+    took.sort();
+    let last = took[took.len() - 1].as_secs_f64();
+    let p50 = took[took.len() / 2].as_secs_f64();
+    let busy = (cpu_after.0 - cpu_before.0) as f64 / (cpu_after.1 - cpu_before.1) as f64;
+    let header = "nodes,mbps,origin_mbps,slots,model_mib,alone_s,last_s,p50_s,last_over_alone,origin_copies,max_upload_copies,cpu_busy";
+    let row = format!(
+        "{nodes},{mbps},{origin_mbps},{slots},{mib},{:.1},{last:.1},{p50:.1},{:.2},{:.3},{:.2},{busy:.2}",
+        alone.as_secs_f64(),
+        last / alone.as_secs_f64(),
+        from_origin as f64 / total as f64,
+        *uploads.iter().max().unwrap() as f64 / total as f64,
+    );
+    println!("{header}\n{row}");
+    println!(
+        "each node's time: {:?}; uploads (copies): {:?}",
+        took.iter()
+            .map(|t| format!("{:.1}", t.as_secs_f64()))
+            .collect::<Vec<_>>(),
+        uploads
+            .iter()
+            .map(|u| format!("{:.2}", *u as f64 / total as f64))
+            .collect::<Vec<_>>()
+    );
+    // Why the origin served a chunk instead of a peer, first of each node;
+    // every node's log kept under FANOUT_LOGS when set.
+    if let Ok(dir) = std::env::var("FANOUT_LOGS") {
+        std::fs::create_dir_all(&dir).unwrap();
+        for d in &drivers {
+            let _ = std::fs::copy(
+                d.dir.join("driver.log"),
+                Path::new(&dir).join(format!("{}.log", d.node_id)),
+            );
+        }
+    }
+    for d in &drivers {
+        let log = std::fs::read_to_string(d.dir.join("driver.log")).unwrap_or_default();
+        let instead = log.lines().filter(|l| l.contains("the origin serves it"));
+        if let Some(first) = instead.clone().next() {
+            println!(
+                "{}: {} chunks from the origin instead of a peer; first: {first}",
+                d.node_id,
+                instead.count()
+            );
+        }
+    }
+    if let Ok(path) = std::env::var("FANOUT_CSV") {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap();
+        if f.metadata().unwrap().len() == 0 {
+            writeln!(f, "{header}").unwrap();
+        }
+        writeln!(f, "{row}").unwrap();
+    }
+    drop(drivers);
+    drop(links);
+}
