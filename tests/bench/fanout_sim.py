@@ -9,9 +9,10 @@ the driver's rules, not an idealised swarm:
 
 - the first node to start claims the pull and reads the origin; every
   other node, at its start, reads one page of 16 holder records
-  (`HOLDERS_ASKED`): its shard's first, in name order, as the driver
-  asks (`--pages shard`), or, as a redesign would, any 16 nodes
-  (`--pages random`); of those it uses the leader and the nodes that
+  (`HOLDERS_ASKED`): a random bucket's, narrowed while it holds more
+  than a page, as the driver asks (`--pages drawn`), its shard's first
+  in name order, as the driver asked before (`--pages shard`), or any 16
+  nodes (`--pages random`); of those it uses the leader and the nodes that
   started before it;
 - a node fetches `--in-flight` chunks at once (`CHUNKS_IN_FLIGHT`), in
   order; for each it asks, in the driver's order (`PeerSource::order`):
@@ -72,6 +73,11 @@ class Fleet:
         self.events = []
         self.seq = 0
         self.shard = [self.rng.randrange(16) for _ in range(self.n)]
+        # A node's finest bucket (three hex digits of its key), for
+        # `--pages drawn`; from a generator of its own, so that the other
+        # modes draw as they did.
+        keys = random.Random(a.seed + 1)
+        self.key = [keys.randrange(4096) for _ in range(self.n)]
         self.name = list(range(self.n))
         self.rng.shuffle(self.name)
 
@@ -83,15 +89,36 @@ class Fleet:
             before = list(range(1, i))
             self.rng.shuffle(before)
             return before[: a.page - 1]
-        # As the driver asks: the first page, in name order, of the
-        # records in this node's shard (all shards' when it has fewer
-        # than `ENOUGH_IN_SHARD`); every node started by now has one, and
-        # only those that started before this one are read.
         started = [j for j in range(1, self.n) if self.start[j] <= self.start[i] and j != i]
+        by_name = lambda js: sorted(js, key=lambda j: self.name[j])[: a.page]
+        if a.pages == "drawn":
+            # As the driver asks now (`Directory::ask`): a random bucket of
+            # 16, and while it holds more than a page, a random bucket of
+            # 16 within it, three levels deep; a bucket with fewer than
+            # `--enough` holders is filled up from the page above it.
+            b = self.rng.randrange(4096)
+            above = []
+            for level in range(3):
+                shift = 8 - 4 * level
+                bucket = [j for j in started if self.key[j] >> shift == b >> shift]
+                here = by_name(bucket)
+                if len(here) < a.enough:
+                    if level == 0:
+                        above = by_name(started)
+                    first = here + [j for j in above if j not in here][: a.page - len(here)]
+                    break
+                if len(bucket) <= a.page or level == 2:
+                    first = here
+                    break
+                above = here
+            return [j for j in first if j < i]
+        # As the driver asked before: the first page, in name order, of the
+        # records in this node's shard (all shards' when it has fewer
+        # than 4); every node started by now has one, and
+        # only those that started before this one are read.
         mine = [j for j in started if self.shard[j] == self.shard[i]]
         pool = mine if len(mine) >= 4 else started
-        first = sorted(pool, key=lambda j: self.name[j])[: a.page]
-        return [j for j in first if j < i]
+        return [j for j in by_name(pool) if j < i]
 
     def push(self, t, *ev):
         self.seq += 1
@@ -264,10 +291,13 @@ def main():
     p.add_argument("--wave", type=int, default=0, help="this many nodes first, the rest once they sealed (0: all at once)")
     p.add_argument(
         "--pages",
-        choices=("shard", "random"),
-        default="shard",
-        help="shard: a shard's first page in name order, as the driver asks; random: any 15 nodes ahead",
+        choices=("shard", "drawn", "random"),
+        default="drawn",
+        help="shard: the asker's shard's first page in name order, as the driver asked before; "
+        "drawn: a random bucket, narrowed while it holds more than a page, as the driver asks; "
+        "random: any 15 nodes ahead",
     )
+    p.add_argument("--enough", type=int, default=4, help="a bucket with fewer holders is filled from the page above")
     p.add_argument("--sweep", action="store_true", help="the figures of docs/benchmarks.md, as CSV")
     a = p.parse_args()
     if not a.sweep:
@@ -275,7 +305,7 @@ def main():
             print(f"{k:20} {v}")
         return
     keys = None
-    for pages, gib, chunk in (("shard", 3.0, 8), ("random", 3.0, 8)):
+    for pages, gib, chunk in (("shard", 3.0, 8), ("drawn", 3.0, 8), ("random", 3.0, 8)):
         for n in (32, 100, 1000, 5000):
             a.pages, a.nodes, a.model_gib, a.chunk_mib = pages, n, gib, chunk
             r = simulate(a)

@@ -20,7 +20,8 @@ rows = list(csv.DictReader(open(sys.argv[1])))
 if not rows:
     sys.exit("no rows in " + sys.argv[1])
 labels = {
-    "shard": "a shard's first page by name (as built)",
+    "shard": "the asker's shard's first page by name (before)",
+    "drawn": "a random bucket, narrowed (as built)",
     "random": "a random page (not built)",
 }
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))

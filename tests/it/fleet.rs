@@ -6,6 +6,8 @@
 //! figures at 1,000 nodes are the benchmark's (`cargo bench --bench
 //! fleet`, docs/benchmarks.md).
 
+use std::collections::BTreeMap;
+
 use crate::support::apiserver::ApiServer;
 use crate::support::fleet::{self, Layout};
 use modelcache_csi::peer::directory::HOLDERS_ASKED;
@@ -59,6 +61,50 @@ async fn asking_who_holds_a_model_costs_the_same_at_ten_and_at_two_hundred_nodes
         legacy > 2.0 * cost[1],
         "records ({} bytes) should cost far less than every node's Lease ({legacy})",
         cost[1]
+    );
+}
+
+/// A popular model's followers each read a page drawn at random from its
+/// holders, not the same first names: across many asks, pages name more
+/// holders than 16 fixed pages of 16 could (how pages were drawn before,
+/// by the asker's shard), and no holder is on most pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_popular_models_askers_spread_over_its_holders() {
+    const NODES: usize = 800;
+    const ASKS: usize = 160;
+    let api = ApiServer::start().expect("start apiserver");
+    let client = modelcache_csi::server::kube_client(Some(&api.kubeconfig_path()))
+        .await
+        .unwrap();
+    fleet::populate(&api, &client, "popular", NODES, 0, Layout::Records).await;
+    let mut named: BTreeMap<String, usize> = BTreeMap::new();
+    for i in 0..ASKS {
+        let peers = fleet::probe(&client, "popular", &format!("asker-{i}"))
+            .holders(fleet::POPULAR, true)
+            .await;
+        assert!(
+            (4..=HOLDERS_ASKED as usize).contains(&peers.len()),
+            "ask {i} named {} holders",
+            peers.len()
+        );
+        for p in peers {
+            *named.entry(p.node).or_default() += 1;
+        }
+    }
+    let busiest = named.values().max().copied().unwrap_or_default();
+    println!(
+        "{ASKS} asks over {NODES} holders named {} of them; the busiest on {busiest} pages",
+        named.len()
+    );
+    let fixed = HOLDERS_ASKED as usize * 16;
+    assert!(
+        named.len() > fixed,
+        "{} holders named: pages as fixed as 16 shards' first pages",
+        named.len()
+    );
+    assert!(
+        busiest < ASKS / 4,
+        "one holder on {busiest} of {ASKS} pages"
     );
 }
 

@@ -50,8 +50,9 @@ const MAX_ADVERTISED: usize = 512;
 /// A query reads at most this many of a model's holders, so that its cost
 /// is bounded whatever the cluster's size.
 pub const HOLDERS_ASKED: u32 = 16;
-/// A shard's page is used when it names at least this many holders.
-const ENOUGH_IN_SHARD: usize = 4;
+/// A bucket's holders are a page of their own when they are at least this
+/// many; fewer are filled up from the page of the bucket above.
+const ENOUGH_IN_BUCKET: usize = 4;
 /// Past this many record writes in one publish, writes are this far
 /// apart, so that a fleet of nodes starting with full caches does not
 /// flood the API.
@@ -404,8 +405,9 @@ impl Directory {
         Ok(wanted)
     }
 
-    /// The records the API holds for this node; those of another of its
-    /// peer Leases than `owner` as `None`.
+    /// The records the API holds for this node; those to write again (of
+    /// another of its peer Leases than `owner`, or without today's bucket
+    /// labels) as `None`.
     async fn own_records(&self, owner: Option<&Owner>) -> anyhow::Result<records::Known> {
         let selector = format!(
             "{}={},{}={}",
@@ -423,7 +425,8 @@ impl Directory {
             .iter()
             .filter_map(|l| {
                 let h = records::parse(l).filter(|h| h.node == self.node)?;
-                Some((h.sid, records::owned_by(l, owner).then_some(h.holding)))
+                let current = records::owned_by(l, owner) && records::labelled(l, &self.node);
+                Some((h.sid, current.then_some(h.holding)))
             })
             .collect())
     }
@@ -458,9 +461,14 @@ impl Directory {
     }
 
     /// One page of `sid`'s records, joined with their nodes' live peer
-    /// Leases. The page is this node's shard's when that has enough
-    /// holders, so that a popular model's followers spread over its
-    /// holders instead of all reading the first page's; else any shard's.
+    /// Leases. The page is drawn at random from the model's holders, so
+    /// that a popular model's followers spread over all of them instead of
+    /// all reading the first names: a random bucket of the coarsest level,
+    /// and while a bucket holds more than a page, a random bucket within it
+    /// at the next level. A bucket naming fewer than `ENOUGH_IN_BUCKET`
+    /// holders is filled up from the page above it (for the coarsest, any
+    /// bucket's first page). Its cost is at most one page per level, at
+    /// any cluster size.
     async fn ask(&self, sid: &str) -> anyhow::Result<Vec<Peer>> {
         let of_model = format!(
             "{}={},{}={sid}",
@@ -469,21 +477,47 @@ impl Directory {
             records::MODEL_LABEL
         );
         let page = ListParams::default().limit(HOLDERS_ASKED);
-        let in_shard = format!(
-            "{of_model},{}={}",
-            records::SHARD_LABEL,
-            records::shard(&self.node)
+        let holders = |listed: &[Lease]| -> Vec<records::Held> {
+            listed
+                .iter()
+                .filter_map(records::parse)
+                .filter(|h| h.sid == sid && h.node != self.node)
+                .collect()
+        };
+        let bucket = records::draw_bucket();
+        let mut above = Vec::new();
+        let mut level = 0;
+        let held = loop {
+            let selector = format!(
+                "{of_model},{}={}",
+                records::SHARD_LABELS[level],
+                &bucket[..=level]
+            );
+            let listed = self.api.list(&page.clone().labels(&selector)).await?;
+            let whole = listed
+                .metadata
+                .continue_
+                .as_deref()
+                .is_none_or(str::is_empty);
+            let here = holders(&listed.items);
+            if here.len() < ENOUGH_IN_BUCKET {
+                if level == 0 {
+                    above = holders(&self.api.list(&page.labels(&of_model)).await?.items);
+                }
+                break filled(here, above);
+            }
+            if whole || level + 1 == records::LEVELS {
+                break here;
+            }
+            above = here;
+            level += 1;
+        };
+        debug!(
+            model = sid,
+            level,
+            holders = held.len(),
+            "asked who holds the model"
         );
-        let mut listed = self.api.list(&page.clone().labels(&in_shard)).await?;
-        if listed.items.len() < ENOUGH_IN_SHARD {
-            listed = self.api.list(&page.labels(&of_model)).await?;
-        }
-        let held: Vec<records::Held> = listed
-            .items
-            .iter()
-            .filter_map(records::parse)
-            .filter(|h| h.sid == sid && h.node != self.node)
-            .collect();
         if held.is_empty() {
             return Ok(Vec::new());
         }
@@ -577,6 +611,20 @@ pub fn peer_lease(
     lease
 }
 
+/// A thin bucket's holders, then the page above's others, one page at most.
+fn filled(here: Vec<records::Held>, above: Vec<records::Held>) -> Vec<records::Held> {
+    let mut page = here;
+    for h in above {
+        if page.len() >= HOLDERS_ASKED as usize {
+            break;
+        }
+        if !page.iter().any(|p| p.node == h.node) {
+            page.push(h);
+        }
+    }
+    page
+}
+
 /// A record's node as a peer, if its Lease is live.
 fn joined(h: records::Held, live: &HashMap<String, Endpoint>) -> Option<Peer> {
     let e = live.get(&h.node_key).filter(|e| e.node == h.node)?;
@@ -628,6 +676,24 @@ pub fn held_models(roots: &[Root]) -> BTreeSet<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_thin_bucket_is_filled_from_the_page_above_without_repeats() {
+        let held = |node: &str| records::Held {
+            node: node.into(),
+            node_key: records::node_key(node),
+            sid: "m".into(),
+            holding: records::Holding::Sealed,
+        };
+        let above: Vec<_> = (0..20).map(|i| held(&format!("n{i}"))).collect();
+        let page = filled(vec![held("n7"), held("x")], above.clone());
+        let names: Vec<&str> = page.iter().map(|h| h.node.as_str()).collect();
+        assert_eq!(names.len(), HOLDERS_ASKED as usize);
+        assert_eq!(&names[..4], ["n7", "x", "n0", "n1"]);
+        assert_eq!(names.iter().filter(|n| **n == "n7").count(), 1);
+        assert_eq!(filled(Vec::new(), Vec::new()), Vec::new());
+        assert_eq!(filled(vec![held("x")], Vec::new()), vec![held("x")]);
+    }
 
     #[test]
     fn lease_names_are_dns_names() {

@@ -19,15 +19,20 @@ pub const MODEL_LABEL: &str = "modelcache.csi.io/model";
 /// The node, as a digest (node names can be longer than a label value):
 /// on records and on the node's peer Lease, which a query joins them by.
 pub const NODE_LABEL: &str = "modelcache.csi.io/peer-node";
-/// One of `SHARDS` groups of nodes, so that a query over a popular
-/// model's many holders can read a random group's first page.
-pub const SHARD_LABEL: &str = "modelcache.csi.io/shard";
+/// The node's buckets, one label per level: the first one, two and three
+/// hex digits of its key (16, 256 and 4,096 buckets, each within the one
+/// above), so that a query over a popular model's many holders can read a
+/// random bucket small enough to be read whole.
+pub const SHARD_LABELS: [&str; LEVELS] = [
+    "modelcache.csi.io/shard",
+    "modelcache.csi.io/shard-of-256",
+    "modelcache.csi.io/shard-of-4096",
+];
+pub const LEVELS: usize = 3;
 /// `sealed`, or `pulling@<unix ms>` (when the pull started).
 pub const STATE: &str = "modelcache.csi.io/state";
 
 const PREFIX: &str = "modelcache-has-";
-/// How many shards a driver's nodes fall into (one hex digit).
-pub const SHARDS: usize = 16;
 
 /// What a node holds of one model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,9 +64,30 @@ pub fn node_key(node: &str) -> String {
     hex::encode(sha2::Sha256::digest(node.as_bytes()))[..20].to_string()
 }
 
-/// The shard `node` falls into: one hex digit of its key.
-pub fn shard(node: &str) -> String {
-    node_key(node)[..1].to_string()
+/// The bucket `node` falls into at `level` (0 for the coarsest): the
+/// first `level + 1` hex digits of its key.
+pub fn shard(node: &str, level: usize) -> String {
+    node_key(node)[..=level].to_string()
+}
+
+/// A bucket at the finest level, drawn at random; its prefixes name the
+/// buckets above it.
+pub fn draw_bucket() -> String {
+    let buckets = 16u32.pow(LEVELS as u32);
+    format!("{:0width$x}", fastrand::u32(..buckets), width = LEVELS)
+}
+
+/// The labels naming `node`'s buckets at every level.
+fn shard_labels(node: &str) -> impl Iterator<Item = (&'static str, String)> {
+    (0..LEVELS).map(move |level| (SHARD_LABELS[level], shard(node, level)))
+}
+
+/// Whether `l` carries the bucket labels this driver writes: a record an
+/// older driver wrote without them is written again, or finer queries
+/// would never find it.
+pub fn labelled(l: &Lease, node: &str) -> bool {
+    let labels = l.metadata.labels.as_ref();
+    shard_labels(node).all(|(k, v)| labels.and_then(|m| m.get(k)) == Some(&v))
 }
 
 /// The record of `node` holding `sid`: `modelcache-has-<sid>-<node>`,
@@ -87,10 +113,12 @@ pub fn record(
             HELD_LABEL: driver,
             MODEL_LABEL: sid,
             NODE_LABEL: node_key(node),
-            SHARD_LABEL: shard(node),
         },
         "annotations": {STATE: holding.encode()},
     });
+    for (k, v) in shard_labels(node) {
+        metadata["labels"][k] = v.into();
+    }
     // Deleting the node's peer Lease takes its records with it.
     if let Some(o) = owner {
         metadata["ownerReferences"] = serde_json::json!([{
@@ -194,7 +222,22 @@ mod tests {
         assert!(long.len() <= 253, "{}", long.len());
         assert_ne!(record_name(SID, "Node_1"), record_name(SID, "node_1"));
         assert_eq!(node_key("node-1").len(), 20);
-        assert!(u8::from_str_radix(&shard("node-1"), 16).is_ok_and(|s| usize::from(s) < SHARDS));
+        let buckets: Vec<String> = (0..LEVELS).map(|l| shard("node-1", l)).collect();
+        for (level, b) in buckets.iter().enumerate() {
+            assert_eq!(b.len(), level + 1);
+            assert!(u16::from_str_radix(b, 16).is_ok());
+            assert!(
+                b.starts_with(&buckets[0]),
+                "each bucket lies within the one above"
+            );
+        }
+        let drawn: std::collections::BTreeSet<String> = (0..64).map(|_| draw_bucket()).collect();
+        assert!(
+            drawn
+                .iter()
+                .all(|b| b.len() == LEVELS && u16::from_str_radix(b, 16).is_ok())
+        );
+        assert!(drawn.len() > 32, "drawn at random: {drawn:?}");
     }
 
     #[test]
@@ -211,6 +254,19 @@ mod tests {
                 (held.node.as_str(), held.sid.as_str(), held.holding),
                 ("n2", SID, holding)
             );
+            assert!(labelled(&l, "n2"));
+            let mut older = l.clone();
+            older
+                .metadata
+                .labels
+                .as_mut()
+                .unwrap()
+                .remove(SHARD_LABELS[2]);
+            assert!(
+                !labelled(&older, "n2"),
+                "a record without the finest bucket"
+            );
+            assert_eq!(parse(&older), Some(held), "still read: it names its holder");
         }
         let mut l: Lease =
             serde_json::from_value(record("d", "n2", SID, Holding::Sealed, None)).unwrap();
