@@ -36,10 +36,11 @@ use crate::puller::source::{Fill, Pinned, Provenance, RemoteFile, Resolved, Sour
 /// Whole chunks held in memory at once, across every pull of this node,
 /// while they are fetched, checked and handed on: 96 MiB.
 const CHUNKS_IN_FLIGHT: usize = 12;
-/// What this node must take in from peers, shared by the chunks arriving
-/// at once: a chunk slower than its share is left for the next peer. Held
-/// per chunk instead, a downlink under `CHUNKS_IN_FLIGHT` times this
-/// (about 100 MiB/s) failed every peer and sent the chunks to the origin.
+/// What this node must take in from peers, shared by the chunks that may
+/// arrive at once (`CHUNKS_IN_FLIGHT`): a chunk slower than its share is
+/// left for the next peer. Held per chunk instead, a downlink under
+/// `CHUNKS_IN_FLIGHT` times this (about 100 MiB/s) failed every peer and
+/// sent the chunks to the origin.
 const MIN_PEER_BYTES_PER_SEC: u64 = 8 << 20;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How late past its own wait for a chunk a leader may answer: it then
@@ -738,12 +739,12 @@ impl Inner {
             .acquire_owned()
             .await
             .map_err(|_| Miss::Unavailable("shutting down".into()))?;
-        // This chunk's share of the floor: the bodies arriving now, this
-        // one included, share the node's downlink.
-        let sharing = CHUNKS_IN_FLIGHT.saturating_sub(self.buffers.available_permits());
+        // This chunk's share of the floor: as many bodies as there are
+        // buffers may arrive beside it on the node's downlink, and more
+        // may start while it arrives.
         let body_within = CONNECT_TIMEOUT
             + Duration::from_secs_f64(
-                len as f64 * sharing.max(1) as f64 / MIN_PEER_BYTES_PER_SEC as f64,
+                len as f64 * CHUNKS_IN_FLIGHT as f64 / MIN_PEER_BYTES_PER_SEC as f64,
             );
         let body = tokio::time::timeout(body_within, at_most(resp, len))
             .await

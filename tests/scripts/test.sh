@@ -115,9 +115,11 @@ set +e
 # fan-out no longer asserts a ratio of times (it prints it, shown below;
 # docs/benchmarks.md keeps the claim), but its bound on the origin's bytes
 # holds only while eight node processes keep serving each other's chunks:
-# peers stalled for 10 s cost the origin. The rootless tier runs below,
+# peers stalled for 10 s cost the origin; so does the rollout over
+# 25 MB/s links, whose chunks a loaded CPU delays. The rootless tier runs below,
 # as nobody, to prove it needs no root.
-ALONE=(peer_fill::eight_nodes_filling_at_once_cost_the_origin_one_copy)
+ALONE=(peer_fill::eight_nodes_filling_at_once_cost_the_origin_one_copy
+  fanout_links::nodes_on_slow_links_take_the_model_from_the_origin_once)
 skips=(--skip rootless::)
 for t in "${ALONE[@]}"; do skips+=(--skip "$t"); done
 for m in "${NO_TOOLS[@]}"; do skips+=(--skip "$m"); done
