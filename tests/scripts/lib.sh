@@ -5,7 +5,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 TOOLS="${MODELCACHE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/modelcache-csi/tools}"
 CSI_SANITY_VERSION="v5.5.0"
 CSI_SANITY="$TOOLS/csi-sanity-$CSI_SANITY_VERSION/csi-sanity"
-CARGO_FUZZ_VERSION="0.13.2"
 
 log() { printf '==> %s\n' "$*" >&2; }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's one test command: installs what it needs, checks formatting
 # and lints, runs unit and integration tests (real mounts, in a private mount
-# namespace), csi-sanity against every backend, the cargo-fuzz targets for
+# namespace), csi-sanity against every backend, the libFuzzer targets for
 # a bounded time (tests/scripts/fuzz.sh), then the e2e suite on a
 # single-node Kubernetes cluster built from real binaries (e2e/up, e2e/run,
 # e2e/down), and deploy/csi-driver installed as pods on a two-node cluster
@@ -19,28 +19,26 @@ TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 mkdir -p "$TARGET"
 
 # The system packages first (the crate's build needs g++); then the test
-# tools (Go builds of csi-sanity, MinIO and Kubernetes, the model, grpcio,
-# cargo-fuzz) install beside the lints and the build: on a cold machine
+# tools (Go builds of csi-sanity, MinIO and Kubernetes, the model, grpcio)
+# install beside the lints and the build: on a cold machine
 # much of their time is downloads, during which the compiler has the CPU.
 apt_install xfsprogs util-linux e2fsprogs openssl curl g++ glusterfs-server glusterfs-client
-command -v rustfmt >/dev/null && command -v cargo-clippy >/dev/null || rustup component add rustfmt clippy
+command -v rustfmt >/dev/null && command -v clippy-driver >/dev/null || rustup component add rustfmt clippy
+# Clippy lints inside the build: clippy-driver is rustc with the lints
+# added, so the workspace's crates compile once, linted, where `cargo
+# clippy` checked them and all ~400 dependencies again (about 6.5 minutes
+# of a cold run's two cores). Every cargo command below shares it, so none
+# rebuilds the crate.
+RUSTC_WORKSPACE_WRAPPER="$(command -v clippy-driver)"
+export RUSTC_WORKSPACE_WRAPPER
 log "test tools in the background (tests/scripts/install-test-deps.sh; log: $TARGET/test-deps.log)"
 "$ROOT/tests/scripts/install-test-deps.sh" >"$TARGET/test-deps.log" 2>&1 &
 deps=$!
-# The fuzz targets' instrumented build (a second compile of the crate and
-# its dependencies) runs from the start, at the lowest priority (SCHED_IDLE
-# where it can be set, so the tests' timing checks keep their cores): on a cold
-# machine the first minutes are mostly downloads, and the fuzz step later
-# only fuzzes.
-log "fuzz build in the background (log: $TARGET/fuzz/build.log)"
-lowest "$ROOT/tests/scripts/fuzz.sh" build >/dev/null 2>&1 &
-fuzzbuild=$!
-
 # The e2e suite's Go builds (Kubernetes components, sidecars; cached by
 # version, so a warm run skips them) start now, at nice 19: they take the
 # cores the crate's build and the tests leave idle (the tests mostly wait
-# on paced transfers), ahead of clippy and the fuzz build (SCHED_IDLE),
-# which nothing waits for until the end. build.sh's lock keeps them from
+# on paced transfers), ahead of the fuzz build (SCHED_IDLE), which
+# nothing waits for until the end. build.sh's lock keeps them from
 # building a binary the test tools' step builds too. What the single-node
 # cluster needs comes first (the markers say it is there); what only the
 # two-node suite needs (kube-proxy, e2e.test and its images' binaries,
@@ -74,9 +72,20 @@ log "cargo build"
 # its first 7 minutes, and the single-node e2e began at 22.1 minutes (cold
 # run of 015b371); sharing the cores it began at 19.9 (773c1c6), though
 # the build itself took 11.1 minutes instead of 7.0. What the suite runs:
-# the benchmarks and the example are never run here, and clippy
-# (--all-targets, below) checks that they compile.
-nice -n 19 cargo build --locked --lib --bins --tests
+# every target, the benchmarks included (they are never run here; the
+# build is what checks them), linted as `cargo clippy --all-targets -- -D
+# warnings` would: a lint or a warning is a failure, counted at the end.
+# The compiler's messages go to build.json; lints.py prints them.
+build_rc=0
+nice -n 19 cargo build --locked --all-targets --message-format=json >"$TARGET/build.json" || build_rc=$?
+lints_rc=0
+python3 "$ROOT/tests/scripts/lints.py" "$TARGET/build.json" >"$TARGET/clippy.log" || lints_rc=$?
+echo "$lints_rc" >"$TARGET/clippy.rc"
+if [ "$build_rc" -ne 0 ]; then
+  cat "$TARGET/clippy.log" >&2
+  log "cargo build failed"
+  exit 1
+fi
 
 # While the test tools install (Go builds of etcd, kube-apiserver, MinIO;
 # Python venvs), the tests that need none of them run: unit tests, the
@@ -128,22 +137,15 @@ for m in "${NO_TOOLS[@]}"; do skips+=(--skip "$m"); done
 # quiet run takes 235 s instead of 402 s.
 unshare -m --propagation private cargo test --locked --no-fail-fast --test it -- --test-threads=4 "${skips[@]}" 2>&1 | tee -a "$TARGET/cargo-test.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || cargo_rc=1
-# Clippy checks every crate again in check mode, in the same target dir
-# now that no test needs its lock: the build scripts' outputs are the
-# build's (in a target dir of its own it compiled aws-lc's C again, about
-# 5 CPU-minutes of a run that keeps both cores busy throughout). At the
-# lowest priority beside the e2e suites; its verdict counts at the end.
-log "cargo clippy in the background (log: $TARGET/clippy.log)"
-( lowest cargo clippy --all-targets --locked -- -D warnings \
-    >"$TARGET/clippy.log" 2>&1; echo $? >"$TARGET/clippy.rc" ) &
-clippy=$!
 log "csi-sanity"
 "$ROOT/tests/scripts/csi-sanity.sh" "$TARGET/debug/modelcache-csi" 2>&1 | tee "$TARGET/csi-sanity.log"
 sanity_rc=${PIPESTATUS[0]}
-# The fuzz targets run at the lowest priority beside the e2e suites, which
-# mostly wait on pods; their verdict is read at the end. A failed
-# background build is fuzz.sh's to report: it builds again.
-log "fuzz in the background (tests/scripts/fuzz.sh: each cargo-fuzz target for a bounded time; log: $TARGET/fuzz.log)"
+# The fuzz targets build (the driver's library again, instrumented; every
+# dependency is the test build's) and run at the lowest priority beside
+# the e2e suites, which mostly wait on pods; their verdict is read at the
+# end. Now, not earlier: the build takes the target dir's lock, which
+# `cargo test` needed until here.
+log "fuzz in the background (tests/scripts/fuzz.sh: each libFuzzer target for a bounded time; log: $TARGET/fuzz.log)"
 ( lowest "$ROOT/tests/scripts/fuzz.sh" >"$TARGET/fuzz.log" 2>&1; echo $? >"$TARGET/fuzz.rc" ) &
 fuzz=$!
 e2e_rc=0
@@ -182,9 +184,9 @@ if [ "${MODELCACHE_E2E:-1}" != 0 ]; then
 else
   echo "MODELCACHE_E2E=0: the e2e suite was NOT run" >&2
 fi
-log "waiting for the fuzz targets and clippy"
-wait "$fuzz" "$clippy"
-# Last, once nothing runs beside them: Go builds, clippy and the fuzz
+log "waiting for the fuzz targets"
+wait "$fuzz"
+# Last, once nothing runs beside them: Go builds and the fuzz
 # targets write to the same disk, and a peer that serves late loses its
 # chunk to the origin (1.17x and 1.23x of the model, beside them).
 log "tests that need a quiet machine, one at a time: ${ALONE[*]}"
@@ -195,7 +197,7 @@ done
 cat "$TARGET/fuzz.log"
 fuzz_rc=$(cat "$TARGET/fuzz.rc" 2>/dev/null || echo 1)
 clippy_rc=$(cat "$TARGET/clippy.rc" 2>/dev/null || echo 1)
-[ "$clippy_rc" -eq 0 ] || { tail -n 60 "$TARGET/clippy.log" >&2; log "cargo clippy failed (log: $TARGET/clippy.log)"; }
+[ "$clippy_rc" -eq 0 ] || { tail -n 60 "$TARGET/clippy.log" >&2; log "the build's lints failed (log: $TARGET/clippy.log)"; }
 set -e
 
 read -r passed failed < <(awk '
