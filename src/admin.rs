@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::cache::manifest::{self, Seal};
-use crate::cache::{self, Root, Roots, evict};
+use crate::cache::{self, Root, Roots, SourceId, evict};
 use crate::config::Config;
 use crate::error::{Error, IoContext, Result};
 use crate::offload::blocking;
@@ -162,7 +162,7 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
             print(output, &entries, || table(&entries))
         }
         CacheCommand::Show { id } => {
-            let root = find(&roots, &id)?;
+            let (root, id) = find(&roots, &id)?;
             let (e, seal) = blocking(move || {
                 let e = entry(&root, &id)?;
                 let seal = match e.unreadable {
@@ -185,7 +185,7 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
             print(output, &shown, || show(&e, seal.as_ref()))
         }
         CacheCommand::Verify { id } => {
-            let root = find(&roots, &id)?;
+            let (root, id) = find(&roots, &id)?;
             let report = blocking(move || verify(&root, &id, output)).await?;
             print(output, &report, || {
                 if report.mismatches.is_empty() {
@@ -221,12 +221,12 @@ pub async fn run(cfg: Config, output: Output, cmd: CacheCommand) -> Result<()> {
         CacheCommand::Pin { id } => set_pinned(&roots, &id, true, output).await,
         CacheCommand::Unpin { id } => set_pinned(&roots, &id, false, output).await,
         CacheCommand::Evict { id } => {
-            let root = find(&roots, &id)?;
+            let (root, id) = find(&roots, &id)?;
             let gone = blocking(move || do_evict(&root, &id)).await?;
             print(output, &gone, || format!("{} evicted", gone.id))
         }
         CacheCommand::ReleaseWriter { id, node } => {
-            let root = find(&roots, &id)?;
+            let (root, id) = find(&roots, &id)?;
             let (id, h) = blocking(move || {
                 let src = root.open_source(&id)?;
                 cache::lease::break_lease(&src, &id, &node).map(|h| (id, h))
@@ -273,19 +273,19 @@ fn print<T: Serialize>(output: Output, value: &T, human: impl FnOnce() -> String
     Ok(())
 }
 
-/// The root that holds `id`.
-fn find(roots: &Roots, id: &str) -> Result<Root> {
-    if !crate::cache::layout::is_source_id(id) {
+/// The root that holds `id`, and `id` as the source id it must be.
+fn find(roots: &Roots, id: &str) -> Result<(Root, SourceId)> {
+    let Some(sid) = SourceId::parse(id) else {
         return Err(Error::invalid(
             "ID",
             format!("{id:?} is not a source or model id (see `modelcache-csi cache ls`)"),
         ));
-    }
+    };
     roots
         .roots
         .iter()
-        .find(|r| cache::source_exists(r, id))
-        .cloned()
+        .find(|r| cache::source_exists(r, &sid))
+        .map(|r| (r.clone(), sid))
         .ok_or_else(|| {
             Error::NotFound(format!(
                 "{id} is in none of this node's roots ({}); see `modelcache-csi cache ls`",
@@ -303,8 +303,8 @@ fn list(roots: &Roots) -> Result<Vec<Entry>> {
     let mut out = Vec::new();
     for root in &roots.roots {
         let dir = root.sources_dir();
-        for sid in state::list_names(&dir).ctx("list", &dir)? {
-            if crate::cache::layout::is_source_id(&sid) {
+        for name in state::list_names(&dir).ctx("list", &dir)? {
+            if let Some(sid) = SourceId::parse(&name) {
                 out.push(entry(root, &sid)?);
             }
         }
@@ -312,13 +312,13 @@ fn list(roots: &Roots) -> Result<Vec<Entry>> {
     Ok(out)
 }
 
-fn entry(root: &Root, sid: &str) -> Result<Entry> {
+fn entry(root: &Root, sid: &SourceId) -> Result<Entry> {
     let (seal, unreadable) = match cache::read_seal(root, sid) {
         Ok(seal) => (seal, None),
         Err(Error::Precondition(why)) => (None, Some(why)),
         Err(e) => return Err(e),
     };
-    let model = cache::SourceId::parse_model(sid).is_some();
+    let model = sid.is_model();
     let uuids = evict::live_refs(root, sid)?;
     let volumes = uuids.iter().map(|uuid| root.volume_id(uuid)).collect();
     let mut signed_by: Vec<String> = seal.iter().filter_map(|s| s.signed_by.clone()).collect();
@@ -517,7 +517,7 @@ pub struct VerifyReport {
 /// Rehashes every file of a sealed entry, through the store's read-only
 /// view of it (an XFS image is mounted `ro,norecovery,nouuid` for the time
 /// of the check).
-fn verify(root: &Root, sid: &str, output: Output) -> Result<VerifyReport> {
+fn verify(root: &Root, sid: &SourceId, output: Output) -> Result<VerifyReport> {
     let seal = cache::read_seal(root, sid)?.ok_or_else(|| {
         Error::Precondition(format!(
             "{sid} is not sealed: there is nothing to verify it against"
@@ -572,13 +572,12 @@ struct Changed {
 }
 
 async fn set_pinned(roots: &Roots, id: &str, pinned: bool, output: Output) -> Result<()> {
-    let root = find(roots, id)?;
-    if cache::SourceId::parse_model(id).is_none() {
+    let (root, sid) = find(roots, id)?;
+    if !sid.is_model() {
         return Err(Error::Precondition(format!(
             "{id} is a source volume, never evicted: only pulled models are pinned"
         )));
     }
-    let sid = id.to_string();
     blocking(move || evict::set_pinned(&root, &sid, pinned)).await?;
     let c = Changed {
         id: id.to_string(),
@@ -602,8 +601,8 @@ struct Evicted {
     bytes: u64,
 }
 
-fn do_evict(root: &Root, sid: &str) -> Result<Evicted> {
-    if cache::SourceId::parse_model(sid).is_none() {
+fn do_evict(root: &Root, sid: &SourceId) -> Result<Evicted> {
+    if !sid.is_model() {
         return Err(Error::Precondition(format!(
             "{sid} is a source volume: it goes with its volume (delete the PVC), never by eviction"
         )));

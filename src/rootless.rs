@@ -213,9 +213,9 @@ impl Driver {
 
     /// The data directory of a volume's source, in whichever root has it.
     fn data_of(&self, v: &Volume) -> PathBuf {
-        let sid = &v.volume_context["source"];
+        let sid = crate::cache::SourceId::parse(&v.volume_context["source"]).unwrap();
         let id = crate::cache::VolumeId::parse(&v.volume_id).unwrap();
-        self.roots.for_id(&id).unwrap().source(sid).data()
+        self.roots.for_id(&id).unwrap().source(&sid).data()
     }
 
     /// A source volume on `backend`, filled with a small model and sealed.
@@ -626,7 +626,7 @@ async fn an_xfs_image_stages_once_through_a_loop_device_of_its_own() {
         .roots
         .for_id(&crate::cache::VolumeId::parse(id).unwrap())
         .unwrap()
-        .source(&v.volume_context["source"])
+        .source(&crate::cache::SourceId::parse(&v.volume_context["source"]).unwrap())
         .image();
     std::fs::remove_file(&image).unwrap();
     let (abnormal, message) = d.condition(id, &target, &staging).await;
@@ -899,7 +899,7 @@ async fn a_create_racing_eviction_gets_a_live_model_or_a_retry() {
             Ok(v) => {
                 let id = crate::cache::VolumeId::parse(&v.volume_id).unwrap();
                 let root = d.roots.for_id(&id).unwrap();
-                let sid = &v.volume_context["source"];
+                let sid = &crate::cache::SourceId::parse(&v.volume_context["source"]).unwrap();
                 // Answered once verified (#24 item 7), the model seals a
                 // moment later, with this volume's reference, while
                 // eviction runs on beside it.

@@ -19,7 +19,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::state;
 
 /// Records that a model was just used.
-pub fn touch(root: &Root, sid: &str) -> Result<()> {
+pub fn touch(root: &Root, sid: &SourceId) -> Result<()> {
     touch_confined(&root.open_source(sid)?)
 }
 
@@ -45,7 +45,7 @@ pub fn touch_confined(src: &super::layout::ConfinedSource) -> Result<()> {
         .ctx("write", &src.real.dir.join("last-used"))
 }
 
-pub fn last_used(root: &Root, sid: &str) -> u64 {
+pub fn last_used(root: &Root, sid: &SourceId) -> u64 {
     let p = root.source(sid).dir.join("last-used");
     fs::read_to_string(&p)
         .ok()
@@ -55,7 +55,7 @@ pub fn last_used(root: &Root, sid: &str) -> u64 {
 }
 
 /// The admin's pin (`modelcache-csi cache pin`), which no volume undoes.
-pub fn set_pinned(root: &Root, sid: &str, pinned: bool) -> Result<()> {
+pub fn set_pinned(root: &Root, sid: &SourceId, pinned: bool) -> Result<()> {
     let p = root.source(sid).dir.join("pinned");
     if pinned {
         state::create_marker(&p, b"").ctx("pin", &p)?;
@@ -69,7 +69,7 @@ pub fn set_pinned(root: &Root, sid: &str, pinned: bool) -> Result<()> {
 /// (`pins/<volume uuid>`), so a volume's `pinned: "false"` takes back its
 /// own pin only, never the admin's or another volume's (a tenant's class
 /// could otherwise unpin what an admin pinned).
-pub fn set_volume_pin(root: &Root, sid: &str, volume_uuid: &str, pinned: bool) -> Result<()> {
+pub fn set_volume_pin(root: &Root, sid: &SourceId, volume_uuid: &str, pinned: bool) -> Result<()> {
     if !super::layout::is_volume_uuid(volume_uuid) {
         return Err(Error::Internal(format!(
             "volume uuid {volume_uuid:?} is malformed"
@@ -87,7 +87,7 @@ pub fn set_volume_pin(root: &Root, sid: &str, volume_uuid: &str, pinned: bool) -
 }
 
 /// Pinned by the admin, or by a volume that still exists.
-pub fn is_pinned(root: &Root, sid: &str) -> bool {
+pub fn is_pinned(root: &Root, sid: &SourceId) -> bool {
     let dir = root.source(sid).dir;
     if dir.join("pinned").exists() {
         return true;
@@ -106,7 +106,7 @@ pub const REF_GRACE: Duration = Duration::from_secs(600);
 /// Live references: those whose volume record exists, and those of a
 /// create still on its way (younger than [`REF_GRACE`]). Older ones,
 /// left by a create that died, are dropped on the way.
-pub fn live_refs(root: &Root, sid: &str) -> Result<Vec<String>> {
+pub fn live_refs(root: &Root, sid: &SourceId) -> Result<Vec<String>> {
     let mut live = Vec::new();
     let dir = root.source(sid).refs();
     for r in refs(root, sid)? {
@@ -126,7 +126,7 @@ pub fn live_refs(root: &Root, sid: &str) -> Result<Vec<String>> {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Candidate {
-    pub sid: String,
+    pub sid: SourceId,
     pub last_used: u64,
     /// As charged (`Seal::charged_bytes`).
     pub bytes: u64,
@@ -151,12 +151,12 @@ enum Accounted {
     Unsealed,
 }
 
-fn accounted(root: &Root, sid: &str) -> Result<Accounted> {
+fn accounted(root: &Root, sid: &SourceId) -> Result<Accounted> {
     match read_seal(root, sid) {
         Ok(Some(seal)) => Ok(Accounted::Sealed(Box::new(seal))),
         Ok(None) => Ok(Accounted::Unsealed),
         Err(Error::Precondition(why)) => {
-            tracing::warn!(source = sid, %why, "a model's seal cannot be read: it is counted as nothing and evicted when unused (`modelcache-csi cache ls` shows it)");
+            tracing::warn!(source = %sid, %why, "a model's seal cannot be read: it is counted as nothing and evicted when unused (`modelcache-csi cache ls` shows it)");
             Ok(Accounted::Unreadable)
         }
         Err(e) => Err(e),
@@ -164,10 +164,12 @@ fn accounted(root: &Root, sid: &str) -> Result<Accounted> {
 }
 
 /// The models of a root, by id.
-fn models(root: &Root) -> Result<Vec<String>> {
-    let mut ids = state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())?;
-    ids.retain(|sid| SourceId::parse_model(sid).is_some());
-    Ok(ids)
+fn models(root: &Root) -> Result<Vec<SourceId>> {
+    let ids = state::list_names(&root.sources_dir()).ctx("list", &root.sources_dir())?;
+    Ok(ids
+        .iter()
+        .filter_map(|sid| SourceId::parse_model(sid))
+        .collect())
 }
 
 /// Sealed, unreferenced, unpinned models, least recently used first; a
@@ -241,7 +243,7 @@ impl crate::metrics::GaugedRoot for Root {
 
 /// Evicts one model unless a reference appeared meanwhile. Returns whether
 /// it was removed.
-pub fn evict(root: &Root, sid: &str) -> Result<bool> {
+pub fn evict(root: &Root, sid: &SourceId) -> Result<bool> {
     let dir = root.source(sid).dir;
     let trash = root
         .sources_dir()
@@ -264,7 +266,7 @@ pub fn evict(root: &Root, sid: &str) -> Result<bool> {
         return Ok(false);
     }
     fs::remove_dir_all(&trash).ctx("remove", &trash)?;
-    tracing::info!(source = sid, "evicted model");
+    tracing::info!(source = %sid, "evicted model");
     Ok(true)
 }
 
@@ -352,7 +354,7 @@ pub fn make_room(
 }
 
 /// Evicts every candidate idle for at least `idle`; returns their ids.
-pub fn evict_idle(root: &Root, idle: Duration) -> Result<Vec<String>> {
+pub fn evict_idle(root: &Root, idle: Duration) -> Result<Vec<SourceId>> {
     let cutoff = now_unix().saturating_sub(idle.as_secs());
     let mut gone = Vec::new();
     for c in candidates(root)? {
@@ -368,7 +370,7 @@ mod tests {
     use super::*;
     use crate::cache::{Role, VolumeRecord, write_volume};
 
-    fn volume(root: &Root, uuid: &str, sid: &str) {
+    fn volume(root: &Root, uuid: &str, sid: &SourceId) {
         write_volume(
             root,
             &VolumeRecord {
@@ -376,7 +378,7 @@ mod tests {
                 name: uuid.into(),
                 backend: root.backend,
                 role: Role::Cache,
-                source: SourceId::parse(sid).unwrap(),
+                source: sid.clone(),
                 sub_path: None,
                 verify: Default::default(),
                 capacity_bytes: 1,
@@ -403,7 +405,7 @@ mod tests {
         let root = crate::cache::Roots::of(&crate::config::Config::for_node("n", d.path()))
             .roots
             .remove(0);
-        let sid = format!("m{}", "c".repeat(31));
+        let sid = SourceId::parse(&format!("m{}", "c".repeat(31))).unwrap();
         fs::create_dir_all(root.source(&sid).dir.join("data")).unwrap();
         let (a, b) = ("a".repeat(32), "b".repeat(32));
         volume(&root, &a, &sid);
@@ -440,7 +442,7 @@ mod tests {
         let root = crate::cache::Roots::of(&crate::config::Config::for_node("n", d.path()))
             .roots
             .remove(0);
-        let sid = format!("m{}", "e".repeat(31));
+        let sid = SourceId::parse(&format!("m{}", "e".repeat(31))).unwrap();
         let dir = root.source(&sid).dir;
         fs::create_dir_all(dir.join("data")).unwrap();
         let uuid = "f".repeat(32);
@@ -481,8 +483,8 @@ mod tests {
         let root = crate::cache::Roots::of(&crate::config::Config::for_node("n", d.path()))
             .roots
             .remove(0);
-        let good = format!("m{}", "1".repeat(31));
-        let bad = format!("m{}", "2".repeat(31));
+        let good = SourceId::parse(&format!("m{}", "1".repeat(31))).unwrap();
+        let bad = SourceId::parse(&format!("m{}", "2".repeat(31))).unwrap();
         let tree = crate::cache::manifest::Tree {
             files: vec![crate::cache::manifest::FileEntry {
                 path: "w.bin".into(),
@@ -498,12 +500,12 @@ mod tests {
         fs::create_dir_all(root.source(&bad).data()).unwrap();
         let huge = fs::File::create(root.source(&bad).seal()).unwrap();
         huge.set_len(state::MAX_RECORD_BYTES + 1).unwrap();
-        let garbage = format!("m{}", "3".repeat(31));
+        let garbage = SourceId::parse(&format!("m{}", "3".repeat(31))).unwrap();
         fs::create_dir_all(root.source(&garbage).data()).unwrap();
         fs::write(root.source(&garbage).seal(), b"{ torn").unwrap();
 
         assert_eq!(usage(&root).unwrap(), seal.charged_bytes());
-        let c: Vec<String> = candidates(&root)
+        let c: Vec<SourceId> = candidates(&root)
             .unwrap()
             .into_iter()
             .map(|c| c.sid)
@@ -523,7 +525,7 @@ mod tests {
         .unwrap();
         let mut first: Vec<String> = evicted.into_inner().unwrap()[..2].to_vec();
         first.sort();
-        assert_eq!(first, [bad.clone(), garbage.clone()]);
+        assert_eq!(first, [bad.to_string(), garbage.to_string()]);
         assert!(!root.source(&bad).dir.exists() && !root.source(&garbage).dir.exists());
     }
 
@@ -534,7 +536,7 @@ mod tests {
         let root = crate::cache::Roots::of(&crate::config::Config::for_node("n", d.path()))
             .roots
             .remove(0);
-        let sid = format!("m{}", "d".repeat(31));
+        let sid = SourceId::parse(&format!("m{}", "d".repeat(31))).unwrap();
         fs::create_dir_all(root.source(&sid).dir.join("data")).unwrap();
         let p = root.source(&sid).dir.join("last-used");
         touch(&root, &sid).unwrap();

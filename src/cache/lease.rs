@@ -21,7 +21,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::layout::{ConfinedSource, check_node_id};
+use super::layout::{ConfinedSource, SourceId, check_node_id};
 use super::{Root, now_unix};
 use crate::error::{Error, IoContext, Result};
 use crate::state;
@@ -91,7 +91,7 @@ pub fn holders(src: &ConfinedSource) -> Result<Vec<Holder>> {
         .collect())
 }
 
-fn refuse(sid: &str, others: &[Holder]) -> Error {
+fn refuse(sid: &SourceId, others: &[Holder]) -> Error {
     let who: Vec<String> = others.iter().map(Holder::describe).collect();
     Error::Precondition(format!(
         "source {sid} is already staged writable on {}; an unsealed source has one writer: \
@@ -108,7 +108,7 @@ fn refuse(sid: &str, others: &[Holder]) -> Error {
 pub fn acquire(
     root: &Root,
     src: &ConfinedSource,
-    sid: &str,
+    sid: &SourceId,
     node: &str,
     staging: &Path,
     share: Share,
@@ -152,7 +152,7 @@ fn sealed_or_sealing(src: &ConfinedSource) -> Result<bool> {
     Ok(named(src.via.seal()) || named(src.via.sealing()))
 }
 
-fn acquire_exclusive(src: &ConfinedSource, sid: &str, lease: &Lease) -> Result<bool> {
+fn acquire_exclusive(src: &ConfinedSource, sid: &SourceId, lease: &Lease) -> Result<bool> {
     let bytes = lease_bytes(lease);
     // Two rounds: a holder may release between our rename and our look.
     for _ in 0..2 {
@@ -194,7 +194,7 @@ fn acquire_exclusive(src: &ConfinedSource, sid: &str, lease: &Lease) -> Result<b
     )))
 }
 
-fn acquire_shared(src: &ConfinedSource, sid: &str, lease: &Lease) -> Result<bool> {
+fn acquire_shared(src: &ConfinedSource, sid: &SourceId, lease: &Lease) -> Result<bool> {
     let path = src.via.writers().join(&lease.node);
     let real = src.real.writers().join(&lease.node);
     match fs::symlink_metadata(src.via.writers()) {
@@ -258,7 +258,7 @@ pub fn release(_root: &Root, src: &ConfinedSource, node: &str, staging: &Path) -
 /// dead node can release it, and the driver never breaks another node's
 /// lease by itself). Returns the holder removed; NotFound, naming the
 /// holders there are, when `node` holds none.
-pub fn break_lease(src: &ConfinedSource, sid: &str, node: &str) -> Result<Holder> {
+pub fn break_lease(src: &ConfinedSource, sid: &SourceId, node: &str) -> Result<Holder> {
     let all = holders(src)?;
     let Some(held) = all.iter().find(|h| h.node == node).cloned() else {
         let who: Vec<String> = all.iter().map(Holder::describe).collect();
@@ -290,6 +290,10 @@ mod tests {
 
     const SID: &str = "0123456789abcdef0123456789abcdef";
 
+    fn sid() -> SourceId {
+        SourceId::parse(SID).unwrap()
+    }
+
     fn root(backend: Backend) -> (tempfile::TempDir, Root) {
         let tmp = tempfile::tempdir().unwrap();
         let cfg = Config {
@@ -298,13 +302,13 @@ mod tests {
             ..Config::default()
         };
         let root = crate::cache::Roots::of(&cfg).roots[0].clone();
-        fs::create_dir_all(root.source(SID).data()).unwrap();
+        fs::create_dir_all(root.source(&sid()).data()).unwrap();
         (tmp, root)
     }
 
     fn take(root: &Root, node: &str, staging: &str, share: Share) -> Result<bool> {
-        let src = root.open_source(SID).unwrap();
-        acquire(root, &src, SID, node, Path::new(staging), share)
+        let src = root.open_source(&sid()).unwrap();
+        acquire(root, &src, &sid(), node, Path::new(staging), share)
     }
 
     #[test]
@@ -323,7 +327,7 @@ mod tests {
         // A shared taker sees the exclusive holder too, and leaves nothing.
         let err = take(&root, "b", "/s/1", Share::MultiNode).unwrap_err();
         assert!(err.to_string().contains("node a"), "{err}");
-        let src = root.open_source(SID).unwrap();
+        let src = root.open_source(&sid()).unwrap();
         assert_eq!(holders(&src).unwrap().len(), 1);
         // Unstaging another path does not open the source.
         release(&root, &src, "a", Path::new("/s/2")).unwrap();
@@ -331,7 +335,7 @@ mod tests {
         release(&root, &src, "a", Path::new("/s/1")).unwrap();
         assert!(take(&root, "b", "/s/9", Share::Exclusive).unwrap());
         // No temporary directory is left behind.
-        let left: Vec<_> = fs::read_dir(root.source(SID).dir)
+        let left: Vec<_> = fs::read_dir(root.source(&sid()).dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .filter(|n| n.starts_with('.'))
@@ -355,7 +359,7 @@ mod tests {
                 hs.into_iter().map(|h| h.join().unwrap()).collect()
             });
             assert_eq!(winners.iter().filter(|w| **w).count(), 1, "round {round}");
-            let src = root.open_source(SID).unwrap();
+            let src = root.open_source(&sid()).unwrap();
             let h = holders(&src).unwrap();
             release(&root, &src, &h[0].node, Path::new("/s")).unwrap();
         }
@@ -375,10 +379,10 @@ mod tests {
     #[test]
     fn a_sealed_source_takes_no_lease() {
         let (_t, root) = root(Backend::Xfs);
-        fs::write(root.source(SID).sealing(), b"").unwrap();
+        fs::write(root.source(&sid()).sealing(), b"").unwrap();
         let err = take(&root, "a", "/s", Share::Exclusive).unwrap_err();
         assert!(err.to_string().contains("sealed"), "{err}");
-        let src = root.open_source(SID).unwrap();
+        let src = root.open_source(&sid()).unwrap();
         assert!(holders(&src).unwrap().is_empty());
     }
 }

@@ -17,6 +17,7 @@ pub mod copy;
 pub mod evict;
 pub mod external;
 pub mod grow;
+pub mod id;
 pub mod layout;
 pub mod lease;
 pub mod manifest;
@@ -123,7 +124,7 @@ fn record_path(root: &Root, rec: &VolumeRecord) -> Result<std::path::PathBuf> {
 /// Makes a volume's record and its reference in the sealed model `sid`
 /// durable: what [`write_volume_unsynced`] and an unsynced
 /// [`add_pull_ref`] left to the disk's own time.
-pub fn sync_volume(root: &Root, uuid: &str, sid: &str) -> Result<()> {
+pub fn sync_volume(root: &Root, uuid: &str, sid: &SourceId) -> Result<()> {
     let rec = root.volume_record(uuid);
     state::sync_file(&rec).ctx("sync volume record", &rec)?;
     let source = root.source(sid);
@@ -171,7 +172,7 @@ pub fn read_listed(root: &Root, uuid: &str) -> Result<Option<VolumeRecord>> {
 
 /// Reads a source's seal, refusing a malformed source id and a seal whose
 /// paths leave the source, or that names another source.
-pub fn read_seal(root: &Root, sid: &str) -> Result<Option<Seal>> {
+pub fn read_seal(root: &Root, sid: &SourceId) -> Result<Option<Seal>> {
     if !layout::is_source_id(sid) {
         return Err(Error::Precondition(format!(
             "source id {sid:?} is malformed; refusing it in {}",
@@ -207,18 +208,18 @@ pub fn read_seal(root: &Root, sid: &str) -> Result<Option<Seal>> {
     Ok(seal)
 }
 
-pub fn source_exists(root: &Root, sid: &str) -> bool {
+pub fn source_exists(root: &Root, sid: &SourceId) -> bool {
     root.source(sid).dir.is_dir()
 }
 
 /// Nodes that have the source staged writable.
-pub fn writers(root: &Root, sid: &str) -> Result<Vec<String>> {
+pub fn writers(root: &Root, sid: &SourceId) -> Result<Vec<String>> {
     let dir = root.source(sid).writers();
     state::list_names(&dir).ctx("list writers in", &dir)
 }
 
 /// Cache volumes (by uuid) that read the source.
-pub fn refs(root: &Root, sid: &str) -> Result<Vec<String>> {
+pub fn refs(root: &Root, sid: &SourceId) -> Result<Vec<String>> {
     let dir = root.source(sid).refs();
     state::list_names(&dir).ctx("list references in", &dir)
 }
@@ -227,7 +228,7 @@ pub fn refs(root: &Root, sid: &str) -> Result<Vec<String>> {
 /// source's own directory, never by recreating that directory, so a source
 /// evicted meanwhile (renamed away at any step) is `Error::Evicted` and
 /// leaves no empty skeleton behind for a later pull to trip on.
-pub fn add_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
+pub fn add_ref(root: &Root, sid: &SourceId, uuid: &str) -> Result<()> {
     let sp = root.source(sid);
     let refs = sp.refs();
     let path = refs.join(uuid);
@@ -291,7 +292,7 @@ pub fn add_pull_ref(root: &Root, sid: &SourceId, uuid: &str, durable: bool) -> R
 /// (the model renamed away again between the two looks): it then belongs
 /// to no volume record, and counts only until it is older than
 /// [`evict::REF_GRACE`].
-pub fn remove_ref(root: &Root, sid: &str, uuid: &str) -> Result<()> {
+pub fn remove_ref(root: &Root, sid: &SourceId, uuid: &str) -> Result<()> {
     let in_place = root.source(sid).refs().join(uuid);
     if !unlink_ref(&in_place)? {
         let trash = format!(".trash-{sid}-");
@@ -344,7 +345,7 @@ fn unlink_ref(path: &Path) -> Result<bool> {
 }
 
 /// Creates an empty writable source. Idempotent.
-pub fn create_source(root: &Root, sid: &str, capacity_bytes: u64) -> Result<()> {
+pub fn create_source(root: &Root, sid: &SourceId, capacity_bytes: u64) -> Result<()> {
     root.backend
         .store()
         .create(&root.source(sid), capacity_bytes)
@@ -353,7 +354,7 @@ pub fn create_source(root: &Root, sid: &str, capacity_bytes: u64) -> Result<()> 
 /// Makes `to` a writable copy of `from`: the one case where bytes are
 /// duplicated, because the result must be writable. Reflinks where the
 /// filesystem can; what a copy may not carry is the store's to refuse.
-pub fn copy_source(root: &Root, from: &str, to: &str) -> Result<()> {
+pub fn copy_source(root: &Root, from: &SourceId, to: &SourceId) -> Result<()> {
     let store = root.backend.store();
     let src = root.open_source(from)?;
     let dst = root.source(to);
@@ -376,7 +377,7 @@ pub fn copy_source(root: &Root, from: &str, to: &str) -> Result<()> {
 
 /// Removes a source and everything in it. The caller has checked that no
 /// volume reads it and no node writes it.
-pub fn delete_source(root: &Root, sid: &str) -> Result<()> {
+pub fn delete_source(root: &Root, sid: &SourceId) -> Result<()> {
     let sp = root.source(sid);
     root.backend.store().check_detached(sid, &sp)?;
     if !sp.dir.exists() {
@@ -427,7 +428,7 @@ fn list_hidden(dir: &Path) -> Vec<String> {
 /// Seals a source: refuses while any node has it writable, then records
 /// every file's size and sha256 and makes the seal visible in one rename.
 /// Idempotent: a sealed source returns its seal.
-pub fn seal_source(root: &Root, sid: &str, origin: &str) -> Result<Seal> {
+pub fn seal_source(root: &Root, sid: &SourceId, origin: &str) -> Result<Seal> {
     let sp = root.source(sid);
     if let Some(seal) = read_seal(root, sid)? {
         return Ok(seal);

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use super::id::SourceId;
 use super::manifest::CHUNK_BYTES;
 
 /// One file of a pull in progress.
@@ -457,7 +458,7 @@ pub struct Pulls(Arc<PullsInner>);
 
 #[derive(Default)]
 struct PullsInner {
-    views: Mutex<HashMap<String, Weak<Partial>>>,
+    views: Mutex<HashMap<SourceId, Weak<Partial>>>,
     /// Counts the pulls started: a waiter for a pull not yet begun is
     /// told when one is.
     started: tokio::sync::watch::Sender<u64>,
@@ -466,18 +467,18 @@ struct PullsInner {
 impl Pulls {
     /// A new view for the pull of `sid`, found by [`Pulls::get`] for as
     /// long as it lives.
-    pub fn register(&self, sid: &str) -> Arc<Partial> {
+    pub fn register(&self, sid: &SourceId) -> Arc<Partial> {
         let view = Arc::new(Partial::default());
         let mut views = self.0.views.lock().unwrap_or_else(|p| p.into_inner());
         views.retain(|_, w| w.strong_count() > 0);
-        views.insert(sid.to_string(), Arc::downgrade(&view));
+        views.insert(sid.clone(), Arc::downgrade(&view));
         drop(views);
         self.0.started.send_modify(|n| *n += 1);
         view
     }
 
     /// The view of `sid`'s pull, while one runs.
-    pub fn get(&self, sid: &str) -> Option<Arc<Partial>> {
+    pub fn get(&self, sid: &SourceId) -> Option<Arc<Partial>> {
         self.0
             .views
             .lock()
@@ -566,7 +567,7 @@ mod tests {
     #[tokio::test]
     async fn a_reader_waits_for_a_chunk_while_the_pull_moves() {
         let pulls = Pulls::default();
-        let view = pulls.register("m0123456789abcdef0123456789abcd1");
+        let view = pulls.register(&SourceId::parse("m0123456789abcdef0123456789abcd1").unwrap());
         view.begin("w", 3 * CHUNK_BYTES, "/nowhere".into());
         let v = view.clone();
         let writer = tokio::spawn(async move {
@@ -602,9 +603,17 @@ mod tests {
             .await;
         assert!(none.is_none());
         assert!(started.elapsed() < Duration::from_secs(1));
-        assert!(pulls.get("m0123456789abcdef0123456789abcd1").is_some());
+        assert!(
+            pulls
+                .get(&SourceId::parse("m0123456789abcdef0123456789abcd1").unwrap())
+                .is_some()
+        );
         drop(view);
-        assert!(pulls.get("m0123456789abcdef0123456789abcd1").is_none());
+        assert!(
+            pulls
+                .get(&SourceId::parse("m0123456789abcdef0123456789abcd1").unwrap())
+                .is_none()
+        );
     }
 
     /// A file that ends while another waits to begin does not wait for
@@ -641,7 +650,7 @@ mod tests {
     async fn a_pull_is_listed_then_verified_and_its_registry_hears_it_start() {
         let pulls = Pulls::default();
         let mut starts = pulls.starts();
-        let view = pulls.register("m0123456789abcdef0123456789abcd2");
+        let view = pulls.register(&SourceId::parse("m0123456789abcdef0123456789abcd2").unwrap());
         assert!(starts.has_changed().unwrap(), "a start is told");
         starts.borrow_and_update();
         let mut stage = view.stage();
@@ -658,6 +667,10 @@ mod tests {
         assert!(!stage.has_changed().unwrap(), "told once");
         assert!(!starts.has_changed().unwrap());
         drop(view);
-        assert!(pulls.get("m0123456789abcdef0123456789abcd2").is_none());
+        assert!(
+            pulls
+                .get(&SourceId::parse("m0123456789abcdef0123456789abcd2").unwrap())
+                .is_none()
+        );
     }
 }

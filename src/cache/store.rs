@@ -8,7 +8,7 @@ use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::layout::{Backend, ConfinedSource, Root, SourcePaths};
+use super::layout::{Backend, ConfinedSource, Root, SourceId, SourcePaths};
 use super::lease::Share;
 use super::manifest::{self, Tree};
 use super::xfs;
@@ -81,7 +81,7 @@ pub trait SourceStore: Sync {
     /// Copies a source's bytes to `tmp` (renamed to `bytes_path` after).
     fn copy(&self, src: &ConfinedSource, tmp: &Path) -> Result<()>;
     /// Refuses to delete a source this node still has attached.
-    fn check_detached(&self, sid: &str, sp: &SourcePaths) -> Result<()>;
+    fn check_detached(&self, sid: &SourceId, sp: &SourcePaths) -> Result<()>;
     /// Every file, directory and link of a source, for its seal.
     fn scan(&self, root: &Root, src: &ConfinedSource, sp: &SourcePaths) -> Result<Tree>;
     /// After the seal: the bytes read-only on disk too, where that means
@@ -121,9 +121,9 @@ pub trait SourceStore: Sync {
     /// Why a staged mount of this source no longer shows it, if so.
     fn gone(&self, m: &dyn Mounter, sp: &SourcePaths, entry: &MountEntry) -> Option<String>;
     /// A read-only view of a sealed source's data, open until dropped.
-    fn open_sealed(&self, root: &Root, sid: &str) -> Result<SealedView>;
+    fn open_sealed(&self, root: &Root, sid: &SourceId) -> Result<SealedView>;
     /// Runs `check` over a read-only view of a sealed source.
-    fn view_sealed(&self, root: &Root, sid: &str, check: &mut dyn FnMut(&Path)) -> Result<()> {
+    fn view_sealed(&self, root: &Root, sid: &SourceId, check: &mut dyn FnMut(&Path)) -> Result<()> {
         let view = self.open_sealed(root, sid)?;
         check(view.path());
         Ok(())
@@ -261,7 +261,7 @@ impl SourceStore for DirStore {
         super::copy::copy_tree(&mount::subpath::proc_path(&data), tmp, &src.real.data())
     }
 
-    fn check_detached(&self, _sid: &str, _sp: &SourcePaths) -> Result<()> {
+    fn check_detached(&self, _sid: &SourceId, _sp: &SourcePaths) -> Result<()> {
         Ok(())
     }
 
@@ -325,7 +325,7 @@ impl SourceStore for DirStore {
             .then(|| format!("source directory {} is missing", sp.data().display()))
     }
 
-    fn open_sealed(&self, root: &Root, sid: &str) -> Result<SealedView> {
+    fn open_sealed(&self, root: &Root, sid: &SourceId) -> Result<SealedView> {
         Ok(SealedView {
             path: root.source(sid).data(),
             mounted: false,
@@ -417,7 +417,7 @@ impl SourceStore for ImageStore {
         xfs::new_uuid(tmp)
     }
 
-    fn check_detached(&self, sid: &str, sp: &SourcePaths) -> Result<()> {
+    fn check_detached(&self, sid: &SourceId, sp: &SourcePaths) -> Result<()> {
         let attached = mount::loopdev::devices_backed_by(&sp.image()).unwrap_or_default();
         match attached.first() {
             Some((dev, _)) => Err(Error::Precondition(format!(
@@ -538,7 +538,7 @@ impl SourceStore for ImageStore {
 
     /// Attached and mounted read-only (`ro,norecovery,nouuid`) in a scratch
     /// directory.
-    fn open_sealed(&self, root: &Root, sid: &str) -> Result<SealedView> {
+    fn open_sealed(&self, root: &Root, sid: &SourceId) -> Result<SealedView> {
         let image = root.source(sid).image();
         let tmp = root.tmp_dir();
         fs::create_dir_all(&tmp).ctx("create", &tmp)?;

@@ -109,19 +109,20 @@ mod tests {
             sid: SourceId::parse(SID).unwrap(),
         };
         remember(&r, "llama", &model).unwrap();
+        let sid = model.sid.clone();
         // Arriving: not warm yet, and remembered.
-        std::fs::create_dir_all(r.source(SID).dir).unwrap();
+        std::fs::create_dir_all(r.source(&sid).dir).unwrap();
         assert!(warm(std::slice::from_ref(&r)).is_empty());
-        std::fs::write(r.source(SID).seal(), "{}").unwrap();
+        std::fs::write(r.source(&sid).seal(), "{}").unwrap();
         assert_eq!(
             warm(std::slice::from_ref(&r)),
             BTreeMap::from([("llama".to_string(), model)])
         );
         // Evicted: cold until it is sealed here again.
-        std::fs::remove_dir_all(r.source(SID).dir).unwrap();
+        std::fs::remove_dir_all(r.source(&sid).dir).unwrap();
         assert!(warm(std::slice::from_ref(&r)).is_empty());
-        std::fs::create_dir_all(r.source(SID).dir).unwrap();
-        std::fs::write(r.source(SID).seal(), "{}").unwrap();
+        std::fs::create_dir_all(r.source(&sid).dir).unwrap();
+        std::fs::write(r.source(&sid).seal(), "{}").unwrap();
         assert_eq!(warm(std::slice::from_ref(&r)).len(), 1);
     }
 

@@ -483,7 +483,7 @@ fn stage_progressive(
         return Ok(false);
     }
     let content = wrap(m, staging)?;
-    let mounted = views.mount(m, root, &rec.id, rec.source.as_str(), &content);
+    let mounted = views.mount(m, root, &rec.id, &rec.source, &content);
     if mounted.is_err() {
         let _ = unmount_staging(m, staging);
     }
@@ -718,8 +718,13 @@ mod tests {
 
         /// A source holding `files`, sealed when asked; returns its id and
         /// data directory.
-        fn source(&self, name: &str, files: &[(&str, &str)], sealed: bool) -> (String, PathBuf) {
-            let sid = uuid_for_name("modelcache.csi.io", name);
+        fn source(
+            &self,
+            name: &str,
+            files: &[(&str, &str)],
+            sealed: bool,
+        ) -> (cache::SourceId, PathBuf) {
+            let sid = cache::SourceId::parse(&uuid_for_name("modelcache.csi.io", name)).unwrap();
             cache::create_source(&self.root, &sid, 1 << 20).unwrap();
             let data = self.root.source(&sid).data();
             for (f, body) in files {
@@ -734,14 +739,20 @@ mod tests {
         }
 
         /// A volume record over `sid`; returns its id.
-        fn volume(&self, name: &str, sid: &str, role: Role, sub_path: Option<&str>) -> String {
+        fn volume(
+            &self,
+            name: &str,
+            sid: &cache::SourceId,
+            role: Role,
+            sub_path: Option<&str>,
+        ) -> String {
             let uuid = uuid_for_name("modelcache.csi.io", name);
             let rec = VolumeRecord {
                 id: self.root.volume_id(&uuid),
                 name: name.into(),
                 backend: Backend::Local,
                 role,
-                source: cache::SourceId::parse(sid).unwrap(),
+                source: sid.clone(),
                 sub_path: sub_path.map(String::from),
                 verify: Verify::Size,
                 capacity_bytes: 1 << 20,

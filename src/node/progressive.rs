@@ -82,7 +82,7 @@ impl Views {
         m: &dyn Mounter,
         root: &Root,
         volume_id: &str,
-        sid: &str,
+        sid: &cache::SourceId,
         content: &Path,
     ) -> Result<()> {
         let Some(pull) = root.pulls.get(sid).filter(|p| p.listing().is_some()) else {
@@ -225,7 +225,7 @@ impl Views {
             .ctx("read", &at)?
             .ok_or_else(|| Error::NotFound(format!("no record of the view at {}", at.display())))?;
         let (root, vol) = cache::lookup(roots, &rec.volume_id)?;
-        let sid = vol.source.to_string();
+        let sid = vol.source;
         tracing::info!(volume = %rec.volume_id, view = %content.display(), "taking a progressive view over");
         start(&root, &sid, rec, dev, true, self.ids_path(content))
     }
@@ -235,7 +235,7 @@ impl Views {
 /// model; `resumed`: a server before this one negotiated the connection.
 fn start(
     root: &Root,
-    sid: &str,
+    sid: &cache::SourceId,
     rec: ViewRecord,
     dev: std::os::fd::OwnedFd,
     resumed: bool,
@@ -249,7 +249,7 @@ fn start(
         fuse::Volume::new(
             tree.clone(),
             gates.clone(),
-            vec![root.pull_area(&parse(sid)?).data(), root.source(sid).data()],
+            vec![root.pull_area(sid).data(), root.source(sid).data()],
             WAIT_BOUND,
         )
         .with_ids_file(ids),
@@ -272,7 +272,7 @@ fn start(
         .map_err(|e| Error::io("start the server of", &rec.content, e))?;
     let follower = Follower {
         root: root.clone(),
-        sid: sid.to_string(),
+        sid: sid.clone(),
         files: rec.listing.len(),
         tree,
         gates,
@@ -289,15 +289,11 @@ fn start(
     Ok(())
 }
 
-fn parse(sid: &str) -> Result<cache::SourceId> {
-    cache::SourceId::parse(sid).ok_or_else(|| Error::Internal(format!("malformed model id {sid}")))
-}
-
 /// Keeps a view's gates following its model: each pull of it in turn,
 /// then the seal, which opens every gate.
 struct Follower {
     root: Root,
-    sid: String,
+    sid: cache::SourceId,
     files: usize,
     tree: Arc<Tree>,
     gates: Arc<Gates>,

@@ -30,7 +30,7 @@ use tracing::{debug, warn};
 use super::{CHUNK_DIGEST, REFUSED, SLOT_WAIT, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::CHUNK_BYTES;
 use crate::cache::store::SealedView;
-use crate::cache::{self, Root, Seal};
+use crate::cache::{self, Root, Seal, SourceId};
 
 type Body = BoxBody<Bytes, Infallible>;
 
@@ -215,14 +215,14 @@ impl PeerServer {
             .strip_prefix("/v1/models/")
             .and_then(|r| r.split_once('/'))
             .ok_or_else(no_such)?;
-        if !super::is_model(sid) {
+        let Some(sid) = SourceId::parse_model(sid) else {
             return Err((
                 "bad_request",
                 StatusCode::NOT_FOUND,
                 "not a model id".into(),
             ));
-        }
-        let (sid, what) = (sid.to_string(), what.to_string());
+        };
+        let what = what.to_string();
         let found = match self.clone().find_sealed(req, &sid, what == "file").await? {
             Looked::Sealed(found) => found,
             Looked::Arriving(r) => return Ok(r),
@@ -252,7 +252,7 @@ impl PeerServer {
     async fn find_sealed(
         self: Arc<Self>,
         req: &Request<Incoming>,
-        sid: &str,
+        sid: &SourceId,
         file: bool,
     ) -> Result<Looked, Refusal> {
         let waiting = match req.uri().query().is_some_and(|q| q.contains("wait=1")) {
@@ -270,7 +270,7 @@ impl PeerServer {
         };
         let until = tokio::time::Instant::now() + WAIT_FOR_CHUNK;
         loop {
-            let (roots, s, seals) = (self.roots.clone(), sid.to_string(), self.seals.clone());
+            let (roots, s, seals) = (self.roots.clone(), sid.clone(), self.seals.clone());
             let found = crate::offload::blocking(move || seals.find(&roots, &s)).await;
             if matches!(found, Ok(Some(_))) || !file {
                 return Ok(Looked::Sealed(found.ok().flatten()));
@@ -292,7 +292,7 @@ impl PeerServer {
         req: &Request<Incoming>,
         i: usize,
         root: &Root,
-        sid: &str,
+        sid: &SourceId,
         seal: &Seal,
     ) -> Result<Response<Body>, Refusal> {
         let path = req.uri().query().and_then(|q| {
@@ -491,7 +491,7 @@ impl PeerServer {
         &self,
         i: usize,
         root: &Root,
-        sid: &str,
+        sid: &SourceId,
     ) -> crate::error::Result<Arc<SealedView>> {
         let key = (i, sid.to_string());
         if let Some((v, at)) = self
@@ -503,7 +503,7 @@ impl PeerServer {
             *at = Instant::now();
             return Ok(v.clone());
         }
-        let (r, s) = (root.clone(), sid.to_string());
+        let (r, s) = (root.clone(), sid.clone());
         let opened =
             crate::offload::blocking(move || r.backend.store().open_sealed(&r, &s).map(Arc::new))
                 .await?;
@@ -616,7 +616,7 @@ async fn close(views: Vec<Arc<SealedView>>) {
 /// whether the file is still the one parsed (a seal is written once by
 /// rename, and a model evicted and sealed again has a new file).
 #[derive(Default)]
-struct Seals(Mutex<HashMap<String, Kept>>);
+struct Seals(Mutex<HashMap<SourceId, Kept>>);
 
 /// A parsed seal: which root (its index) and which `seal.json` it came
 /// from, and its bytes as served.
@@ -652,7 +652,7 @@ fn stamp(path: &std::path::Path) -> Option<Stamp> {
 
 impl Seals {
     /// The root holding `sid` sealed, and its seal.
-    fn find(&self, roots: &[Root], sid: &str) -> crate::error::Result<Option<Found>> {
+    fn find(&self, roots: &[Root], sid: &SourceId) -> crate::error::Result<Option<Found>> {
         for (i, r) in roots.iter().enumerate() {
             let Some(now) = stamp(&r.source(sid).seal()) else {
                 continue;
@@ -669,7 +669,7 @@ impl Seals {
             // served: a peer would refuse it anyway.
             if now.4 > cache::manifest::MAX_SEAL_BYTES {
                 warn!(
-                    model = sid,
+                    model = %sid,
                     bytes = now.4,
                     "a seal over the bound is not served to peers"
                 );
@@ -685,7 +685,7 @@ impl Seals {
                 if held.saturating_add(now.4) > SEALS_KEPT_BYTES {
                     kept.clear();
                 }
-                kept.insert(sid.to_string(), (i, now, seal.clone(), served.clone()));
+                kept.insert(sid.clone(), (i, now, seal.clone(), served.clone()));
                 return Ok(Some((i, r.clone(), seal, served)));
             }
         }

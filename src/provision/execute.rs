@@ -310,14 +310,12 @@ impl Provisioner {
     async fn reference_arriving(
         &self,
         root: &Root,
-        sid: &str,
+        sid: &cache::SourceId,
         partial: &Arc<crate::cache::partial::Partial>,
         rec: &VolumeRecord,
         (required, limit): (i64, i64),
         durable: bool,
     ) -> Result<Option<VolumeRecord>> {
-        let sid = cache::SourceId::parse(sid)
-            .ok_or_else(|| Error::Internal(format!("malformed model id {sid}")))?;
         let files = partial.listing().unwrap_or_default();
         let total: u64 = files.iter().map(|(_, n)| n).sum();
         if let Some(sub) = &rec.sub_path
@@ -334,8 +332,8 @@ impl Provisioner {
                 "capacity_range.limit_bytes {limit} is smaller than the {total} bytes the model holds"
             )));
         }
-        let _g = self.sources.lock(&sid).await;
-        let (root, mut rec) = (root.clone(), rec.clone());
+        let _g = self.sources.lock(sid).await;
+        let (root, mut rec, sid) = (root.clone(), rec.clone(), sid.clone());
         blocking(move || {
             let uuid = std::mem::replace(&mut rec.source, sid.clone());
             rec.capacity_bytes = required.max(total);
@@ -387,7 +385,7 @@ fn until_on(release: &str, until: Until) -> Result<Until> {
 }
 
 /// The seal of a source a cache volume is about to read.
-fn sealed(root: &Root, sid: &str, from: Option<&str>) -> Result<Seal> {
+fn sealed(root: &Root, sid: &cache::SourceId, from: Option<&str>) -> Result<Seal> {
     cache::read_seal(root, sid)?.ok_or_else(|| {
         Error::Precondition(format!(
             "source volume {} is not sealed: finish writing it, stop the pods that write it, \

@@ -306,7 +306,7 @@ async fn killed_at(reach: Reach, other: bool) {
     };
     let id = crate::cache::VolumeId::parse(&volume.volume_id).unwrap();
     let root = b.roots.for_id(&id).unwrap().clone();
-    let sid = volume.volume_context["source"].clone();
+    let sid = crate::cache::SourceId::parse(&volume.volume_context["source"]).unwrap();
     until("the model is sealed", Duration::from_secs(60), || {
         let (r, s) = (root.clone(), sid.clone());
         async move { crate::cache::read_seal(&r, &s).unwrap().is_some() }

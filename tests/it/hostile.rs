@@ -236,7 +236,7 @@ fn assert_fault(e: Error, code_want: tonic::Code, fragment: &str) -> String {
     m
 }
 
-fn sealed_files(root: &Root, sid: &str) -> BTreeMap<String, String> {
+fn sealed_files(root: &Root, sid: &cache::SourceId) -> BTreeMap<String, String> {
     let data = root.source(sid).data();
     let mut out = BTreeMap::new();
     for f in cache::read_seal(root, sid).unwrap().unwrap().files {
@@ -519,11 +519,11 @@ async fn a_trickling_server_is_stalled() {
 
 // ------------------------------------------------------------ capacity
 
-async fn seal_small(root: &Root, name: &str, cfg: &EngineConfig) -> String {
+async fn seal_small(root: &Root, name: &str, cfg: &EngineConfig) -> cache::SourceId {
     let src = Scripted::new(&format!("test://{name}"))
         .file("w.bin", noise(2 << 20, name.len() as u64))
         .arc();
-    pull(root, src, cfg.clone()).await.unwrap().sid.to_string()
+    pull(root, src, cfg.clone()).await.unwrap().sid
 }
 
 /// A model that could not fit even with every unused model gone is

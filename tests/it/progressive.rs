@@ -424,7 +424,7 @@ struct PacedPull {
         modelcache_csi::error::Result<modelcache_csi::puller::engine::Pulled>,
     >,
     partial: Arc<modelcache_csi::cache::partial::Partial>,
-    sid: String,
+    sid: modelcache_csi::cache::SourceId,
     started: Instant,
     _server: crate::support::fixtures::FileServer,
 }
@@ -495,7 +495,7 @@ async fn paced_pull_with(faults: impl FnOnce(&crate::support::fixtures::FileServ
             })
             .unwrap_or_default();
         if let Some(n) = names.iter().find_map(|n| n.strip_prefix(".pull-")) {
-            break n.to_string();
+            break modelcache_csi::cache::SourceId::parse(n).unwrap();
         }
         assert!(started.elapsed() < Duration::from_secs(10), "no pull area");
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -569,7 +569,7 @@ async fn a_pull_in_listing_order_opens_each_shard_as_it_is_verified() {
     };
     let pulled = p.pull.await.unwrap().expect("the pull seals");
     let pull_took = started.elapsed();
-    assert_eq!(pulled.sid.as_str(), p.sid);
+    assert_eq!(pulled.sid, p.sid);
     let read = tokio::task::spawn_blocking(move || reader.join().unwrap())
         .await
         .unwrap();
@@ -610,7 +610,7 @@ async fn a_read_of_a_file_far_down_the_listing_jumps_the_fill_queue() {
     };
     let pulled = p.pull.await.unwrap().expect("the pull seals");
     let pull_took = p.started.elapsed();
-    assert_eq!(pulled.sid.as_str(), p.sid);
+    assert_eq!(pulled.sid, p.sid);
     let (bytes, at, all_verified_then) =
         tokio::task::spawn_blocking(move || reader.join().unwrap())
             .await
@@ -840,7 +840,10 @@ fn a_crash_once_every_file_is_verified_but_before_it_is_durable_loses_nothing() 
         let sid = loop {
             let area = fs::read_dir(root.sources_dir()).ok().and_then(|d| {
                 d.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                    .find_map(|n| n.strip_prefix(".pull-").map(str::to_string))
+                    .find_map(|n| {
+                        n.strip_prefix(".pull-")
+                            .and_then(modelcache_csi::cache::SourceId::parse)
+                    })
             });
             if let Some(sid) = area
                 && root.pulls.get(&sid).is_some_and(|p| p.all_verified())
@@ -861,13 +864,7 @@ fn a_crash_once_every_file_is_verified_but_before_it_is_durable_loses_nothing() 
         // Whatever blocking call was under way ends; nothing follows it.
         std::thread::sleep(Duration::from_millis(300));
         let area = root.sources_dir().join(format!(".pull-{sid}"));
-        if !area.exists()
-            || root
-                .source(&modelcache_csi::cache::SourceId::parse(&sid).unwrap())
-                .dir
-                .join("seal.json")
-                .exists()
-        {
+        if !area.exists() || root.source(&sid).dir.join("seal.json").exists() {
             eprintln!("attempt {attempt}: the seal beat the crash");
             continue;
         }
@@ -915,7 +912,7 @@ fn a_crash_once_every_file_is_verified_but_before_it_is_durable_loses_nothing() 
                 engine().pull(&r, source, &NoProgress).await
             })
             .expect("the resumed pull seals");
-        assert_eq!(pulled.sid.as_str(), sid);
+        assert_eq!(pulled.sid, sid);
         let data = root.source(&pulled.sid).data();
         for (i, s) in shards.iter().enumerate() {
             let name = format!("shard-{i}.bin");

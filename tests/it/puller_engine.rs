@@ -162,7 +162,7 @@ fn engine(cfg: EngineConfig) -> Engine {
     Engine::new(fast(cfg), modelcache_csi::puller::extract_layer)
 }
 
-fn sealed_files(root: &Root, sid: &str) -> BTreeMap<String, String> {
+fn sealed_files(root: &Root, sid: &cache::SourceId) -> BTreeMap<String, String> {
     let data = root.source(sid).data();
     let mut out = BTreeMap::new();
     for f in cache::read_seal(root, sid).unwrap().unwrap().files {
@@ -612,7 +612,7 @@ async fn capacity_evicts_least_recently_used_but_never_a_model_in_use() {
     cache::evict::set_pinned(&root, &sids[2], true).unwrap();
     let gone = cache::evict::evict_idle(&root, Duration::from_secs(0)).unwrap();
     assert!(
-        !gone.contains(&sids[2].to_string()) && !gone.contains(&sids[0].to_string()),
+        !gone.contains(&sids[2]) && !gone.contains(&sids[0]),
         "{gone:?}"
     );
     assert_eq!(gone.len(), 1);

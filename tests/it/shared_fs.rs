@@ -24,6 +24,10 @@ use crate::support::harness::*;
 const SID: &str = "0123456789abcdef0123456789abcdef";
 const SID2: &str = "fedcba9876543210fedcba9876543210";
 
+fn id(sid: &str) -> cache::SourceId {
+    cache::SourceId::parse(sid).unwrap()
+}
+
 fn root_at(shared: &Path) -> Root {
     let cfg = Config {
         shared_paths: vec![shared.to_path_buf()],
@@ -34,8 +38,15 @@ fn root_at(shared: &Path) -> Root {
 }
 
 fn take(root: &Root, node: &str, staging: &str) -> modelcache_csi::error::Result<bool> {
-    let src = root.open_source(SID)?;
-    lease::acquire(root, &src, SID, node, Path::new(staging), Share::Exclusive)
+    let src = root.open_source(&id(SID))?;
+    lease::acquire(
+        root,
+        &src,
+        &id(SID),
+        node,
+        Path::new(staging),
+        Share::Exclusive,
+    )
 }
 
 /// The writer fence between a node and the sealing controller holds when
@@ -48,7 +59,7 @@ fn a_seal_made_on_one_client_is_seen_by_a_client_that_cached_its_absence() {
     let mut g = Gluster::volume();
     let (a, b) = (g.mount(""), g.mount("negative-timeout=30"));
     let (ra, rb) = (root_at(&a), root_at(&b));
-    for sid in [SID, SID2] {
+    for sid in [&id(SID), &id(SID2)] {
         fs::create_dir_all(ra.source(sid).data()).unwrap();
         fs::write(ra.source(sid).data().join("weights.bin"), b"v1 weights").unwrap();
         // Node B looks for the seal (as a stage of the writable source, or
@@ -66,10 +77,10 @@ fn a_seal_made_on_one_client_is_seen_by_a_client_that_cached_its_absence() {
     let err = take(&rb, "node-b", "/staging/b").unwrap_err();
     assert!(matches!(err, Error::Precondition(_)), "{err}");
     assert!(err.to_string().contains("is sealed"), "{err}");
-    assert!(cache::writers(&ra, SID).unwrap().is_empty());
+    assert!(cache::writers(&ra, &id(SID)).unwrap().is_empty());
     // A node that reads the seal (to mount it, or before pulling again)
     // gets it, not the cached miss.
-    let seal = cache::read_seal(&rb, SID2)
+    let seal = cache::read_seal(&rb, &id(SID2))
         .unwrap()
         .expect("node B reads the seal");
     assert_eq!(seal.total_bytes, 10);
@@ -82,17 +93,17 @@ fn the_writer_lease_fences_across_clients_and_the_controller_sees_it() {
     let mut g = Gluster::volume();
     let (a, b) = (g.mount(""), g.mount(""));
     let (ra, rb) = (root_at(&a), root_at(&b));
-    fs::create_dir_all(ra.source(SID).data()).unwrap();
+    fs::create_dir_all(ra.source(&id(SID)).data()).unwrap();
     // Node B's client has looked at an empty writers/ before A replaces it.
-    assert!(cache::writers(&rb, SID).unwrap().is_empty());
+    assert!(cache::writers(&rb, &id(SID)).unwrap().is_empty());
     assert!(take(&ra, "node-a", "/staging/a").unwrap());
     let err = take(&rb, "node-b", "/staging/b").unwrap_err();
     assert!(err.to_string().contains("node node-a"), "{err}");
-    assert_eq!(cache::writers(&rb, SID).unwrap(), vec!["node-a"]);
+    assert_eq!(cache::writers(&rb, &id(SID)).unwrap(), vec!["node-a"]);
     // The controller, through B's client, refuses to seal under A's writer.
-    let err = cache::seal_source(&rb, SID, "test").unwrap_err();
+    let err = cache::seal_source(&rb, &id(SID), "test").unwrap_err();
     assert!(err.to_string().contains("node-a"), "{err}");
-    let src = ra.open_source(SID).unwrap();
+    let src = ra.open_source(&id(SID)).unwrap();
     lease::release(&ra, &src, "node-a", Path::new("/staging/a")).unwrap();
     assert!(take(&rb, "node-b", "/staging/b").unwrap());
     let err = take(&ra, "node-a", "/staging/a").unwrap_err();
@@ -144,7 +155,7 @@ fn an_operator_releases_the_lease_of_a_dead_writer_node() {
     let mut g = Gluster::volume();
     let (a, b) = (g.mount(""), g.mount(""));
     let (ra, rb) = (root_at(&a), root_at(&b));
-    fs::create_dir_all(ra.source(SID).data()).unwrap();
+    fs::create_dir_all(ra.source(&id(SID)).data()).unwrap();
     assert!(take(&ra, "node-a", "/staging/a").unwrap());
     // Node A is gone: its client too.
     g.unmount(&a);

@@ -228,7 +228,7 @@ async fn sealed(
     let referenced = blocking(move || match cache::read_volume(&root, &uuid)? {
         Some(_) => {
             cache::add_ref(&root, &sid, &uuid)?;
-            cache::sync_volume(&root, &uuid, sid.as_str())
+            cache::sync_volume(&root, &uuid, &sid)
         }
         None => Ok(()),
     })

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::cache::Root;
+use crate::cache::{Root, SourceId};
 use crate::error::{Error, Result};
 pub use crate::provision::plan::{Owner, Until};
 use crate::puller::engine::{Ask, Engine, Progress, ProgressSink, Pulled};
@@ -64,11 +64,15 @@ impl Drop for Recording {
 
 impl ProgressSink for Recording {
     fn resolved(&self, sid: &str, uri: &str, revision: &str) {
-        self.resolved.send_replace(Some(Resolved {
-            sid: sid.to_string(),
-            uri: uri.to_string(),
-            revision: revision.to_string(),
-        }));
+        // The engine's own id, said as text because progress lives below
+        // the cache: it parses.
+        if let Some(id) = SourceId::parse(sid) {
+            self.resolved.send_replace(Some(Resolved {
+                sid: id,
+                uri: uri.to_string(),
+                revision: revision.to_string(),
+            }));
+        }
         self.inner.resolved(sid, uri, revision)
     }
     fn started(&self, uri: &str, total: Option<u64>) {
@@ -126,7 +130,7 @@ pub enum Early {
 /// revision at the origin.
 #[derive(Clone, Debug)]
 pub struct Resolved {
-    pub sid: String,
+    pub sid: SourceId,
     pub uri: String,
     pub revision: String,
 }
