@@ -89,7 +89,7 @@ impl PullArea {
             paths,
             store,
             lock: Some(lock),
-            view: root.pulls.register(&sid),
+            view: root.pulls.register(sid),
         })
     }
 
