@@ -567,7 +567,8 @@ mod tests {
     #[tokio::test]
     async fn a_reader_waits_for_a_chunk_while_the_pull_moves() {
         let pulls = Pulls::default();
-        let view = pulls.register(&SourceId::parse("m0123456789abcdef0123456789abcd1").unwrap());
+        let sid = SourceId::parse("m0123456789abcdef0123456789abcd1").unwrap();
+        let view = pulls.register(&sid);
         view.begin("w", 3 * CHUNK_BYTES, "/nowhere".into());
         let v = view.clone();
         let writer = tokio::spawn(async move {
@@ -603,17 +604,9 @@ mod tests {
             .await;
         assert!(none.is_none());
         assert!(started.elapsed() < Duration::from_secs(1));
-        assert!(
-            pulls
-                .get(&SourceId::parse("m0123456789abcdef0123456789abcd1").unwrap())
-                .is_some()
-        );
+        assert!(pulls.get(&sid).is_some());
         drop(view);
-        assert!(
-            pulls
-                .get(&SourceId::parse("m0123456789abcdef0123456789abcd1").unwrap())
-                .is_none()
-        );
+        assert!(pulls.get(&sid).is_none());
     }
 
     /// A file that ends while another waits to begin does not wait for
@@ -650,7 +643,8 @@ mod tests {
     async fn a_pull_is_listed_then_verified_and_its_registry_hears_it_start() {
         let pulls = Pulls::default();
         let mut starts = pulls.starts();
-        let view = pulls.register(&SourceId::parse("m0123456789abcdef0123456789abcd2").unwrap());
+        let sid = SourceId::parse("m0123456789abcdef0123456789abcd2").unwrap();
+        let view = pulls.register(&sid);
         assert!(starts.has_changed().unwrap(), "a start is told");
         starts.borrow_and_update();
         let mut stage = view.stage();
@@ -667,10 +661,6 @@ mod tests {
         assert!(!stage.has_changed().unwrap(), "told once");
         assert!(!starts.has_changed().unwrap());
         drop(view);
-        assert!(
-            pulls
-                .get(&SourceId::parse("m0123456789abcdef0123456789abcd2").unwrap())
-                .is_none()
-        );
+        assert!(pulls.get(&sid).is_none());
     }
 }

@@ -51,7 +51,7 @@ pub struct PeerServer {
 }
 
 /// Open views by (root index, model), each with when it was last asked for.
-type Views = HashMap<(usize, String), (Arc<SealedView>, Instant)>;
+type Views = HashMap<(usize, SourceId), (Arc<SealedView>, Instant)>;
 
 /// A view nobody asked for this long is closed (an image unmounted).
 const VIEW_IDLE: Duration = Duration::from_secs(30);
@@ -493,7 +493,7 @@ impl PeerServer {
         root: &Root,
         sid: &SourceId,
     ) -> crate::error::Result<Arc<SealedView>> {
-        let key = (i, sid.to_string());
+        let key = (i, sid.clone());
         if let Some((v, at)) = self
             .views
             .lock()
@@ -533,7 +533,7 @@ impl PeerServer {
             tokio::time::sleep(VIEW_IDLE / 3).await;
             let idle: Vec<Arc<SealedView>> = {
                 let mut views = self.views.lock().unwrap_or_else(|p| p.into_inner());
-                let keys: Vec<(usize, String)> = views
+                let keys: Vec<(usize, SourceId)> = views
                     .iter()
                     .filter(|(_, (v, at))| at.elapsed() >= VIEW_IDLE && Arc::strong_count(v) == 1)
                     .map(|(k, _)| k.clone())
