@@ -900,15 +900,15 @@ async fn a_create_racing_eviction_gets_a_live_model_or_a_retry() {
                 let id = crate::cache::VolumeId::parse(&v.volume_id).unwrap();
                 let root = d.roots.for_id(&id).unwrap();
                 let sid = &crate::cache::SourceId::parse(&v.volume_context["source"]).unwrap();
-                // Answered once verified (#24 item 7), the model seals a
-                // moment later, with this volume's reference, while
+                // Answered once verified (#24 item 7), the model seals when
+                // its pull ends, with this volume's reference, while
                 // eviction runs on beside it.
-                let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-                while crate::cache::read_seal(root, sid).unwrap().is_none()
-                    && std::time::Instant::now() < until
-                {
-                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                }
+                tokio::time::timeout(
+                    std::time::Duration::from_secs(10),
+                    d.provisioner.pull_ended(&format!("raced-{i}")),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("try {i}: the pull did not end within 10 s"));
                 let rest = at_rest.lock().unwrap();
                 assert!(
                     crate::cache::read_seal(root, sid).unwrap().is_some(),

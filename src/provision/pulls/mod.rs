@@ -41,6 +41,13 @@ impl Provisioner {
         self.jobs.is_working(name)
     }
 
+    /// Waits until this process's pull for volume `name` has its outcome
+    /// (its model sealed, or its error), or returns at once when none
+    /// runs: a create answered before the seal leaves its pull running.
+    pub async fn pull_ended(&self, name: &str) {
+        self.jobs.ended(name).await;
+    }
+
     /// Whether a restart can resume `req`'s pull. Secrets are never
     /// written: a tenant's is read again from its PVC's annotation, the
     /// class's from the class, if a read now gives what
