@@ -6,7 +6,8 @@
 //! Not a test: `unshare -m --propagation private cargo test --test it --
 //! --ignored --exact read_paths::bench --nocapture`, as root, with fio
 //! installed (Debian: `apt-get install fio`) and nothing else running (it
-//! drops the page cache before each job).
+//! drops the page cache before each job). The loader job's safetensors
+//! comes from PyPI through tests/scripts/deps/safetensors.sh.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,13 +16,15 @@ use modelcache_csi::csi::CapacityRange;
 use modelcache_csi::requests::{WRITER, create_req};
 use serde_json::Value;
 
-use crate::support::fixtures;
+use crate::support::fixtures::{self, FileServer};
 use crate::support::harness::*;
 
 const SHARDS: usize = 8;
+/// The directory of the model that holds its shards (a subPath's).
+const WEIGHTS: &str = "weights";
 const SHARD_BYTES: usize = 128 << 20;
 
-/// One fio job: its name, and its arguments after the files.
+/// One reading job: its name, and fio's arguments after the files.
 struct Job {
     name: &'static str,
     args: &'static [&'static str],
@@ -29,6 +32,9 @@ struct Job {
     /// reading the files one after the other.
     per_file: bool,
 }
+
+/// The loader's job: safetensors' own `safe_open` and `get_tensor`, not fio.
+const LOADER: &str = "safetensors safe_open, every tensor (mmap)";
 
 const JOBS: &[Job] = &[
     Job {
@@ -75,6 +81,11 @@ const JOBS: &[Job] = &[
         ],
         per_file: false,
     },
+    Job {
+        name: LOADER,
+        args: &[],
+        per_file: false,
+    },
 ];
 
 fn drop_caches() {
@@ -99,6 +110,41 @@ struct Outcome {
     cache_per_byte: f64,
 }
 
+fn read(job: &Job, files: &[PathBuf], python: &Path) -> Outcome {
+    if job.name == LOADER {
+        load(python, files)
+    } else {
+        fio(job, files)
+    }
+}
+
+/// Runs `cmd` from a dropped page cache; its output and the page cache's
+/// growth.
+fn measured(cmd: &mut Command) -> (std::process::Output, u64) {
+    drop_caches();
+    let before = page_cache();
+    let out = cmd.output().expect("run the reader");
+    let after = page_cache();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out, after.saturating_sub(before))
+}
+
+fn load(python: &Path, files: &[PathBuf]) -> Outcome {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/bench/safetensors_load.py");
+    let (out, grown) = measured(Command::new(python).arg(script).args(files));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("the loader's JSON");
+    let bytes = v["bytes"].as_f64().unwrap();
+    Outcome {
+        bytes_per_s: bytes / v["seconds"].as_f64().unwrap(),
+        iops: 0.0,
+        cache_per_byte: grown as f64 / bytes,
+    }
+}
+
 fn fio(job: &Job, files: &[PathBuf]) -> Outcome {
     let mut cmd = Command::new("fio");
     cmd.args(["--output-format=json", "--group_reporting", "--readonly"]);
@@ -116,28 +162,21 @@ fn fio(job: &Job, files: &[PathBuf]) -> Outcome {
             "--file_service_type=sequential".to_string(),
         ]);
     }
-    drop_caches();
-    let before = page_cache();
-    let out = cmd.output().expect("run fio (apt-get install fio)");
-    let after = page_cache();
-    assert!(
-        out.status.success(),
-        "fio: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (out, grown) = measured(&mut cmd);
     let v: Value = serde_json::from_slice(&out.stdout).expect("fio's JSON");
     let read = &v["jobs"][0]["read"];
     let io_bytes = read["io_bytes"].as_f64().unwrap();
     Outcome {
         bytes_per_s: read["bw_bytes"].as_f64().unwrap(),
         iops: read["iops"].as_f64().unwrap(),
-        cache_per_byte: after.saturating_sub(before) as f64 / io_bytes,
+        cache_per_byte: grown as f64 / io_bytes,
     }
 }
 
-/// A sealed source of `backend` holding the shards, and a cache volume of
-/// it published read-only: the directory a pod would see.
-async fn published(d: &Driver, backend: &str, shards: &Path) -> PathBuf {
+/// A sealed source of `backend` holding the shards under `weights/`, and a
+/// cache volume of it published read-only: the source's id and the
+/// directory a pod would see.
+async fn published(d: &Driver, backend: &str, shards: &Path) -> (String, PathBuf) {
     let mut req = create_req(&format!("bench-{backend}"), &[("backend", backend)], WRITER);
     if backend == "xfs" {
         req.capacity_range = Some(CapacityRange {
@@ -154,9 +193,10 @@ async fn published(d: &Driver, backend: &str, shards: &Path) -> PathBuf {
     d.publish(&src.volume_id, &s, &t, WRITER, false)
         .await
         .unwrap();
+    std::fs::create_dir(t.join(WEIGHTS)).unwrap();
     for e in std::fs::read_dir(shards).unwrap() {
         let e = e.unwrap();
-        std::fs::copy(e.path(), t.join(e.file_name())).unwrap();
+        std::fs::copy(e.path(), t.join(WEIGHTS).join(e.file_name())).unwrap();
     }
     d.unpublish(&src.volume_id, &t).await.unwrap();
     d.unstage(&src.volume_id, &s).await.unwrap();
@@ -165,10 +205,86 @@ async fn published(d: &Driver, backend: &str, shards: &Path) -> PathBuf {
         .create_cache(&format!("bench-{backend}-r"), &src.volume_id, &[])
         .await
         .unwrap();
-    let (s, t) = (d.staging(backend), d.target(backend));
-    d.stage(&c.volume_id, &s, READER).await.unwrap();
-    d.publish(&c.volume_id, &s, &t, READER, true).await.unwrap();
+    (src.volume_id, read_only(d, &c.volume_id, backend).await)
+}
+
+/// Volume `id` staged and published read-only as kubelet would; its target.
+async fn read_only(d: &Driver, id: &str, name: &str) -> PathBuf {
+    let (s, t) = (d.staging(name), d.target(name));
+    d.stage(id, &s, READER).await.unwrap();
+    d.publish(id, &s, &t, READER, true).await.unwrap();
     t
+}
+
+/// A progressive volume of the shards, pulled from a paced origin on
+/// loopback, published while its model arrives and read once it is sealed:
+/// the view a pod staged before the seal keeps (FUSE, each verified file
+/// passed through to its backing file).
+async fn progressive(d: &Driver, raw: &Path) -> (FileServer, PathBuf) {
+    let origin = FileServer::start(raw).await;
+    origin.put("m.json", fixtures::manifest_for(raw, true));
+    // Slow enough that the view is staged long before the seal.
+    origin.throttle(8 << 20);
+    let uri = format!("{}#manifest", origin.url("m.json"));
+    let req = create_req(
+        "bench-progressive",
+        &[
+            ("backend", "local"),
+            ("source", &uri),
+            ("progressive", "true"),
+        ],
+        READER,
+    );
+    let v = d.create(req).await.unwrap();
+    let t = read_only(d, &v.volume_id, "progressive").await;
+    assert!(
+        fstype(&t).starts_with("fuse"),
+        "the progressive volume was staged after its seal (a bind mount), not as a view: {}",
+        fstype(&t)
+    );
+    let seal = d
+        .source_dir("local", &v.volume_context["source"])
+        .join("seal.json");
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    while !seal.is_file() {
+        assert!(std::time::Instant::now() < end, "no seal within 600 s");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    (origin, t.join(WEIGHTS))
+}
+
+/// The filesystem type the kernel reports for the mount at `dir`.
+fn fstype(dir: &Path) -> String {
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let dir = dir.to_string_lossy();
+    table
+        .lines()
+        .rfind(|l| l.split(' ').nth(4) == Some(&*dir))
+        .and_then(|l| l.split(" - ").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or("none")
+        .to_string()
+}
+
+/// A safetensors file of `SHARD_BYTES`: a header padded to 4 KiB naming 16
+/// byte tensors, then their bytes, pseudo-random from `seed`.
+fn safetensors_shard(seed: u64) -> Vec<u8> {
+    const HEAD: usize = 4096;
+    const TENSORS: usize = 16;
+    let each = (SHARD_BYTES - HEAD) / TENSORS;
+    let mut header = serde_json::Map::new();
+    for t in 0..TENSORS {
+        header.insert(
+            format!("layer.{t}.weight"),
+            serde_json::json!({"dtype": "U8", "shape": [each], "data_offsets": [t * each, (t + 1) * each]}),
+        );
+    }
+    let mut json = serde_json::to_vec(&header).unwrap();
+    json.resize(HEAD - 8, b' ');
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    out.extend_from_slice(&fixtures::pseudo_random(seed, each * TENSORS));
+    out
 }
 
 /// The same image through a loop device that reads its file through the
@@ -213,22 +329,35 @@ impl Drop for BufferedLoop {
 async fn bench() {
     let work = tempfile::tempdir_in("/var/tmp").unwrap();
     let raw = work.path().join("raw");
-    std::fs::create_dir_all(&raw).unwrap();
+    let shards = raw.join(WEIGHTS);
+    std::fs::create_dir_all(&shards).unwrap();
     for i in 0..SHARDS {
-        let bytes = fixtures::pseudo_random(0x9e37_79b9 ^ i as u64, SHARD_BYTES);
-        std::fs::write(raw.join(format!("model-{i:05}.safetensors")), bytes).unwrap();
+        let bytes = safetensors_shard(0x9e37_79b9 ^ i as u64);
+        std::fs::write(shards.join(format!("model-{i:05}.safetensors")), bytes).unwrap();
     }
+    let python = loader_python();
     let d = Driver::start().await;
-    let local = published(&d, "local", &raw).await;
-    let xfs = published(&d, "xfs", &raw).await;
+    let (local_src, local) = published(&d, "local", &shards).await;
+    let (xfs_src, xfs) = published(&d, "xfs", &shards).await;
     let image = find_image(&d.dir).expect("the xfs source's image");
     let buffered = BufferedLoop::mount(&image, &work.path().join("xfs-buffered"));
+    let sub = d
+        .create_cache("bench-sub-path", &local_src, &[("subPath", WEIGHTS)])
+        .await
+        .unwrap();
+    let sub = read_only(&d, &sub.volume_id, "sub-path").await;
+    let (_origin, view) = progressive(&d, &raw).await;
 
-    let kinds: [(&str, PathBuf); 4] = [
-        ("the files themselves", raw.clone()),
-        ("local (bind mount)", local),
-        ("xfs (loop, direct I/O)", xfs),
-        ("xfs (loop through the page cache)", buffered.dir.clone()),
+    let kinds: [(&str, PathBuf); 6] = [
+        ("the files themselves", shards.clone()),
+        ("local (bind mount)", local.join(WEIGHTS)),
+        ("local, subPath", sub),
+        ("progressive view, sealed (FUSE passthrough)", view),
+        ("xfs (loop, direct I/O)", xfs.join(WEIGHTS)),
+        (
+            "xfs (loop through the page cache)",
+            buffered.dir.join(WEIGHTS),
+        ),
     ];
     let files = |dir: &Path| -> Vec<PathBuf> {
         (0..SHARDS)
@@ -255,7 +384,7 @@ async fn bench() {
             let mut base = 0.0;
             for k in order {
                 let (label, dir) = &kinds[k];
-                let o = fio(job, &files(dir));
+                let o = read(job, &files(dir), &python);
                 let iops = job.args.contains(&"--rw=randread");
                 let value = if iops { o.iops } else { o.bytes_per_s };
                 if k == 0 {
@@ -301,6 +430,112 @@ async fn bench() {
         );
     }
     drop(buffered);
+
+    // Eight pods of one model on one node, each through a volume of its
+    // own, all reading at once.
+    let mut pods: Vec<(&str, Vec<PathBuf>)> = vec![("the files themselves", vec![shards; PODS])];
+    for (label, backend, src) in [
+        ("local (bind mount)", "local", &local_src),
+        ("xfs (loop, direct I/O)", "xfs", &xfs_src),
+    ] {
+        let mut dirs = Vec::new();
+        for p in 0..PODS {
+            let name = format!("pod-{backend}-{p}");
+            let v = d.create_cache(&name, src, &[]).await.unwrap();
+            dirs.push(read_only(&d, &v.volume_id, &name).await.join(WEIGHTS));
+        }
+        pods.push((label, dirs));
+    }
+    let model = (SHARDS * SHARD_BYTES) as f64;
+    println!(
+        "\n{PODS} pods reading one model at once, each through its own volume (buffered, 1 MiB, each pod the {SHARDS} files in turn)\n"
+    );
+    println!(
+        "| run | volume | MB/s, all pods | against the files | page cache per model | disk reads per model |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for run in 1..=runs {
+        let mut base = 0.0;
+        for (label, dirs) in &pods {
+            let o = fio_pods(dirs.iter().map(|d| files(d)).collect());
+            if base == 0.0 {
+                base = o.bytes_per_s;
+            }
+            println!(
+                "| {run} | {label} | {:.0} | {:.2}x | {:.2} | {:.2} |",
+                o.bytes_per_s / 1e6,
+                o.bytes_per_s / base,
+                o.cache / model,
+                o.disk / model
+            );
+        }
+    }
+}
+
+/// Pods reading one model at once in the pods bench.
+const PODS: usize = 8;
+
+struct PodsOutcome {
+    bytes_per_s: f64,
+    /// Page cache growth, bytes.
+    cache: f64,
+    /// Bytes the node's disks read meanwhile.
+    disk: f64,
+}
+
+/// One fio job per pod, each reading its files in turn, all at once.
+fn fio_pods(pods: Vec<Vec<PathBuf>>) -> PodsOutcome {
+    let mut cmd = Command::new("fio");
+    cmd.args([
+        "--output-format=json",
+        "--group_reporting",
+        "--readonly",
+        "--rw=read",
+        "--bs=1M",
+        "--ioengine=psync",
+        "--file_service_type=sequential",
+    ]);
+    for (i, files) in pods.iter().enumerate() {
+        let list: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+        cmd.arg(format!("--name=pod{i}"));
+        cmd.arg(format!("--filename={}", list.join(":")));
+    }
+    drop_caches();
+    let disk_before = disk_read_bytes();
+    let (out, grown) = measured(&mut cmd);
+    let disk = disk_read_bytes() - disk_before;
+    let v: Value = serde_json::from_slice(&out.stdout).expect("fio's JSON");
+    PodsOutcome {
+        bytes_per_s: v["jobs"][0]["read"]["bw_bytes"].as_f64().unwrap(),
+        cache: grown as f64,
+        disk: disk as f64,
+    }
+}
+
+/// Bytes read by the node's whole disks (`/proc/diskstats`, loop devices
+/// and partitions left out: a loop device's reads reach its disk too).
+fn disk_read_bytes() -> u64 {
+    let stats = std::fs::read_to_string("/proc/diskstats").unwrap();
+    stats
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let name = *f.get(2)?;
+            let whole = Path::new("/sys/block").join(name).exists();
+            let virtual_dev =
+                name.starts_with("loop") || name.starts_with("ram") || name.starts_with("dm-");
+            (whole && !virtual_dev).then(|| f.get(5)?.parse::<u64>().ok())?
+        })
+        .sum::<u64>()
+        * 512
+}
+
+/// The python of safetensors' pinned venv (installed on first use).
+fn loader_python() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/deps/safetensors.sh");
+    let out = Command::new(script).output().unwrap();
+    assert!(out.status.success(), "safetensors.sh: {out:?}");
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 fn median(v: &[f64]) -> f64 {
