@@ -17,6 +17,7 @@ use modelcache_csi::requests::{WRITER, create_req};
 use serde_json::Value;
 
 use crate::support::fixtures::{self, FileServer};
+use crate::support::gluster::Gluster;
 use crate::support::harness::*;
 
 const SHARDS: usize = 8;
@@ -34,6 +35,9 @@ struct Job {
 }
 
 /// The loader's job: safetensors' own `safe_open` and `get_tensor`, not fio.
+/// The kind read through a GlusterFS client mount.
+const GLUSTER: &str = "shared on GlusterFS (FUSE client)";
+
 const LOADER: &str = "safetensors safe_open, every tensor (mmap)";
 
 const JOBS: &[Job] = &[
@@ -108,6 +112,7 @@ struct Outcome {
     iops: f64,
     /// Page cache growth over bytes read.
     cache_per_byte: f64,
+    bytes_read: f64,
 }
 
 fn read(job: &Job, files: &[PathBuf], python: &Path) -> Outcome {
@@ -142,6 +147,7 @@ fn load(python: &Path, files: &[PathBuf]) -> Outcome {
         bytes_per_s: bytes / v["seconds"].as_f64().unwrap(),
         iops: 0.0,
         cache_per_byte: grown as f64 / bytes,
+        bytes_read: bytes,
     }
 }
 
@@ -170,6 +176,7 @@ fn fio(job: &Job, files: &[PathBuf]) -> Outcome {
         bytes_per_s: read["bw_bytes"].as_f64().unwrap(),
         iops: read["iops"].as_f64().unwrap(),
         cache_per_byte: grown as f64 / io_bytes,
+        bytes_read: io_bytes,
     }
 }
 
@@ -347,8 +354,17 @@ async fn bench() {
         .unwrap();
     let sub = read_only(&d, &sub.volume_id, "sub-path").await;
     let (_origin, view) = progressive(&d, &raw).await;
+    // A `shared` root's model is a bind mount of the directory on the
+    // filesystem's client mount (as `local` is of its own): read there.
+    let mut gluster = Gluster::volume();
+    let on_gluster = gluster.mount("").join(WEIGHTS);
+    std::fs::create_dir(&on_gluster).unwrap();
+    for e in std::fs::read_dir(&shards).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), on_gluster.join(e.file_name())).unwrap();
+    }
 
-    let kinds: [(&str, PathBuf); 6] = [
+    let kinds: [(&str, PathBuf); 7] = [
         ("the files themselves", shards.clone()),
         ("local (bind mount)", local.join(WEIGHTS)),
         ("local, subPath", sub),
@@ -358,6 +374,7 @@ async fn bench() {
             "xfs (loop through the page cache)",
             buffered.dir.join(WEIGHTS),
         ),
+        (GLUSTER, on_gluster),
     ];
     let files = |dir: &Path| -> Vec<PathBuf> {
         (0..SHARDS)
@@ -371,6 +388,10 @@ async fn bench() {
     // [job][kind]: each run's ratio against the files, and cache per byte.
     let mut ratios = vec![vec![Vec::new(); kinds.len()]; JOBS.len()];
     let mut caches = vec![vec![Vec::new(); kinds.len()]; JOBS.len()];
+    // [job]: the GlusterFS client's own cache per byte read. On this one
+    // host the brick's cache is in /proc/meminfo's growth too; on a node
+    // the brick is elsewhere.
+    let mut client = vec![Vec::new(); JOBS.len()];
     println!("| run | job | volume | MB/s (IOPS) | against the files | page cache per byte read |");
     println!("|---|---|---|---|---|---|");
     for run in 1..=runs {
@@ -392,6 +413,9 @@ async fn bench() {
                 }
                 ratios[j][k].push(value / base);
                 caches[j][k].push(o.cache_per_byte);
+                if *label == GLUSTER {
+                    client[j].push(cached(&files(dir)) as f64 / o.bytes_read);
+                }
                 let figure = if iops {
                     format!("{:.0} IOPS", o.iops)
                 } else {
@@ -429,7 +453,14 @@ async fn bench() {
             cells.join(" | ")
         );
     }
+    println!(
+        "\n{GLUSTER}: the client's own page cache per byte read (fincore through its mount)\n"
+    );
+    for (j, job) in JOBS.iter().enumerate() {
+        println!("| {} | {:.2} |", job.name, median(&client[j]));
+    }
     drop(buffered);
+    drop(gluster);
 
     // Eight pods of one model on one node, each through a volume of its
     // own, all reading at once.
@@ -470,6 +501,19 @@ async fn bench() {
             );
         }
     }
+}
+
+/// Bytes of `files` in the page cache (`fincore`).
+fn cached(files: &[PathBuf]) -> u64 {
+    let out = Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--output", "RES"])
+        .args(files)
+        .output()
+        .expect("fincore (util-linux)");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().parse::<u64>().ok())
+        .sum()
 }
 
 /// Pods reading one model at once in the pods bench.
