@@ -481,25 +481,70 @@ async fn bench() {
     println!(
         "\n{PODS} pods reading one model at once, each through its own volume (buffered, 1 MiB, each pod the {SHARDS} files in turn)\n"
     );
+    // Then with the readers' memory (their page cache included) held to
+    // half the model, as on a node whose memory the model does not fit.
+    let half = (SHARDS * SHARD_BYTES / 2) as u64;
     println!(
-        "| run | volume | MB/s, all pods | against the files | page cache per model | disk reads per model |"
+        "| run | volume | memory | MB/s, all pods | against the files | page cache per model | disk reads per model |"
     );
-    println!("|---|---|---|---|---|---|");
-    for run in 1..=runs {
-        let mut base = 0.0;
-        for (label, dirs) in &pods {
-            let o = fio_pods(dirs.iter().map(|d| files(d)).collect());
-            if base == 0.0 {
-                base = o.bytes_per_s;
+    println!("|---|---|---|---|---|---|---|");
+    for limit in [None, Some(half)] {
+        for run in 1..=runs {
+            let mut base = 0.0;
+            for (label, dirs) in &pods {
+                let o = fio_pods(dirs.iter().map(|d| files(d)).collect(), limit);
+                if base == 0.0 {
+                    base = o.bytes_per_s;
+                }
+                let memory = limit.map_or("the node's".to_string(), |l| format!("{} MiB", l >> 20));
+                println!(
+                    "| {run} | {label} | {memory} | {:.0} | {:.2}x | {:.2} | {:.2} |",
+                    o.bytes_per_s / 1e6,
+                    o.bytes_per_s / base,
+                    o.cache / model,
+                    o.disk / model
+                );
             }
-            println!(
-                "| {run} | {label} | {:.0} | {:.2}x | {:.2} | {:.2} |",
-                o.bytes_per_s / 1e6,
-                o.bytes_per_s / base,
-                o.cache / model,
-                o.disk / model
-            );
         }
+    }
+}
+
+/// A memory cgroup limited to `bytes` (v2, else v1's memory controller),
+/// removed on drop.
+struct MemoryLimit(PathBuf);
+
+impl MemoryLimit {
+    fn new(bytes: u64) -> MemoryLimit {
+        let name = format!("mc-read-paths-{}", std::process::id());
+        let (dir, knob) = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            (Path::new("/sys/fs/cgroup").join(name), "memory.max")
+        } else {
+            (
+                Path::new("/sys/fs/cgroup/memory").join(name),
+                "memory.limit_in_bytes",
+            )
+        };
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join(knob), bytes.to_string()).unwrap();
+        MemoryLimit(dir)
+    }
+
+    /// `cmd`, run inside the cgroup.
+    fn wrap(&self, cmd: &Command) -> Command {
+        let mut inside = Command::new("sh");
+        inside
+            .arg("-c")
+            .arg("echo $$ > \"$0\"/cgroup.procs && exec \"$@\"")
+            .arg(&self.0)
+            .arg(cmd.get_program())
+            .args(cmd.get_args());
+        inside
+    }
+}
+
+impl Drop for MemoryLimit {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
     }
 }
 
@@ -527,8 +572,9 @@ struct PodsOutcome {
     disk: f64,
 }
 
-/// One fio job per pod, each reading its files in turn, all at once.
-fn fio_pods(pods: Vec<Vec<PathBuf>>) -> PodsOutcome {
+/// One fio job per pod, each reading its files in turn, all at once, in a
+/// memory cgroup of `memory` bytes when given.
+fn fio_pods(pods: Vec<Vec<PathBuf>>, memory: Option<u64>) -> PodsOutcome {
     let mut cmd = Command::new("fio");
     cmd.args([
         "--output-format=json",
@@ -544,9 +590,14 @@ fn fio_pods(pods: Vec<Vec<PathBuf>>) -> PodsOutcome {
         cmd.arg(format!("--name=pod{i}"));
         cmd.arg(format!("--filename={}", list.join(":")));
     }
+    let limit = memory.map(MemoryLimit::new);
+    if let Some(l) = &limit {
+        cmd = l.wrap(&cmd);
+    }
     drop_caches();
     let disk_before = disk_read_bytes();
     let (out, grown) = measured(&mut cmd);
+    drop(limit);
     let disk = disk_read_bytes() - disk_before;
     let v: Value = serde_json::from_slice(&out.stdout).expect("fio's JSON");
     PodsOutcome {
