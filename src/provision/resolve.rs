@@ -102,14 +102,7 @@ impl Provisioner {
             .pvc_source(&mut params, requester_ns, &mut content_volume)
             .await?;
         let content = match content_volume {
-            Some(id) => {
-                let found = cache::lookup_off_runtime(&self.roots, &id).await;
-                Some(found.map_err(|_| {
-                    Error::NotFound(format!(
-                        "volume_content_source.volume.volume_id {id} does not exist"
-                    ))
-                })?)
-            }
+            Some(id) => Some(self.content_volume(&id).await?),
             None => None,
         };
         let sink: Arc<dyn ProgressSink> = match (&events, &req.progress) {
@@ -149,6 +142,17 @@ impl Provisioner {
             },
             pull,
         ))
+    }
+
+    /// The volume a clone names as its content source.
+    async fn content_volume(&self, id: &str) -> Result<(cache::Root, cache::VolumeRecord)> {
+        cache::lookup_off_runtime(&self.roots, id)
+            .await
+            .map_err(|_| {
+                Error::NotFound(format!(
+                    "volume_content_source.volume.volume_id {id} does not exist"
+                ))
+            })
     }
 
     /// Where a pull's progress and refusals are told: the requesting PVC,
