@@ -3,8 +3,9 @@ served, appended to a file. MinIO posts each entry as it completes, so the
 file is the server's own record of every GetObject: object, Content-Range
 and bytes sent.
 
-MinIO is given two audit targets that both post here (e2e/lib/checks.sh):
-each delivers every entry on its own queue, and an entry is written to
+MinIO is given two audit targets that both post here (e2e/lib/checks.sh),
+one through a queue on disk and one from memory: each delivers every
+entry on its own, and an entry is written to
 FILE once, the first time its request id arrives. Each target's posts are
 also kept as they came, in FILE.<path> (FILE.default, FILE.second). Three
 cold runs found no entry for a GET whose bytes the driver verified, with
