@@ -249,14 +249,11 @@ async fn progressive(d: &Driver, raw: &Path) -> (FileServer, PathBuf) {
         "the progressive volume was staged after its seal (a bind mount), not as a view: {}",
         fstype(&t)
     );
-    let seal = d
-        .source_dir("local", &v.volume_context["source"])
-        .join("seal.json");
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(600);
-    while !seal.is_file() {
-        assert!(std::time::Instant::now() < end, "no seal within 600 s");
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
+    d.wait_sealed(
+        &[&v.volume_context["source"]],
+        std::time::Duration::from_secs(600),
+    )
+    .await;
     (origin, t.join(WEIGHTS))
 }
 
@@ -414,7 +411,9 @@ async fn bench() {
                 ratios[j][k].push(value / base);
                 caches[j][k].push(o.cache_per_byte);
                 if *label == GLUSTER {
-                    client[j].push(cached(&files(dir)) as f64 / o.bytes_read);
+                    let resident: u64 =
+                        files(dir).iter().map(|f| fixtures::resident_bytes(f)).sum();
+                    client[j].push(resident as f64 / o.bytes_read);
                 }
                 let figure = if iops {
                     format!("{:.0} IOPS", o.iops)
@@ -546,19 +545,6 @@ impl Drop for MemoryLimit {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir(&self.0);
     }
-}
-
-/// Bytes of `files` in the page cache (`fincore`).
-fn cached(files: &[PathBuf]) -> u64 {
-    let out = Command::new("fincore")
-        .args(["--bytes", "--noheadings", "--output", "RES"])
-        .args(files)
-        .output()
-        .expect("fincore (util-linux)");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.trim().parse::<u64>().ok())
-        .sum()
 }
 
 /// Pods reading one model at once in the pods bench.

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use crate::support::fixtures;
 use crate::support::harness::*;
 use modelcache_csi::mount::loopdev::devices_backed_by;
 
@@ -113,20 +114,6 @@ async fn sealed_image_is_shared_read_only_through_one_loop_device() {
     );
 }
 
-/// Bytes of `file` in the page cache, as `fincore` (util-linux) reports them.
-fn resident_bytes(file: &Path) -> u64 {
-    let out = std::process::Command::new("fincore")
-        .args(["--bytes", "--noheadings", "--raw", "--output", "RES"])
-        .arg(file)
-        .output()
-        .expect("run fincore");
-    assert!(out.status.success(), "fincore: {out:?}");
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .unwrap_or_else(|e| panic!("fincore printed {out:?}: {e}"))
-}
-
 /// Reading a model through a sealed image caches it once, under the XFS
 /// mount, and not a second time under the image file: the read-only loop
 /// device reads its backing file with direct I/O. Without it the image's
@@ -161,7 +148,7 @@ async fn reading_a_sealed_image_caches_the_model_once() {
         nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
     )
     .unwrap();
-    let before = resident_bytes(&image);
+    let before = fixtures::resident_bytes(&image);
 
     let cache = d.create_cache("pvc-xfs-once-a", id, &[]).await.unwrap();
     let (s, t) = (d.staging("once-a"), d.target("once-a"));
@@ -171,8 +158,8 @@ async fn reading_a_sealed_image_caches_the_model_once() {
         .unwrap();
     let read = std::fs::read(t.join("model.safetensors")).unwrap();
     assert!(read == weights, "the model read back differs");
-    let under_mount = resident_bytes(&t.join("model.safetensors"));
-    let under_image = resident_bytes(&image).saturating_sub(before);
+    let under_mount = fixtures::resident_bytes(&t.join("model.safetensors"));
+    let under_image = fixtures::resident_bytes(&image).saturating_sub(before);
     assert!(
         under_mount >= WEIGHTS as u64 / 2,
         "the read left {under_mount} bytes of the file cached under the mount; the check \

@@ -1362,3 +1362,17 @@ fn serve_registry(state: &RegistryState, req: &Request) -> Reply {
         _ => mr_error(404, "not found"),
     }
 }
+
+/// Bytes of `file` in the page cache, as `fincore` (util-linux) reports them.
+pub fn resident_bytes(file: &Path) -> u64 {
+    let out = std::process::Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--raw", "--output", "RES"])
+        .arg(file)
+        .output()
+        .expect("run fincore");
+    assert!(out.status.success(), "fincore: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("fincore printed {out:?}: {e}"))
+}
