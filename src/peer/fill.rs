@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -27,6 +27,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
 use super::directory::{Claim, Directory, Peer};
+use super::relay::{Ask, deal, rank};
 use super::{CHUNK_DIGEST, SLOT_WAIT, Tokens, WAIT_FOR_CHUNK};
 use crate::cache::manifest::{CHUNK_BYTES, Seal, chunk_digest};
 use crate::cache::{Root, SourceId};
@@ -49,10 +50,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const LEADER_LATE: Duration = Duration::from_secs(10);
 
 pub struct PeerFill {
-    dir: Arc<Directory>,
-    tokens: Arc<Tokens>,
-    /// The networks a peer's address must be in (`PeerConfig::networks`).
-    networks: Vec<ipnet::IpNet>,
+    finder: Finder,
     /// One TLS client per peer certificate its Lease pins.
     clients: Arc<super::tls::Clients>,
     buffers: Arc<Semaphore>,
@@ -69,9 +67,11 @@ impl PeerFill {
         metrics: Arc<crate::metrics::Metrics>,
     ) -> PeerFill {
         PeerFill {
-            dir,
-            tokens,
-            networks,
+            finder: Finder {
+                dir,
+                tokens,
+                networks: networks.into(),
+            },
             clients: Arc::new(super::tls::Clients::new(CONNECT_TIMEOUT)),
             buffers: Arc::new(Semaphore::new(CHUNKS_IN_FLIGHT)),
             node,
@@ -79,6 +79,44 @@ impl PeerFill {
         }
     }
 
+    async fn seal_of(&self, peer: &Peer, sid: &str) -> Option<Seal> {
+        let url = format!("https://{}/v1/models/{sid}/seal", peer.addr);
+        let resp = self
+            .clients
+            .of(&peer.pin)
+            .get(&url)
+            .bearer_auth(self.finder.tokens.presented())
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .ok()?;
+        if !resp.status().is_success() {
+            warn!(peer = %peer.node, status = %resp.status(), "peer did not give its seal");
+            return None;
+        }
+        let body = match at_most(resp, crate::cache::manifest::MAX_SEAL_BYTES).await {
+            Ok(b) => b,
+            Err(why) => {
+                warn!(peer = %peer.node, %why, "peer's seal refused");
+                return None;
+            }
+        };
+        let seal: Seal = serde_json::from_slice(&body).ok()?;
+        (seal.source == sid).then_some(seal)
+    }
+}
+
+/// Asks the directory who holds or pulls a model, and keeps the peers
+/// this node may dial.
+#[derive(Clone)]
+struct Finder {
+    dir: Arc<Directory>,
+    tokens: Arc<Tokens>,
+    /// The networks a peer's address must be in (`PeerConfig::networks`).
+    networks: Arc<[ipnet::IpNet]>,
+}
+
+impl Finder {
     /// Live peers holding or pulling `sid` that this node may dial: their
     /// address is in the peer networks, and never link-local (cloud
     /// metadata), whatever a Lease says.
@@ -107,39 +145,13 @@ impl PeerFill {
             })
             .collect()
     }
-
-    async fn seal_of(&self, peer: &Peer, sid: &str) -> Option<Seal> {
-        let url = format!("https://{}/v1/models/{sid}/seal", peer.addr);
-        let resp = self
-            .clients
-            .of(&peer.pin)
-            .get(&url)
-            .bearer_auth(self.tokens.presented())
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await
-            .ok()?;
-        if !resp.status().is_success() {
-            warn!(peer = %peer.node, status = %resp.status(), "peer did not give its seal");
-            return None;
-        }
-        let body = match at_most(resp, crate::cache::manifest::MAX_SEAL_BYTES).await {
-            Ok(b) => b,
-            Err(why) => {
-                warn!(peer = %peer.node, %why, "peer's seal refused");
-                return None;
-            }
-        };
-        let seal: Seal = serde_json::from_slice(&body).ok()?;
-        (seal.source == sid).then_some(seal)
-    }
 }
 
 #[async_trait::async_trait]
 impl Fill for PeerFill {
     /// Says that this node pulls `sid` (so that nodes starting after it
     /// can read what it holds), then looks for peers: sealed copies, and
-    /// pulls started before this one. With no sealed copy anywhere, the
+    /// pulls under way. With no sealed copy anywhere, the
     /// one node whose claim the API took pulls from the origin.
     async fn around(
         &self,
@@ -152,45 +164,43 @@ impl Fill for PeerFill {
             return None;
         }
         let started = now_ms();
-        if let Err(e) = self.dir.begin(sid.as_str(), started).await {
+        if let Err(e) = self.finder.dir.begin(sid.as_str(), started).await {
             warn!(error = %e, "could not tell peers about this pull");
         }
-        let mut holders = self.holders(sid.as_str(), true).await;
+        let mut holders = self.finder.holders(sid.as_str(), true).await;
         let mut leader = None;
         if !holders.iter().any(Peer::sealed) {
-            match self.dir.claim(sid.as_str()).await {
+            match self.finder.dir.claim(sid.as_str()).await {
                 // A pull seen under way whose claim is free now has ended,
                 // and its holder's record said how before it let go: a
                 // sealed copy is read, not pulled again.
                 Claim::Leads if holders.iter().any(|p| p.pulling_since().is_some()) => {
-                    holders = self.holders(sid.as_str(), true).await;
+                    holders = self.finder.holders(sid.as_str(), true).await;
                     if !holders.iter().any(Peer::sealed) {
                         return None;
                     }
                 }
                 Claim::Leads => return None,
                 Claim::Follows(node) => {
-                    holders = self.holders(sid.as_str(), false).await;
+                    // Pulls that start together begin moments apart: the
+                    // ones that began after this one listed are known
+                    // before the first chunks are dealt (`relay`).
+                    tokio::time::sleep(SETTLE).await;
+                    holders = self.finder.holders(sid.as_str(), true).await;
                     // A page of holders may leave the leader out.
-                    if self.tokens.ready()
+                    if self.finder.tokens.ready()
                         && !holders.iter().any(|p| p.node == node)
-                        && let Some(p) = self.dir.holder(sid.as_str(), &node).await
+                        && let Some(p) = self.finder.dir.holder(sid.as_str(), &node).await
                     {
-                        holders.extend(self.dialable([p]));
+                        holders.extend(self.finder.dialable([p]));
                     }
                     leader = Some(node);
                 }
             }
         }
-        // Pulls started before this one hold chunks sooner than those
-        // started after it; the leader is read whenever it started.
-        let ahead = |p: &Peer| {
-            leader.as_deref() == Some(p.node.as_str())
-                || p.pulling_since()
-                    .is_some_and(|at| (at, p.node.as_str()) < (started, self.node.as_str()))
-        };
+        // Every pull under way relays a share of the chunks, whenever it
+        // started (`relay`).
         let (sealed, pulling): (Vec<Peer>, Vec<Peer>) = holders.into_iter().partition(Peer::sealed);
-        let pulling: Vec<Peer> = pulling.into_iter().filter(|p| ahead(p)).collect();
         if sealed.is_empty() && pulling.is_empty() {
             return None;
         }
@@ -218,6 +228,9 @@ impl Fill for PeerFill {
             },
             peer,
         }));
+        let any_pulling = copies
+            .iter()
+            .any(|c| matches!(c.held, Held::Pulling { .. }));
         let mut plan: HashMap<String, Vec<usize>> = HashMap::new();
         for f in &resolved.files {
             // The origin must vouch for the file's bytes, so that a peer's
@@ -239,12 +252,13 @@ impl Fill for PeerFill {
                                 .as_ref()
                                 .is_none_or(|s| e.sha256.eq_ignore_ascii_case(s))
                     }),
-                    // The same model id is the same listing: it pulls this file.
-                    Held::Pulling { .. } => true,
+                    Held::Pulling { .. } => false,
                 })
                 .map(|(i, _)| i)
                 .collect();
-            if !holders.is_empty() && size > 0 {
+            // The same model id is the same listing: a pull under way pulls
+            // this file.
+            if (!holders.is_empty() || any_pulling) && size > 0 {
                 plan.insert(f.path.clone(), holders);
             }
         }
@@ -268,15 +282,24 @@ impl Fill for PeerFill {
             bytes,
             "filling from peers; the origin serves the rest"
         );
+        let now = tokio::time::Instant::now();
         Some(Arc::new(PeerSource {
             inner: Arc::new(Inner {
                 origin,
                 sid: sid.to_string(),
                 clients: self.clients.clone(),
-                tokens: self.tokens.clone(),
+                tokens: self.finder.tokens.clone(),
                 buffers: self.buffers.clone(),
-                copies,
+                copies: RwLock::new(copies.into_iter().map(Arc::new).collect()),
                 plan,
+                node: self.node.clone(),
+                finder: self.finder.clone(),
+                // Pulls that began after this one looked are found later:
+                // in a rollout, nodes begin within moments of each other.
+                looks: Mutex::new(match leader {
+                    Some(_) => LOOK_AGAIN.iter().rev().map(|d| now + *d).collect(),
+                    None => Vec::new(),
+                }),
                 dropped: Mutex::new(HashSet::new()),
                 strikes: Mutex::new(HashMap::new()),
                 distrusted: Mutex::new(HashSet::new()),
@@ -301,7 +324,7 @@ impl Fill for PeerFill {
         if !super::fillable(root) {
             return None;
         }
-        let holders = self.holders(sid.as_str(), true).await;
+        let holders = self.finder.holders(sid.as_str(), true).await;
         let pinned = !pin.files.is_empty();
         let mut agreeing: Vec<(String, Vec<(String, u64, String)>)> = Vec::new();
         for peer in holders.iter().filter(|p| p.sealed()) {
@@ -368,7 +391,7 @@ impl Fill for PeerFill {
     }
 
     fn ended(&self, _root: &Root, sid: &SourceId, sealed: bool) {
-        self.dir.end(sid.as_str(), sealed);
+        self.finder.dir.end(sid.as_str(), sealed);
     }
 }
 
@@ -382,10 +405,9 @@ fn now_ms() -> u64 {
 enum Held {
     /// Sealed: its seal, with a chunk table per file.
     Sealed(Box<Seal>),
-    /// Still pulling it, started before this node: it serves the chunks
-    /// it has hashed, each with its digest. The one that started first
-    /// (`leads`, it pulls from the origin) is waited for; the others are
-    /// asked only for what they already have.
+    /// Still pulling it: it serves the chunks it has hashed, each with
+    /// its digest. The one that `leads` pulls from the origin; each of the
+    /// others relays the chunks it ranks lowest for (`relay`).
     Pulling { leads: bool },
 }
 
@@ -523,6 +545,18 @@ impl Copy {
     }
 }
 
+/// How long a pull that follows a leader waits before it lists the pulls
+/// under way again, and deals its first chunks among them.
+const SETTLE: Duration = Duration::from_millis(250);
+
+/// When, after it began, a pull that follows a leader asks again who
+/// pulls the model.
+const LOOK_AGAIN: [Duration; 3] = [
+    Duration::from_secs(1),
+    Duration::from_secs(4),
+    Duration::from_secs(16),
+];
+
 /// How long a chunk is asked of peers that are only busy, while no peer
 /// serves this pull anything, before the origin serves it.
 const BUSY_PATIENCE: Duration = Duration::from_secs(10);
@@ -546,9 +580,18 @@ struct Inner {
     clients: Arc<super::tls::Clients>,
     tokens: Arc<Tokens>,
     buffers: Arc<Semaphore>,
-    copies: Vec<Copy>,
-    /// File path -> the copies that hold it as the origin describes it.
+    /// Every copy found, in the order found: an index names one for the
+    /// whole pull.
+    copies: RwLock<Vec<Arc<Copy>>>,
+    /// File path -> the sealed copies that hold it as the origin describes
+    /// it. Every pull under way holds every file planned.
     plan: HashMap<String, Vec<usize>>,
+    /// This node's name: its rank for each chunk (`relay`).
+    node: String,
+    finder: Finder,
+    /// When this pull looks again for pulls under way it did not know of,
+    /// latest first.
+    looks: Mutex<Vec<tokio::time::Instant>>,
     /// Copies that served a wrong chunk: never asked again for this model.
     dropped: Mutex<HashSet<usize>>,
     /// Copies' slow misses (`STRIKES` bench a copy for `BENCHED_FOR`).
@@ -566,68 +609,24 @@ struct Inner {
     metrics: Arc<crate::metrics::Metrics>,
 }
 
-/// The copies to ask for chunk `idx`, in order, each with whether it is
-/// asked to wait for the chunk: sealed copies striped by chunk, then the
-/// pulls.
-///
-/// Pulls that started together move through a file in step, so a
-/// follower rarely holds a chunk before this node asks for it, and
-/// asked first whatever it holds, every follower would take every chunk
-/// from the leader (3.10 copies uploaded to three followers on 25 MB/s
-/// links, measured in `fanout_links::bench`). So each chunk
-/// has a relay: the chunks are dealt round the earlier followers and
-/// this node, and a chunk dealt to a follower is asked of it first,
-/// waiting for it (it takes the chunk from the leader at about the
-/// same time), then of the leader. A chunk dealt to this node comes
-/// from the leader, after one follower that may already have it (no
-/// wait). A follower waits only on the leader and on pulls started
-/// before it, so no two pulls ever wait on each other.
-fn deal(sealed: &[usize], followers: &[usize], leaders: &[usize], idx: usize) -> Vec<Ask> {
-    let ask = |copy, wait| Ask { copy, wait };
-    let mut order: Vec<Ask> = (0..sealed.len())
-        .map(|k| ask(sealed[(idx + k) % sealed.len()], false))
-        .collect();
-    let dealt = idx % (followers.len() + 1);
-    let (first, relay) = match followers.get(dealt) {
-        Some(_) => (Some(dealt), true),
-        None => (
-            (!followers.is_empty()).then(|| idx % followers.len()),
-            false,
-        ),
-    };
-    if let Some(k) = first {
-        order.push(ask(followers[k], relay));
-    }
-    order.extend(leaders.iter().map(|&c| ask(c, true)));
-    order.extend(
-        (0..followers.len())
-            .filter(|k| Some(*k) != first)
-            .map(|k| ask(followers[k], false)),
-    );
-    order
-}
-
-/// One copy to ask for a chunk, and whether it is asked to wait for the
-/// chunk (a pull that has not reached it yet holds the request).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Ask {
-    copy: usize,
-    wait: bool,
-}
-
 /// Why a chunk did not come from a peer.
 enum Miss {
     /// It served bytes that are not the chunk: drop it for the model.
     Wrong(String),
     /// It no longer holds or pulls the model: drop it for the model.
     Gone(String),
-    /// Every upload slot of it is taken: ask again in a moment.
-    Busy,
+    /// Every upload slot of it is taken, or the chunk has not reached it
+    /// yet (what it said): ask again in a moment.
+    Busy(String),
     /// Busy, slow, gone: ask the next one.
     Unavailable(String),
 }
 
 impl Inner {
+    fn copy(&self, c: usize) -> Arc<Copy> {
+        self.copies.read().unwrap_or_else(|p| p.into_inner())[c].clone()
+    }
+
     fn candidates(&self, path: &str) -> Vec<usize> {
         if self
             .distrusted
@@ -637,11 +636,53 @@ impl Inner {
         {
             return Vec::new();
         }
+        let Some(sealed) = self.plan.get(path) else {
+            return Vec::new();
+        };
         let dropped = self.dropped.lock().unwrap_or_else(|p| p.into_inner());
-        self.plan
-            .get(path)
-            .map(|c| c.iter().copied().filter(|i| !dropped.contains(i)).collect())
-            .unwrap_or_default()
+        let copies = self.copies.read().unwrap_or_else(|p| p.into_inner());
+        let pulling = (0..copies.len()).filter(|&c| matches!(copies[c].held, Held::Pulling { .. }));
+        sealed
+            .iter()
+            .copied()
+            .chain(pulling)
+            .filter(|c| !dropped.contains(c))
+            .collect()
+    }
+
+    /// Once each `LOOK_AGAIN` after it began, a pull that follows a
+    /// leader asks again who pulls the model: the pulls that began after
+    /// it looked relay chunks too, and it waits on those that rank lower.
+    async fn look_again(&self) {
+        let now = tokio::time::Instant::now();
+        let due = {
+            let mut looks = self.looks.lock().unwrap_or_else(|p| p.into_inner());
+            let due = looks.last().is_some_and(|at| *at <= now);
+            if due {
+                looks.pop();
+            }
+            due
+        };
+        if !due {
+            return;
+        }
+        let found = self.finder.holders(&self.sid, false).await;
+        let mut joined = Vec::new();
+        let mut copies = self.copies.write().unwrap_or_else(|p| p.into_inner());
+        for peer in found {
+            if peer.sealed() || copies.iter().any(|c| c.peer.node == peer.node) {
+                continue;
+            }
+            joined.push(peer.node.clone());
+            copies.push(Arc::new(Copy {
+                peer,
+                held: Held::Pulling { leads: false },
+            }));
+        }
+        drop(copies);
+        if !joined.is_empty() {
+            info!(model = %self.sid, peers = ?joined, "more pulls of this model under way relay chunks to this one");
+        }
     }
 
     fn count(&self, from: &str, n: u64) {
@@ -660,8 +701,8 @@ impl Inner {
             .inc_by(n);
     }
 
-    /// The copies to ask for chunk `idx` of `path`, in order (`deal`).
-    /// Benched and dropped copies are left out.
+    /// The copies to ask for chunk `idx` of `path`, in order
+    /// (`relay::deal`). Benched and dropped copies are left out.
     fn order(&self, path: &str, idx: u64) -> Vec<Ask> {
         let now = tokio::time::Instant::now();
         let cands: Vec<usize> = {
@@ -671,17 +712,22 @@ impl Inner {
                 .filter(|c| !strikes.get(c).is_some_and(|s| s.benched_at(now)))
                 .collect()
         };
+        let copies = self.copies.read().unwrap_or_else(|p| p.into_inner());
         let of = |want: fn(&Held) -> bool| -> Vec<usize> {
             cands
                 .iter()
                 .copied()
-                .filter(|c| want(&self.copies[*c].held))
+                .filter(|c| want(&copies[*c].held))
                 .collect()
         };
         let sealed = of(|h| matches!(h, Held::Sealed(_)));
-        let followers = of(|h| matches!(h, Held::Pulling { leads: false }));
+        let pulling: Vec<(usize, u64)> = of(|h| matches!(h, Held::Pulling { leads: false }))
+            .into_iter()
+            .map(|c| (c, rank(&copies[c].peer.node, path, idx)))
+            .collect();
         let leaders = of(|h| matches!(h, Held::Pulling { leads: true }));
-        deal(&sealed, &followers, &leaders, idx as usize)
+        let mine = rank(&self.node, path, idx);
+        deal(&sealed, &pulling, &leaders, mine, idx as usize)
     }
 
     /// Chunk `idx` of `file` (`[start, end)`) as `ask` says, checked
@@ -695,7 +741,7 @@ impl Inner {
         start: u64,
         end: u64,
     ) -> std::result::Result<(Bytes, OwnedSemaphorePermit), Miss> {
-        let copy = &self.copies[ask.copy];
+        let copy = self.copy(ask.copy);
         let (table, wait) = match &copy.held {
             Held::Sealed(seal) => (
                 Some(
@@ -754,7 +800,8 @@ impl Inner {
                 // The leader waited for the chunk and has not got it yet:
                 // it is still coming, as busy as a peer with no slot.
                 if reason == "busy" || (wait == Some(true) && reason == "not_yet") {
-                    return Err(Miss::Busy);
+                    let said = at_most(resp, 1024).await.unwrap_or_default();
+                    return Err(Miss::Busy(String::from_utf8_lossy(&said).into_owned()));
                 }
                 return Err(Miss::Unavailable(format!("answered {s} {reason}")));
             }
@@ -901,6 +948,7 @@ impl Inner {
         cs: u64,
         ce: u64,
     ) -> Option<(usize, Bytes, OwnedSemaphorePermit)> {
+        self.look_again().await;
         let first_asked = tokio::time::Instant::now();
         let mut round = 0u32;
         let mut pauses = BUSY_PAUSE.delays();
@@ -911,7 +959,7 @@ impl Inner {
             let mut misses = Vec::new();
             for ask in self.order(&file.path, idx) {
                 let c = ask.copy;
-                let node = &self.copies[c].peer.node;
+                let node = &self.copy(c).peer.node.clone();
                 let asked = tokio::time::Instant::now();
                 let got = self.chunk(ask, file, idx, cs, ce).await;
                 // Busy is an honest answer, even late (a leader holds a
@@ -938,7 +986,8 @@ impl Inner {
                         self.drop_copy(c);
                         misses.push(format!("{node}: gone ({why})"));
                     }
-                    Err(Miss::Busy) => {
+                    Err(Miss::Busy(why)) => {
+                        tracing::debug!(peer = %node, %why, waited_ms = asked.elapsed().as_millis() as u64, wait = ask.wait, "peer busy");
                         busy.push(c);
                         misses.push(format!("{node}: busy"));
                     }
@@ -984,7 +1033,7 @@ impl Inner {
         }
         s.count += 1;
         if s.count >= STRIKES {
-            warn!(peer = %self.copies[c].peer.node, model = %self.sid, strikes = s.count, benched_for = ?BENCHED_FOR, "peer kept this pull waiting without serving; it is left out for a while");
+            warn!(peer = %self.copy(c).peer.node, model = %self.sid, strikes = s.count, benched_for = ?BENCHED_FOR, "peer kept this pull waiting without serving; it is left out for a while");
             s.count = 0;
             s.benched_until = Some(now + BENCHED_FOR);
         }
@@ -1071,7 +1120,7 @@ impl Source for PeerSource {
         };
         let mut dropped = self.inner.dropped.lock().unwrap_or_else(|p| p.into_inner());
         for c in served {
-            warn!(peer = %self.inner.copies[c].peer.node, model = %self.inner.sid, file = %file.path, "peer bytes failed the origin's sha256; it is dropped for this model");
+            warn!(peer = %self.inner.copy(c).peer.node, model = %self.inner.sid, file = %file.path, "peer bytes failed the origin's sha256; it is dropped for this model");
             dropped.insert(c);
         }
         self.inner
@@ -1084,15 +1133,15 @@ impl Source for PeerSource {
 
     fn chunk_table(&self, file: &RemoteFile) -> Option<Vec<String>> {
         let inner = &self.inner;
-        let tables =
-            inner
-                .candidates(&file.path)
-                .into_iter()
-                .filter_map(|c| match &inner.copies[c].held {
-                    Held::Sealed(seal) => seal.chunks_of(&file.path).map(|e| &e.chunks),
-                    Held::Pulling { .. } => None,
-                });
-        agreed_table(tables)
+        let tables = inner
+            .candidates(&file.path)
+            .into_iter()
+            .filter_map(|c| match &inner.copy(c).held {
+                Held::Sealed(seal) => seal.chunks_of(&file.path).map(|e| e.chunks.clone()),
+                Held::Pulling { .. } => None,
+            })
+            .collect::<Vec<_>>();
+        agreed_table(tables.iter())
     }
 
     fn provenance(&self) -> Option<Provenance> {
@@ -1104,7 +1153,7 @@ impl Source for PeerSource {
         let mut peers: Vec<String> = served
             .values()
             .flatten()
-            .map(|c| self.inner.copies[*c].peer.node.clone())
+            .map(|c| self.inner.copy(*c).peer.node.clone())
             .collect();
         peers.sort();
         peers.dedup();
@@ -1148,7 +1197,7 @@ impl Source for PeerSource {
 
 #[cfg(test)]
 mod tests {
-    use super::{Ask, agreed_table, at_most, deal, dialable};
+    use super::{agreed_table, at_most, dialable};
 
     /// A Lease names the address a node dials: only one in the peer
     /// networks, never metadata, whatever is listed.
@@ -1214,28 +1263,6 @@ mod tests {
         let fits = peer("HTTP/1.1 200 OK\r\ncontent-length: 65536\r\n\r\n", 1 << 16).await;
         let r = http.get(&fits).send().await.unwrap();
         assert_eq!(at_most(r, 1 << 20).await.unwrap().len(), 1 << 16);
-    }
-
-    #[test]
-    fn chunks_are_dealt_round_earlier_followers_and_this_node() {
-        let ask = |copy, wait| Ask { copy, wait };
-        // Leader 9; followers 4 and 5 started before this node.
-        let dealt: Vec<Vec<Ask>> = (0..3).map(|i| deal(&[], &[4, 5], &[9], i)).collect();
-        assert_eq!(dealt[0], [ask(4, true), ask(9, true), ask(5, false)]);
-        assert_eq!(dealt[1], [ask(5, true), ask(9, true), ask(4, false)]);
-        // This node's own share: the leader, after a follower not waited for.
-        assert_eq!(dealt[2], [ask(4, false), ask(9, true), ask(5, false)]);
-        // The first follower has only the leader to take from.
-        assert_eq!(deal(&[], &[], &[9], 7), [ask(9, true)]);
-        // Sealed copies come first, striped, never waited for.
-        assert_eq!(
-            deal(&[1, 2], &[4], &[9], 1),
-            [ask(2, false), ask(1, false), ask(4, false), ask(9, true)]
-        );
-        assert_eq!(
-            deal(&[1, 2], &[4], &[9], 2),
-            [ask(1, false), ask(2, false), ask(4, true), ask(9, true)]
-        );
     }
 
     fn table(digests: &[&str]) -> Vec<String> {

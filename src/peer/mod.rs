@@ -13,6 +13,7 @@
 
 pub mod directory;
 pub mod fill;
+pub mod relay;
 pub mod server;
 pub mod tls;
 

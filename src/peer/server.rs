@@ -69,6 +69,11 @@ const MAX_HEAD: usize = 16 << 10;
 /// A connection whose bytes stop moving for this long is closed: a reader
 /// that stopped reading holds no upload slot for ever.
 const STALLED: Duration = Duration::from_secs(30);
+/// A pull here that moved less than 1 MiB in this long is stalled, and a
+/// request waiting on it for a chunk is answered "not yet". A pull that
+/// relays chunks takes each one whole from its leader before it writes a
+/// byte of it: a chunk of 8 MiB among 16 on a 25 MB/s link takes 5 s.
+const PULL_STALLED: Duration = Duration::from_secs(10);
 /// Requests that wait here at once for a pull to start (each looks again
 /// every 100 ms, on the blocking pool).
 const MAX_WAITERS: usize = 32;
@@ -276,6 +281,11 @@ impl PeerServer {
                 return Ok(Looked::Sealed(found.ok().flatten()));
             }
             if let Some(view) = self.roots.iter().find_map(|r| r.pulls.get(sid)) {
+                // A wait on a pull under way is woken by the pull, not by
+                // looking again: it holds no place among `MAX_WAITERS`
+                // (every follower waits here for the chunks this node
+                // relays).
+                drop(waiting);
                 return self.clone().partial(view, req).await.map(Looked::Arriving);
             }
             if waiting.is_none() || tokio::time::Instant::now() >= until {
@@ -424,7 +434,7 @@ impl PeerServer {
                     &path,
                     ready,
                     1 << 20,
-                    Duration::from_secs(5),
+                    PULL_STALLED,
                     until.saturating_duration_since(tokio::time::Instant::now()),
                 )
                 .await
