@@ -783,7 +783,13 @@ impl Inner {
         let resp = tokio::time::timeout(head_within, req.send())
             .await
             .map_err(|_| slow())?
-            .map_err(|e| Miss::Unavailable(with_causes(&e)))?;
+            .map_err(|e| match e.is_connect() {
+                // Nothing answers at its address (its driver died): it is
+                // not asked again for this pull, and the pull that ranks
+                // next relays its chunks.
+                true => Miss::Gone(with_causes(&e)),
+                false => Miss::Unavailable(with_causes(&e)),
+            })?;
         match resp.status() {
             reqwest::StatusCode::PARTIAL_CONTENT => {}
             // A sealed copy that lost the model is gone; a pull may just
