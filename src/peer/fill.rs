@@ -288,7 +288,6 @@ impl Fill for PeerFill {
                 origin,
                 sid: sid.to_string(),
                 clients: self.clients.clone(),
-                tokens: self.finder.tokens.clone(),
                 buffers: self.buffers.clone(),
                 copies: RwLock::new(copies.into_iter().map(Arc::new).collect()),
                 plan,
@@ -406,8 +405,8 @@ enum Held {
     /// Sealed: its seal, with a chunk table per file.
     Sealed(Box<Seal>),
     /// Still pulling it: it serves the chunks it has hashed, each with
-    /// its digest. The one that `leads` pulls from the origin; each of the
-    /// others relays the chunks it ranks lowest for (`relay`).
+    /// its digest. The one that `leads` pulls from the origin; the others
+    /// relay chunks to each other by their ranks (`relay`).
     Pulling { leads: bool },
 }
 
@@ -578,7 +577,6 @@ struct Inner {
     origin: Arc<dyn Source>,
     sid: String,
     clients: Arc<super::tls::Clients>,
-    tokens: Arc<Tokens>,
     buffers: Arc<Semaphore>,
     /// Every copy found, in the order found: an index names one for the
     /// whole pull.
@@ -775,7 +773,7 @@ impl Inner {
             .of(&copy.peer.pin)
             .get(&url)
             .query(&[("path", file.path.as_str())])
-            .bearer_auth(self.tokens.presented())
+            .bearer_auth(self.finder.tokens.presented())
             .header(reqwest::header::RANGE, format!("bytes={start}-{}", end - 1));
         if let Some(w) = wait {
             req = req.query(&[("wait", if w { "1" } else { "0" })]);
@@ -965,7 +963,8 @@ impl Inner {
             let mut misses = Vec::new();
             for ask in self.order(&file.path, idx) {
                 let c = ask.copy;
-                let node = &self.copy(c).peer.node.clone();
+                let copy = self.copy(c);
+                let node = &copy.peer.node;
                 let asked = tokio::time::Instant::now();
                 let got = self.chunk(ask, file, idx, cs, ce).await;
                 // Busy is an honest answer, even late (a leader holds a
@@ -1139,15 +1138,15 @@ impl Source for PeerSource {
 
     fn chunk_table(&self, file: &RemoteFile) -> Option<Vec<String>> {
         let inner = &self.inner;
-        let tables = inner
+        let copies: Vec<Arc<Copy>> = inner
             .candidates(&file.path)
             .into_iter()
-            .filter_map(|c| match &inner.copy(c).held {
-                Held::Sealed(seal) => seal.chunks_of(&file.path).map(|e| e.chunks.clone()),
-                Held::Pulling { .. } => None,
-            })
-            .collect::<Vec<_>>();
-        agreed_table(tables.iter())
+            .map(|c| inner.copy(c))
+            .collect();
+        agreed_table(copies.iter().filter_map(|c| match &c.held {
+            Held::Sealed(seal) => seal.chunks_of(&file.path).map(|e| &e.chunks),
+            Held::Pulling { .. } => None,
+        }))
     }
 
     fn provenance(&self) -> Option<Provenance> {
